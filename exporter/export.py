@@ -1,0 +1,266 @@
+"""``specdeploy export base``: trace the base step with ``torch.onnx.export(dynamo=True)`` into a bundle.
+
+The bundle is written into a temporary sibling directory and renamed at the end, so Ctrl-C or an
+error leaves nothing half-written. Progress is printed stage by stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from specdeploy.runtime.bundle import (
+    BundleManifest,
+    GraphEntry,
+    Limits,
+    ModelConfig,
+    SourceInfo,
+    TensorSpec,
+    TokenizerInfo,
+    hash_files,
+    write_manifest,
+)
+from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
+
+Progress = Callable[[str], None]
+
+# Pinned opset: 18 is what TensorRT's parser and ORT's CUDA EP both handle well for these ops.
+OPSET = 18
+DEFAULT_MAX_TREE = 64
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary directory next to ``out``; on success it atomically becomes ``out``."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def updated_bundle(bundle: Path) -> Iterator[Path]:
+    """Stage a copy of an existing bundle (hard links for big files) to add graphs to it atomically."""
+    bundle = Path(bundle)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.tmp-", dir=bundle.parent))
+    try:
+        for src in bundle.rglob("*"):
+            dst = tmp / src.relative_to(bundle)
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        yield tmp
+        old = bundle.with_name(f".{bundle.name}.old-{os.getpid()}")
+        os.replace(bundle, old)
+        os.replace(tmp, bundle)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def package_versions(*names: str) -> tuple[tuple[str, str], ...]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for n in names:
+        try:
+            out.append((n, version(n)))
+        except PackageNotFoundError:
+            continue
+    return tuple(out)
+
+
+def io_specs(model_proto) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Read names, dtypes and (symbolic) shapes of a graph's inputs and outputs."""
+    import onnx
+    from onnx import helper
+
+    def spec(vi) -> TensorSpec:
+        tt = vi.type.tensor_type
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type).name
+        dims = tuple(d.dim_param if d.dim_param else int(d.dim_value) for d in tt.shape.dim)
+        return TensorSpec(vi.name, dtype, dims)
+
+    assert isinstance(model_proto, onnx.ModelProto)
+    return tuple(spec(i) for i in model_proto.graph.input), tuple(spec(o) for o in model_proto.graph.output)
+
+
+def model_config(hf_model, tokenizer, arch: str) -> ModelConfig:
+    cfg = hf_model.config
+    eos = cfg.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    gen = getattr(hf_model, "generation_config", None)
+    geos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos_ids |= set(geos if isinstance(geos, (list, tuple)) else ([geos] if geos is not None else []))
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(int(tokenizer.eos_token_id))
+    max_pos = int(cfg.max_position_embeddings)
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True) and int(window) < max_pos:
+        # The step graph attends over the whole cache; cap the context at the window so it stays exact.
+        max_pos = int(window)
+    return ModelConfig(
+        architecture=arch,
+        model_type=cfg.model_type,
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        num_layers=int(cfg.num_hidden_layers),
+        num_heads=int(cfg.num_attention_heads),
+        num_kv_heads=int(cfg.num_key_value_heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+        max_position_embeddings=max_pos,
+        eos_token_ids=tuple(sorted(int(e) for e in eos_ids)),
+        bos_token_id=None if cfg.bos_token_id is None else int(cfg.bos_token_id),
+    )
+
+
+def write_tokenizer(tokenizer, dest: Path) -> TokenizerInfo:
+    """Save tokenizer.json (for the lean ``tokenizers`` runtime) and record the chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        raise SpecDeployError("The model's tokenizer has no fast (tokenizers) form; specdeploy needs one.")
+    backend.save(str(dest / "tokenizer.json"))
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    add_bos = bool(getattr(tokenizer, "add_bos_token", False))
+    return TokenizerInfo(
+        file="tokenizer.json",
+        chat_template=template,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        add_bos_token=add_bos,
+    )
+
+
+def export_graph(module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
+                 dynamic_shapes: dict) -> None:
+    """Dynamo export to ``path`` with weights as external data next to it (standard ai.onnx ops)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            module,
+            args,
+            dynamo=True,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_shapes=dynamic_shapes,
+            opset_version=OPSET,
+            external_data=True,
+            optimize=True,
+            verbose=False,
+        )
+        prog.save(str(path), external_data=True)
+
+
+def graph_entry(bundle_dir: Path, role: str, file: str, target: str = "trt", precision: str = "fp32") -> GraphEntry:
+    import onnx
+
+    path = bundle_dir / file
+    proto = onnx.load(str(path), load_external_data=False)
+    data = sorted({
+        t.external_data[i].value
+        for t in proto.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for i in range(len(t.external_data))
+        if t.external_data[i].key == "location"
+    })
+    inputs, outputs = io_specs(proto)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), OPSET)
+    sha = hash_files([path, *(bundle_dir / d for d in data)])
+    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision)
+
+
+def export_base(
+    model: str | None,
+    out: Path,
+    force: bool = False,
+    max_context: int | None = None,
+    max_tree: int = DEFAULT_MAX_TREE,
+    max_batch: int = 1,
+    progress: Progress = _stderr,
+) -> BundleManifest:
+    """Export the base decoder step of ``model`` (default: embedded SmolLM2) to a new bundle at ``out``."""
+    import torch
+    from torch.export import Dim
+
+    from specdeploy.graphs.base_step import BaseStep, example_inputs
+
+    from .source import check_architecture, load_model
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
+    t0 = time.time()
+    progress("[1/4] loading model (offline) ...")
+    loaded = load_model(model)
+    hf = loaded.model
+    arch = check_architecture(hf.config, loaded.path)
+    mcfg = model_config(hf, loaded.tokenizer, arch)
+    ctx = min(max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    step = BaseStep(hf).eval()
+    with staged_bundle(out, force) as tmp:
+        progress(f"[2/4] tracing {arch} ({mcfg.num_layers} layers) with torch.onnx.export(dynamo=True) ...")
+        args = example_inputs(step)
+        in_names = ["input_ids", "position_ids", "attention_mask", "write_indices", "logits_index", *step.past_names()]
+        out_names = ["logits", "hidden_states", *step.present_names()]
+        batch, tree, cap, kept = (Dim(n) for n in ("batch", "tree", "capacity", "kept"))
+        axes = {
+            "input_ids": {0: batch, 1: tree},
+            "position_ids": {0: batch, 1: tree},
+            "attention_mask": {0: batch, 2: tree, 3: cap},
+            "write_indices": {0: tree},
+            "logits_index": {0: kept},
+            "past": [{0: batch, 2: cap} for _ in step.past_names()],
+        }
+        with torch.no_grad():
+            export_graph(step, args, tmp / "base.onnx", in_names, out_names, axes)
+        progress(f"[3/4] writing tokenizer and manifest ({time.time() - t0:.0f}s) ...")
+        tok = write_tokenizer(loaded.tokenizer, tmp)
+        manifest = BundleManifest(
+            model=mcfg,
+            graphs=(graph_entry(tmp, "base", "base.onnx"),),
+            limits=Limits(max_batch=max_batch, max_tree=max_tree, max_context=ctx),
+            tokenizer=tok,
+            source=SourceInfo(path=loaded.path, format=loaded.format, weight_sha=loaded.weight_sha),
+            versions=package_versions("specdeploy", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"),
+        )
+        write_manifest(tmp, manifest)
+        (tmp / "README.txt").write_text(
+            "specdeploy bundle. Run: specdeploy generate <this folder> --prompt '...'\n"
+            + json.dumps({"model": loaded.path, "architecture": arch}, indent=1)
+            + "\n"
+        )
+        progress(f"[4/4] bundle complete ({time.time() - t0:.0f}s)")
+    return manifest

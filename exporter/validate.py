@@ -1,0 +1,198 @@
+"""``specdeploy validate``: torch against ONNX Runtime on a prefill, a 1-token step and a tree step.
+
+Built on polygraphy's runner interface and Comparator: one runner per framework, the same feeds to
+each, per-output max |delta| plus an argmax check on the logits. Every failure is collected first,
+then one typed error lists them all; the command ends with ``PASSED`` or ``FAILED``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from specdeploy.runtime.bundle import BundleManifest, read_manifest
+from specdeploy.runtime.errors import ValidationFailed
+
+LOGITS_ATOL = {"fp32": 1e-3, "fp16": 5e-2, "int8": 5e-1, "int4": 1.0}
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    case: str
+    output: str
+    max_abs: float
+    atol: float
+    argmax_agree: bool | None  # only for logits
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs <= self.atol and self.argmax_agree is not False
+
+
+def _torch_runner(module, output_names: list[str], name: str, example: dict[str, np.ndarray]):
+    """A polygraphy runner for a CPU torch module taking the graph's flat inputs."""
+    from polygraphy.backend.base import BaseRunner
+    from polygraphy.common import TensorMetadata
+    import torch
+
+    meta = TensorMetadata()
+    for k, v in example.items():
+        meta.add(k, v.dtype, tuple(f"{k}_d{i}" for i in range(v.ndim)))  # every dimension dynamic
+
+    class TorchCpuRunner(BaseRunner):
+        def __init__(self):
+            super().__init__(name=name, prefix="torch-runner")
+
+        def activate_impl(self):
+            pass
+
+        def get_input_metadata_impl(self):
+            return meta
+
+        def infer_impl(self, feed_dict):
+            t0 = time.time()
+            with torch.no_grad():
+                outs = module(**{k: torch.from_numpy(np.asarray(v)) for k, v in feed_dict.items()})
+            self.inference_time = time.time() - t0
+            return OrderedDict((n, o.numpy()) for n, o in zip(output_names, outs))
+
+        def deactivate_impl(self):
+            pass
+
+    return TorchCpuRunner()
+
+
+class _FlatStep:
+    """Adapts BaseStep(..., past=list) to keyword inputs named like the graph's."""
+
+    def __init__(self, step):
+        self.step = step
+        self.past_names = step.past_names()
+
+    def __call__(self, **kw):
+        past = [kw[n] for n in self.past_names]
+        return self.step(kw["input_ids"], kw["position_ids"], kw["attention_mask"], kw["write_indices"],
+                         kw["logits_index"], past)
+
+
+def base_cases(manifest: BundleManifest, step_fn: Callable, prompt_ids: list[int], capacity: int = 32
+               ) -> list[tuple[str, dict[str, np.ndarray]]]:
+    """Three feeds: prefill, one-token step, and a branching (non-causal) tree step."""
+    import torch
+
+    m = manifest.model
+    neg = np.finfo(np.float32).min
+    n = len(prompt_ids)
+    zeros = [np.zeros((1, m.num_kv_heads, capacity, m.head_dim), np.float32) for _ in range(2 * m.num_layers)]
+    past_names = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
+
+    def feed(ids, pos, mask_rows, widx, past):
+        t = len(ids)
+        mask = np.full((1, 1, t, capacity), neg, np.float32)
+        mask[0, 0] = np.where(mask_rows, 0.0, neg)
+        d = {
+            "input_ids": np.asarray(ids, np.int64)[None],
+            "position_ids": np.asarray(pos, np.int64)[None],
+            "attention_mask": mask,
+            "write_indices": np.asarray(widx, np.int64),
+            "logits_index": np.arange(t, dtype=np.int64),
+        }
+        d.update(zip(past_names, past))
+        return d
+
+    vis = np.zeros((n, capacity), bool)
+    vis[:, :n] = np.tril(np.ones((n, n), bool))
+    prefill = feed(prompt_ids, np.arange(n), vis, np.arange(n), zeros)
+    with torch.no_grad():
+        outs = step_fn(**{k: torch.from_numpy(v) for k, v in prefill.items()})
+    past = [o.numpy().copy() for o in outs[2:]]
+    next_tok = int(outs[0][0, -1].argmax())
+
+    one = np.zeros((1, capacity), bool)
+    one[0, : n + 1] = True
+    single = feed([next_tok], [n], one, [n], past)
+
+    # Tree: root, two children, grandchildren on both branches (rows see past + ancestors only).
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    depth = [0, 1, 1, 2, 2, 2, 3]
+    t = len(parents)
+    tmask = np.zeros((t, capacity), bool)
+    tmask[:, :n] = True
+    for i in range(t):
+        j = i
+        while j >= 0:
+            tmask[i, n + j] = True
+            j = parents[j]
+    rng = np.random.default_rng(0)
+    tree_ids = [next_tok, *rng.integers(0, m.vocab_size, t - 1).tolist()]
+    tree = feed(tree_ids, [n + d for d in depth], tmask, np.arange(n, n + t), past)
+    return [("prefill", prefill), ("step", single), ("tree", tree)]
+
+
+def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: list[int],
+                 precision: str = "fp32", progress: Callable[[str], None] = print) -> list[OutputCheck]:
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR
+    G_LOGGER.severity = G_LOGGER.ERROR
+    flat = _FlatStep(step)
+    out_names = ["logits", "hidden_states", *step.present_names()]
+    cases = base_cases(manifest, flat, prompt_ids)
+    entry = manifest.graph("base")
+    ort_runner = OnnxrtRunner(SessionFromOnnx(str(bundle_dir / entry.file), providers=["CPUExecutionProvider"]),
+                              name="onnxruntime")
+    torch_runner = _torch_runner(flat, out_names, "torch", cases[0][1])
+    progress("running torch and ONNX Runtime on prefill, step and tree cases ...")
+    results = Comparator.run([torch_runner, ort_runner], data_loader=[f for _, f in cases])
+    ref, got = results[0][1], results[1][1]
+    atol_logits = LOGITS_ATOL.get(precision, 1e-3)
+    checks: list[OutputCheck] = []
+    for (case, _), a, b in zip(cases, ref, got):
+        for name in ("logits", "hidden_states", "present_key_0", f"present_value_{manifest.model.num_layers - 1}"):
+            x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
+            delta = float(np.max(np.abs(x - y)))
+            agree = bool((x.argmax(-1) == y.argmax(-1)).all()) if name == "logits" else None
+            atol = atol_logits if name == "logits" else max(atol_logits, 1e-3) * 10
+            checks.append(OutputCheck(case, name, delta, atol, agree))
+    return checks
+
+
+def report(checks: list[OutputCheck], out: Callable[[str], None] = print) -> None:
+    out(f"{'case':<10}{'output':<20}{'max |delta|':>14}{'atol':>10}  argmax")
+    for c in checks:
+        arg = "-" if c.argmax_agree is None else ("same" if c.argmax_agree else "DIFFERS")
+        flag = "" if c.passed else "   <-- FAIL"
+        out(f"{c.case:<10}{c.output:<20}{c.max_abs:>14.3e}{c.atol:>10.0e}  {arg}{flag}")
+
+
+def validate_bundle(bundle_dir: str | Path, model: str | None = None,
+                    progress: Callable[[str], None] = print) -> list[OutputCheck]:
+    """Check the bundle's graphs against torch; raises ValidationFailed listing every failure."""
+    from specdeploy.graphs.base_step import BaseStep
+
+    from .source import load_model
+
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    progress(f"loading the source model ({model or manifest.source.path}) ...")
+    loaded = load_model(model or manifest.source.path)
+    if loaded.weight_sha != manifest.source.weight_sha:
+        raise ValidationFailed(
+            "The model given for validation is not the one the bundle was exported from (weight hash differs)."
+        )
+    step = BaseStep(loaded.model).eval()
+    ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
+    checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], manifest.graph("base").precision, progress)
+    report(checks, progress)
+    failed = [c for c in checks if not c.passed]
+    if failed:
+        detail = "; ".join(f"{c.case}/{c.output} max|delta| {c.max_abs:.2e}" for c in failed)
+        raise ValidationFailed(f"{len(failed)} check(s) failed: {detail}.")
+    return checks

@@ -1,0 +1,117 @@
+"""The base model's decoder step, written for export: tree attention over an in-place static KV cache.
+
+One graph serves prefill, the 1-token autoregressive step and the tree verification step:
+
+    input_ids      [B, T]        int64
+    position_ids   [B, T]        int64   a tree node sits at past length + its depth
+    attention_mask [B, 1, T, C]  float   additive: 0 where visible, -inf-ish where hidden
+    write_indices  [T]           int64   cache slots the T new K/V rows are written to
+    logits_index   [K]           int64   rows of T whose logits are wanted (prefill: the last one)
+    past_key_i     [B, Hkv, C, D] float  the preallocated cache of capacity C (one per layer)
+    past_value_i   [B, Hkv, C, D]
+  ->
+    logits         [B, K, V]
+    hidden_states  [B, T, H]     the lm_head input, which the drafts need
+    present_key_i  [B, Hkv, C, D] the cache with the T new rows written (bind it to past_key_i)
+    present_value_i
+
+The cache write is a ScatterND; ONNX Runtime lets ``present_*`` alias ``past_*``, so no per-step
+copy of the cache happens outside the graph. The module holds no state: everything comes in and
+goes out, which is what export and CUDA-graph capture need.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Families whose decoder layers share the Llama structure this step is written against.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class BaseStep(nn.Module):
+    """Stateless decoder step over a Hugging Face Llama-family causal LM (weights are shared, not copied)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.embed_tokens = model.model.embed_tokens
+        self.layers = model.model.layers
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+        self.rotary_emb = model.model.rotary_emb
+        self.scale = self.head_dim**-0.5
+
+    def past_names(self) -> list[str]:
+        return [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
+
+    def present_names(self) -> list[str]:
+        return [f"present_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        write_indices: torch.Tensor,
+        logits_index: torch.Tensor,
+        past: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        bsz, t = input_ids.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        group = hq // hkv
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary_emb(x, position_ids)  # [B, T, D] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, T, D]
+            k = attn.k_proj(h).view(bsz, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+            v = attn.v_proj(h).view(bsz, t, hkv, d).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            # In-place cache write: rows write_indices of the capacity axis get the new K/V.
+            k_all = past[2 * i].index_copy(2, write_indices, k)  # [B, Hkv, C, D]
+            v_all = past[2 * i + 1].index_copy(2, write_indices, v)
+            presents += [k_all, v_all]
+            # GQA without materialising repeated K/V: fold the query group into the row axis.
+            qg = q.reshape(bsz, hkv, group * t, d)  # [B, Hkv, G*T, D]
+            scores = torch.matmul(qg, k_all.transpose(2, 3)) * self.scale  # [B, Hkv, G*T, C]
+            scores = scores.view(bsz, hq, t, -1) + attention_mask  # [B, Hq, T, C]
+            probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * t, -1)
+            ctx = torch.matmul(probs, v_all).view(bsz, hq, t, d)  # [B, Hq, T, D]
+            ctx = ctx.transpose(1, 2).reshape(bsz, t, hq * d)
+            x = x + attn.o_proj(ctx)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = self.norm(x)  # [B, T, H]
+        logits = self.lm_head(hidden.index_select(1, logits_index))  # [B, K, V]
+        return (logits, hidden, *presents)
+
+
+def example_inputs(step: BaseStep, batch: int = 2, t: int = 3, capacity: int = 8) -> tuple[torch.Tensor, ...]:
+    """Trace inputs with every dynamic dimension >= 2 (dynamo specialises dimensions of 0 and 1)."""
+    past_len = capacity - t - 1
+    ids = torch.randint(0, step.embed_tokens.num_embeddings, (batch, t))
+    pos = (past_len + torch.arange(t)).expand(batch, t).contiguous()
+    mask = torch.full((batch, 1, t, capacity), torch.finfo(torch.float32).min)
+    mask[..., : past_len + 0] = 0.0
+    for j in range(t):
+        mask[:, :, j, past_len : past_len + j + 1] = 0.0
+    widx = past_len + torch.arange(t)
+    lidx = torch.arange(t)
+    dtype = step.embed_tokens.weight.dtype
+    past = [
+        torch.randn(batch, step.num_kv_heads, capacity, step.head_dim, dtype=dtype) for _ in range(2 * step.num_layers)
+    ]
+    return (ids, pos, mask.to(dtype), widx, lidx, past)

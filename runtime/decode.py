@@ -1,0 +1,272 @@
+"""The decode loop: prefill, then draft -> verify -> accept -> commit, streaming tokens.
+
+Plain autoregressive decoding is the same loop with a tree of one node (the root), so speculative
+and plain decoding share every line that touches the cache and the logits: the only difference is
+how many nodes a step carries. Each stage is a named function with explicit inputs and outputs.
+
+    prefill -> while not done: tree = drafter.propose(ctx) -> out = backend.step(tree)
+            -> acc = accept(tree, out) -> cache.commit(acc) -> yield tokens
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from .backends.base import Backend, StepInputs, StepOutputs
+from .bundle import BundleManifest
+from .drafters.base import DraftContext, Drafter
+from .errors import PromptError, TreeSpecError
+from .kvcache import KVCache, capacity_buckets
+from .tree import DraftTree, TreeBuffers, build_buffers
+from .verify import Acceptance, greedy_accept, sample_accept, typical_accept
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. ``typical`` switches to Medusa's typical acceptance: LOSSY, opt-in."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    typical: bool = False
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not np.isfinite(self.temperature):
+            raise PromptError("temperature must be a finite number >= 0.")
+        if not (0.0 < self.top_p <= 1.0):
+            raise PromptError("top_p must be in (0, 1].")
+        if self.top_k < 0:
+            raise PromptError("top_k must be >= 0.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise PromptError("max_new_tokens must be at least 1.")
+
+
+@dataclass
+class DecodeStats:
+    """Filled in while a generation runs; read it after the iterator is exhausted."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target forward passes after prefill
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    backend_s: float = 0.0  # time inside backend.step during decode
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per decode step
+    tree_sizes: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    lossy: bool = False
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: tokens emitted per target forward pass (the prefill's first token counts for the prefill)."""
+        return float(np.mean(self.accepted)) if self.accepted else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = self.new_tokens - 1  # the first token comes from the prefill
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+    @property
+    def loop_overhead(self) -> float:
+        """Fraction of decode time spent in the Python loop outside the backend."""
+        return 1.0 - self.backend_s / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class DecodeState:
+    """Everything that changes from step to step, passed explicitly between the stages."""
+
+    cache: KVCache
+    tokens: list[int]  # prompt + emitted; tokens[-1] is the root, whose K/V is not in the cache yet
+    hidden: np.ndarray  # [A, H] base hidden states of the last accepted nodes
+    root_logits: np.ndarray  # [V] logits that produced the root
+
+
+class Decoder:
+    """Runs generations against one backend, optionally with a drafter."""
+
+    def __init__(self, backend: Backend, manifest: BundleManifest, drafter: Drafter | None = None,
+                 max_tree: int | None = None):
+        self.backend = backend
+        self.manifest = manifest
+        self.drafter = drafter
+        limit = manifest.limits.max_tree
+        self.max_tree = min(max_tree or limit, limit)
+        if self.max_tree < 1:
+            raise TreeSpecError(f"The tree budget must be at least 1 node; got {self.max_tree}.")
+        if drafter is not None:
+            drafter.check(manifest)
+        self.buckets = capacity_buckets(manifest.limits.max_context, limit)
+        self.eos = frozenset(manifest.model.eos_token_ids)
+        self._neg = np.finfo(backend.mask_dtype).min
+
+    # --- stages -------------------------------------------------------------------------------
+    def _inputs(self, tree_tokens: np.ndarray, depth: np.ndarray, mask: np.ndarray, cache: KVCache,
+                logits_rows: np.ndarray) -> StepInputs:
+        """Place ``N`` nodes at slots ``length..length+N`` and positions ``length + depth``."""
+        p, n, c = cache.length, len(tree_tokens), cache.capacity
+        attn = np.full((1, 1, n, c), self._neg, dtype=self.backend.mask_dtype)  # [B, 1, N, C]
+        attn[..., :p] = 0.0
+        attn[0, 0, :, p : p + n] = np.where(mask, 0.0, self._neg)
+        return StepInputs(
+            input_ids=tree_tokens.reshape(1, n).astype(np.int64),
+            position_ids=(p + depth).reshape(1, n).astype(np.int64),
+            attention_mask=attn,
+            write_indices=np.arange(p, p + n, dtype=np.int64),
+            logits_index=logits_rows.astype(np.int64),
+        )
+
+    def prefill(self, prompt: list[int]) -> tuple[DecodeState, StepOutputs]:
+        n = len(prompt)
+        cache = self.backend.new_cache(1, _first_bucket(n + self.max_tree, self.buckets))
+        causal = np.tril(np.ones((n, n), dtype=bool))
+        inputs = self._inputs(np.asarray(prompt), np.arange(n), causal, cache, np.array([n - 1]))
+        out = self.backend.step(inputs, cache)
+        cache.length = n
+        state = DecodeState(cache, list(prompt), out.hidden_states[0], out.logits[0, -1])
+        return state, out
+
+    def propose(self, state: DecodeState, budget: int) -> DraftTree:
+        root = np.array([state.tokens[-1]], dtype=np.int64)
+        if self.drafter is None or budget <= 1:
+            return DraftTree(tokens=root, parents=np.array([-1], dtype=np.int64))
+        ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget)
+        tree = self.drafter.propose(ctx)
+        if len(tree.tokens) > budget or int(tree.tokens[0]) != state.tokens[-1]:
+            raise TreeSpecError(
+                f"The {self.drafter.kind} drafter proposed {len(tree.tokens)} nodes (budget {budget}) "
+                "or a tree whose root is not the last token."
+            )
+        return tree
+
+    def verify(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
+        n = len(tree.tokens)
+        state.cache.ensure_capacity(state.cache.length + n, self.buckets)
+        inputs = self._inputs(tree.tokens, buffers.depth, buffers.mask, state.cache, np.arange(n))
+        return self.backend.step(inputs, state.cache)
+
+    def accept(self, tree: DraftTree, buffers: TreeBuffers, out: StepOutputs, sampling: SamplingParams,
+               rng: np.random.Generator) -> Acceptance:
+        logits = out.logits[0]  # [N, V]
+        if sampling.greedy:
+            return greedy_accept(tree, buffers, logits)
+        if sampling.typical:
+            return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_epsilon,
+                                  sampling.typical_delta, rng)
+        return sample_accept(tree, buffers, logits, rng, sampling.temperature, sampling.top_p, sampling.top_k)
+
+    def commit(self, state: DecodeState, tree: DraftTree, acc: Acceptance, out: StepOutputs) -> list[int]:
+        """Keep the accepted nodes' K/V and hidden states; the bonus token becomes the next root."""
+        p = state.cache.length
+        state.cache.commit(p + acc.nodes)
+        if self.drafter is not None:
+            self.drafter.accepted(acc.nodes, tree)
+        state.hidden = out.hidden_states[0, acc.nodes]
+        state.root_logits = out.logits[0, acc.nodes[-1]]
+        emitted = [int(t) for t in acc.tokens]
+        state.tokens.extend(emitted)
+        return emitted
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+        limit = self.manifest.limits.max_context
+        if not prompt:
+            raise PromptError("The prompt is empty.")
+        if len(prompt) >= limit:
+            raise PromptError(
+                f"The prompt has {len(prompt)} tokens but the bundle's maximum context is {limit} tokens."
+            )
+
+    def generate(self, prompt: list[int], config: GenerationConfig, stats: DecodeStats | None = None
+                 ) -> Iterator[int]:
+        """Yield new token ids (EOS included when reached) until EOS, max tokens or the context limit."""
+        self.check_prompt(prompt, config)
+        stats = stats if stats is not None else DecodeStats()
+        sampling = config.sampling
+        stats.prompt_tokens = len(prompt)
+        stats.lossy = sampling.typical and not sampling.greedy
+        rng = np.random.default_rng(sampling.seed)
+        limit = self.manifest.limits.max_context
+        if self.drafter is not None:
+            self.drafter.reset()
+
+        t0 = time.perf_counter()
+        state, out = self.prefill(prompt)
+        root_tree = DraftTree(tokens=np.array([prompt[-1]], dtype=np.int64), parents=np.array([-1], dtype=np.int64))
+        first = self.accept(root_tree, build_buffers(tuple(root_tree.parents.tolist())), out, sampling, rng)
+        token = int(first.tokens[-1])
+        state.tokens.append(token)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.new_tokens = 1
+        yield token
+        if token in self.eos:
+            stats.finish_reason = "stop"
+            return
+
+        t_dec = time.perf_counter()
+        remaining = config.max_new_tokens - 1
+        while remaining > 0:
+            room = limit - state.cache.length  # slots left for this step's nodes
+            if room <= 1:
+                stats.finish_reason = "length"
+                break
+            tree = self.propose(state, min(self.max_tree, room, remaining + 1) if self.drafter else 1)
+            buffers = build_buffers(tuple(tree.parents.tolist()))
+            tb = time.perf_counter()
+            out = self.verify(state, tree, buffers)
+            stats.backend_s += time.perf_counter() - tb
+            acc = self.accept(tree, buffers, out, sampling, rng)
+            emitted = self.commit(state, tree, acc, out)
+            stats.steps += 1
+            stats.tree_sizes.append(len(tree.tokens))
+            # Stop inside the accepted path at EOS or the token budget.
+            cut = len(emitted)
+            for i, tok in enumerate(emitted):
+                if tok in self.eos:
+                    cut = i + 1
+                    break
+            cut = min(cut, remaining)
+            emitted = emitted[:cut]
+            stats.accepted.append(len(emitted))
+            stats.new_tokens += len(emitted)
+            remaining -= len(emitted)
+            stats.decode_s = time.perf_counter() - t_dec
+            for tok in emitted:
+                yield tok
+            if emitted and emitted[-1] in self.eos:
+                stats.finish_reason = "stop"
+                break
+        else:
+            stats.finish_reason = "length"
+        stats.decode_s = time.perf_counter() - t_dec
+
+
+def _first_bucket(needed: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= needed:
+            return b
+    return buckets[-1]

@@ -1,0 +1,40 @@
+"""The drafter interface: propose a candidate tree from the context and the base model's features."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..bundle import BundleManifest
+from ..tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may look at when proposing the next tree."""
+
+    tokens: np.ndarray  # [L] int64: prompt + generated so far; tokens[-1] is the root (not yet in the cache)
+    hidden: np.ndarray  # [A, H] base hidden states of the nodes accepted last step (prefill: the prompt)
+    root_logits: np.ndarray | None  # [V] base logits that produced the root (None for prompt lookup)
+    max_nodes: int  # node budget including the root
+
+
+class Drafter(ABC):
+    """Proposes a :class:`DraftTree` whose node 0 is the root token; may keep its own state."""
+
+    kind: str = "drafter"
+
+    def check(self, manifest: BundleManifest) -> None:  # noqa: B027 - optional
+        """Raise DraftMismatchError if this drafter does not fit the bundle's base model."""
+
+    def reset(self) -> None:  # noqa: B027 - optional
+        """Forget per-sequence state before a new prompt."""
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        """Return a tree with ``tree.tokens[0] == ctx.tokens[-1]`` and at most ``ctx.max_nodes`` nodes."""
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:  # noqa: B027 - optional
+        """Told which nodes of the last proposal were accepted (for drafters with their own KV)."""

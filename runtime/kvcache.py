@@ -1,0 +1,92 @@
+"""The preallocated, in-place KV cache and its capacity buckets.
+
+Layout per layer: ``key[i], value[i]: [B, Hkv, C, D]`` where C is the capacity bucket. Slots
+``[0, length)`` hold committed tokens; a step writes its T new rows at ``[length, length + T)`` (the
+tree region). After verification :meth:`KVCache.commit` moves the accepted nodes' rows to the
+front of the tree region; rejected rows are simply overwritten by the next step, because the
+attention mask hides every slot at or past ``length`` that is not part of the current tree.
+
+The arrays are whatever the backend allocates (numpy on the CPU, torch tensors on CUDA); only
+basic and advanced indexing is used, which both support.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+MIN_BUCKET = 256
+
+
+def capacity_buckets(max_context: int, max_tree: int, min_bucket: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Doubling capacities from ``min_bucket`` up to ``max_context + max_tree`` (the last one exact)."""
+    limit = max_context + max_tree
+    out, c = [], min_bucket
+    while c < limit:
+        out.append(c)
+        c *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def bucket_for(needed: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= needed:
+            return b
+    raise ValueError(f"{needed} cache slots exceed the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V buffers plus the committed length. Mutated in place by steps and commits."""
+
+    keys: list[Any]  # [B, Hkv, C, D] per layer
+    values: list[Any]
+    length: int  # committed tokens
+    allocate: Callable[[tuple[int, ...]], Any]  # backend allocator of a zeroed buffer
+
+    @property
+    def capacity(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    @property
+    def batch(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    def buffers(self) -> list[Any]:
+        """Interleaved [key_0, value_0, key_1, ...], the order of the graph's past inputs."""
+        return [b for kv in zip(self.keys, self.values) for b in kv]
+
+    def ensure_capacity(self, needed: int, buckets: Sequence[int]) -> bool:
+        """Grow to the bucket that holds ``needed`` slots; returns True if it reallocated."""
+        if needed <= self.capacity:
+            return False
+        cap = bucket_for(needed, buckets)
+        n = self.length
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                shape = (old.shape[0], old.shape[1], cap, old.shape[3])
+                new = self.allocate(shape)
+                new[:, :, :n] = old[:, :, :n]
+                bufs[i] = new
+        return True
+
+    def commit(self, accepted_slots: np.ndarray) -> None:
+        """Move the K/V rows of accepted tree nodes (absolute slots) to ``length..`` and extend length.
+
+        ``accepted_slots`` is increasing and starts at ``length`` (the root), so a chain that was
+        accepted in order needs no move at all.
+        """
+        n = len(accepted_slots)
+        dst = np.arange(self.length, self.length + n)
+        if not np.array_equal(accepted_slots, dst):
+            src = np.asarray(accepted_slots)
+            for bufs in (self.keys, self.values):
+                for b in bufs:
+                    b[:, :, dst] = b[:, :, src]  # advanced indexing copies the source first
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        self.length = length

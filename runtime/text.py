@@ -1,0 +1,97 @@
+"""Tokenization for the lean runtime: ``tokenizers`` for the vocabulary, jinja2 for the chat template.
+
+No transformers import: the bundle carries ``tokenizer.json`` and the chat template string.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .bundle import TokenizerInfo
+from .errors import BundleError, PromptError
+
+
+class TextCodec:
+    """Encode prompts (plain or chat), decode tokens, and stream text deltas."""
+
+    def __init__(self, bundle_dir: str | Path, info: TokenizerInfo):
+        from tokenizers import Tokenizer
+
+        path = Path(bundle_dir) / info.file
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for unreadable files
+            raise BundleError(f"The bundle's tokenizer '{path.name}' cannot be read ({exc}).") from None
+        self.info = info
+        self._template = None
+        if info.chat_template:
+            from jinja2 import StrictUndefined
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
+            env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(info.chat_template)
+        self.special_ids = {
+            self.tokenizer.token_to_id(t)
+            for t in (info.bos_token, info.eos_token)
+            if t is not None and self.tokenizer.token_to_id(t) is not None
+        }
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise PromptError("This model has no chat template; pass a plain prompt instead of --chat/messages.")
+        if not messages:
+            raise PromptError("The messages list is empty.")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise PromptError("Each message needs a string 'role' and a string 'content'.")
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.info.bos_token or "",
+            eos_token=self.info.eos_token or "",
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise PromptError("The prompt is empty.")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        # The rendered template already holds its special tokens, as in transformers' apply_chat_template.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Turns a token stream into text deltas without splitting multi-byte characters."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec = codec
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, tokens: Iterable[int]) -> str:
+        self.ids.extend(int(t) for t in tokens)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta
+
+
+def _raise_template_error(message: str) -> None:
+    raise PromptError(f"The chat template rejected the messages: {message}")

@@ -1,0 +1,395 @@
+"""Draft trees as data: static Medusa-style specs, dynamic EAGLE-2-style selection, and buffers.
+
+A tree step feeds N nodes to the base model at once. Node 0 is always the root: the last committed
+token, whose K/V is not in the cache yet. Every other node is a drafted token whose parent is an
+earlier node (``parents[i] < i``), so any array indexed by node is in topological order.
+
+- :class:`TreeSpec` is a static shape: Medusa "choices", each a path of top-k ranks per depth.
+- :class:`DraftTree` is one step's concrete tree: node tokens and parents (plus optional scores).
+- :class:`TreeBuffers` is what the base step and the verifier need, built once per parent structure
+  and cached, so a static tree costs nothing per step.
+
+Only numpy is imported here: this module is part of the deployed runtime.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import TreeSpecError
+
+Path = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A static tree: Medusa-style choices, each a path of top-k ranks, one rank per depth.
+
+    ``(0, 1)`` is "the 2nd candidate at depth 2 under the 1st candidate at depth 1". The root is
+    implicit, so the tree has ``1 + len(choices)`` nodes. Choices are kept sorted by (length, values),
+    which is Medusa's node order and puts every parent before its children.
+    """
+
+    choices: tuple[Path, ...]
+
+    def __post_init__(self) -> None:
+        paths = tuple(sorted((tuple(int(k) for k in c) for c in self.choices), key=lambda c: (len(c), c)))
+        seen: set[Path] = set()
+        for path in paths:
+            if not path or min(path) < 0:
+                raise TreeSpecError(f"Tree path {list(path)} must be a non-empty list of ranks >= 0.")
+            if path in seen:
+                raise TreeSpecError(f"Tree path {list(path)} appears more than once.")
+            if len(path) > 1 and path[:-1] not in seen:
+                raise TreeSpecError(f"Dangling path {list(path)}: its prefix {list(path[:-1])} is missing.")
+            seen.add(path)
+        object.__setattr__(self, "choices", paths)
+
+    @classmethod
+    def static(cls, choices) -> TreeSpec:
+        """Build (and structurally validate) a static tree from any iterable of paths."""
+        return cls(tuple(tuple(c) for c in choices))
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + len(self.choices)
+
+    @property
+    def depth(self) -> int:
+        """Deepest drafted level (0 for a root-only tree); a drafter needs this many heads."""
+        return max((len(c) for c in self.choices), default=0)
+
+    @property
+    def topk(self) -> int:
+        """Candidates needed per depth: one more than the largest rank used."""
+        return 1 + max((max(c) for c in self.choices), default=-1)
+
+    @property
+    def parents(self) -> np.ndarray:
+        """[N] int64 parent node index of each node, -1 for the root (read-only, cached)."""
+        return _spec_arrays(self)[0]
+
+    def validate(self, max_tree: int, max_depth: int) -> TreeSpec:
+        """Check the tree fits a bundle (``max_tree`` nodes with root) and a drafter (``max_depth`` heads)."""
+        if self.num_nodes > max_tree:
+            raise TreeSpecError(
+                f"The tree has {self.num_nodes} nodes but this bundle allows at most {max_tree}."
+            )
+        if self.depth > max_depth:
+            raise TreeSpecError(
+                f"The tree is {self.depth} deep but the drafter proposes at most {max_depth}."
+            )
+        return self
+
+    def buffers(self) -> TreeBuffers:
+        return build_buffers(self.parents)
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """One step's draft: node tokens in topological order, node 0 being the root token."""
+
+    tokens: np.ndarray  # [N] int64, tokens[0] = last committed token
+    parents: np.ndarray  # [N] int64, parents[0] = -1, 0 <= parents[i] < i
+    scores: np.ndarray | None = None  # [N] float64 cumulative draft log-prob, root 0.0
+
+    def __post_init__(self) -> None:
+        tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        parents = np.asarray(self.parents, dtype=np.int64).reshape(-1)
+        if tokens.shape != parents.shape or tokens.size == 0:
+            raise TreeSpecError(
+                f"A draft tree needs one parent per token, got {tokens.size} and {parents.size}."
+            )
+        _check_parents(parents)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        if self.scores is not None:
+            scores = np.asarray(self.scores, dtype=np.float64).reshape(-1)
+            if scores.shape != tokens.shape:
+                raise TreeSpecError(
+                    f"A draft tree needs one score per token, got {scores.size} for {tokens.size}."
+                )
+            object.__setattr__(self, "scores", scores)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def buffers(self) -> TreeBuffers:
+        return build_buffers(self.parents)
+
+    @classmethod
+    def chain(cls, root_token: int, tokens) -> DraftTree:
+        """A single chain, e.g. a prompt-lookup continuation."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return cls(np.concatenate([[root_token], tokens]), np.arange(-1, tokens.size, dtype=np.int64))
+
+    @classmethod
+    def from_static(cls, spec: TreeSpec, root_token: int, topk: np.ndarray) -> DraftTree:
+        """Fill a static tree from per-depth candidates.
+
+        ``topk``: [D, K] token ids, ``topk[d, k]`` being the k-th candidate at depth d+1 (Medusa heads
+        give one top-k list per depth). Node with path ``(k1, .., kd)`` gets ``topk[d-1, kd]``.
+        """
+        topk = np.asarray(topk, dtype=np.int64)
+        if topk.ndim != 2 or topk.shape[0] < spec.depth or topk.shape[1] < spec.topk:
+            raise TreeSpecError(
+                f"The tree needs top-{spec.topk} candidates at {spec.depth} depths, got shape {topk.shape}."
+            )
+        parents, depth, rank = _spec_arrays(spec)
+        tokens = np.empty(spec.num_nodes, dtype=np.int64)
+        tokens[0] = root_token
+        tokens[1:] = topk[depth - 1, rank]
+        return cls(tokens, parents)
+
+
+@lru_cache(maxsize=64)
+def _spec_arrays(spec: TreeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """([N] parents, [N-1] depth, [N-1] last rank) of a static tree, built once per spec."""
+    index = {c: i + 1 for i, c in enumerate(spec.choices)}  # the root's path () is node 0
+    parents = np.array([-1] + [index.get(c[:-1], 0) for c in spec.choices], dtype=np.int64)
+    depth = np.array([len(c) for c in spec.choices], dtype=np.int64)
+    rank = np.array([c[-1] for c in spec.choices], dtype=np.int64)
+    for a in (parents, depth, rank):
+        a.setflags(write=False)
+    return parents, depth, rank
+
+
+def _check_parents(parents: np.ndarray) -> None:
+    if parents[0] != -1 or np.any(parents[1:] < 0) or np.any(parents[1:] >= np.arange(1, parents.size)):
+        raise TreeSpecError("Tree parents must be -1 for the root and an earlier node for every other node.")
+
+
+def select_dynamic(
+    candidate_parents, candidate_tokens, candidate_scores, budget: int, *, root_token: int
+) -> DraftTree:
+    """Keep the ``budget`` best candidates (plus the root) as an ancestor-closed tree, EAGLE-2 style.
+
+    Candidates form a forest under the root: ``candidate_parents[i]`` is -1 (child of the root) or an
+    earlier candidate. Scores are cumulative log-probs, so a child never outscores its parent; then
+    the top ``budget`` by (score, index) are already closed under ancestors and in topological order.
+    If a drafter breaks that rule, a best-first expansion from the root still returns a closed,
+    topologically ordered set of the same size.
+    Nodes come out ordered by score, which is topological and tries the likelier siblings first.
+    """
+    parents = np.asarray(candidate_parents, dtype=np.int64).reshape(-1)  # [M]
+    tokens = np.asarray(candidate_tokens, dtype=np.int64).reshape(-1)  # [M]
+    scores = np.asarray(candidate_scores, dtype=np.float64).reshape(-1)  # [M]
+    m = parents.size
+    if tokens.size != m or scores.size != m:
+        raise TreeSpecError(
+            f"Candidates need matching parents, tokens and scores, got {m}, {tokens.size}, {scores.size}."
+        )
+    if np.any(parents < -1) or np.any(parents >= np.arange(m)):
+        raise TreeSpecError("Candidate parents must be -1 (the root) or an earlier candidate.")
+    budget = max(0, min(int(budget), m))
+
+    order = np.lexsort((np.arange(m), -scores))[:budget]  # [budget] best first, ties by index
+    position = np.full(m + 1, m + 1, dtype=np.int64)  # unkept candidates sort after everything
+    position[m] = -1  # slot m stands for the root (parent -1)
+    position[order] = np.arange(order.size)
+    if not np.all(position[parents[order]] < np.arange(order.size)):  # not closed or not topological
+        order = _best_first(parents, scores, budget)
+
+    new_index = np.full(m + 1, 0, dtype=np.int64)  # root maps to node 0
+    new_index[order] = np.arange(1, order.size + 1)
+    return DraftTree(
+        tokens=np.concatenate([[root_token], tokens[order]]),
+        parents=np.concatenate([[-1], new_index[parents[order]]]),
+        scores=np.concatenate([[0.0], scores[order]]),
+    )
+
+
+def _best_first(parents: np.ndarray, scores: np.ndarray, budget: int) -> np.ndarray:
+    """Grow from the root, always taking the best frontier candidate (closed by construction)."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents.tolist()):
+        children.setdefault(p, []).append(i)
+    frontier = [(-scores[i], i) for i in children.get(-1, [])]
+    heapq.heapify(frontier)
+    out: list[int] = []
+    while frontier and len(out) < budget:
+        _, i = heapq.heappop(frontier)
+        out.append(i)
+        for c in children.get(i, []):
+            heapq.heappush(frontier, (-scores[c], c))
+    return np.array(out, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class TreeBuffers:
+    """Everything a tree step needs that depends only on the parent structure (arrays are read-only)."""
+
+    parents: np.ndarray  # [N] int64, -1 for the root
+    depth: np.ndarray  # [N] int64, root 0; position id = past length + depth
+    mask: np.ndarray  # [N, N] bool, mask[i, j]: node i attends to node j (j is i or an ancestor)
+    retrieve: np.ndarray  # [L, D+1] int64, root-to-leaf node paths padded with -1, one row per leaf
+    internal: np.ndarray  # [I] int64, nodes that have children (the verifier needs only their rows)
+    children: tuple[tuple[int, ...], ...]  # children[i]: child node indices of node i, in order
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parents.shape[0])
+
+
+def build_buffers(parents) -> TreeBuffers:
+    """Build (or fetch from cache) the buffers for a parent array ``[N]`` with ``parents[i] < i``."""
+    return _build_buffers(tuple(int(p) for p in np.asarray(parents).reshape(-1)))
+
+
+@lru_cache(maxsize=256)
+def _build_buffers(key: tuple[int, ...]) -> TreeBuffers:
+    parents = np.array(key, dtype=np.int64)
+    if parents.size == 0:
+        raise TreeSpecError("A tree needs at least its root node.")
+    _check_parents(parents)
+    n = parents.size
+    depth = np.zeros(n, dtype=np.int64)
+    mask = np.eye(n, dtype=bool)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):  # parents come first, so their rows are complete already
+        p = key[i]
+        depth[i] = depth[p] + 1
+        mask[i] |= mask[p]
+        children[p].append(i)
+    leaves = [i for i in range(n) if not children[i]]
+    retrieve = np.full((len(leaves), int(depth.max()) + 1), -1, dtype=np.int64)
+    for row, leaf in enumerate(leaves):
+        # ancestors have smaller indices than their descendants, so sorted order is root-first
+        path = np.flatnonzero(mask[leaf])
+        retrieve[row, : path.size] = path
+    internal = np.array([i for i in range(n) if children[i]], dtype=np.int64)
+    arrays = (parents, depth, mask, retrieve, internal)
+    for a in arrays:
+        a.setflags(write=False)  # shared by every step that reuses this tree
+    return TreeBuffers(*arrays, children=tuple(tuple(c) for c in children))
+
+
+# Static trees. Grown greedily under DEFAULT_ACCEPT (below) with depth <= 4: each is the set of
+# paths with the largest expected accepted length for its size, so they are deep along top-1 and
+# wide near the root, like Medusa's mc_sim_7b_63. Sizes count the root.
+CHAIN4 = TreeSpec.static([(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)])
+TREE8 = TreeSpec.static([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)])
+TREE16 = TreeSpec.static([
+    (0,), (1,), (2,), (3,), (4,), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0),
+])  # fmt: skip
+TREE32 = TreeSpec.static([
+    (0,), (1,), (2,), (3,), (4,), (5,), (6,),
+    (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (1, 1), (2, 0), (3, 0), (4, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 1, 0), (0, 2, 0), (0, 3, 0), (1, 0, 0), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+])  # fmt: skip
+TREE64 = TreeSpec.static([
+    (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,), (8,), (9,),
+    (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7),
+    (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (3, 0), (4, 0), (5, 0), (6, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 0, 4), (0, 0, 5), (0, 1, 0), (0, 1, 1),
+    (0, 2, 0), (0, 3, 0), (0, 4, 0), (0, 5, 0), (1, 0, 0), (1, 0, 1), (1, 1, 0),
+    (2, 0, 0), (3, 0, 0), (4, 0, 0), (5, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 3), (0, 0, 0, 4), (0, 0, 1, 0), (0, 0, 2, 0),
+    (0, 0, 3, 0), (0, 0, 4, 0), (0, 1, 0, 0), (0, 2, 0, 0), (0, 3, 0, 0), (0, 4, 0, 0),
+    (1, 0, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0), (4, 0, 0, 0),
+])  # fmt: skip
+
+STATIC_TREES: dict[str, TreeSpec] = {
+    "chain4": CHAIN4,
+    "tree8": TREE8,
+    "tree16": TREE16,
+    "tree32": TREE32,
+    "tree64": TREE64,
+}
+
+# P(rank-k candidate is the right token | its parent was right), the same at every depth: top-1 at
+# 0.6 (so a top-1 chain survives d levels with 0.6**d), lower ranks sharing a decaying remainder.
+DEFAULT_ACCEPT = np.array([0.6, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01, 0.01])
+
+# Cost of a T-token base step relative to a 1-token step on this project's 2-core CI CPU; re-measure
+# per machine with ``specdeploy bench`` and pass the result to choose_default_tree.
+CPU_COST_CURVE = {1: 1.0, 8: 1.28, 16: 1.62, 32: 2.56, 64: 4.4}
+
+
+def expected_tokens(spec: TreeSpec, accept: np.ndarray = DEFAULT_ACCEPT) -> float:
+    """Expected tokens emitted per greedy step: 1 (bonus) + sum over nodes of P(node accepted).
+
+    ``accept`` is [K] (same at every depth) or [D, K]: the probability that the rank-k candidate at
+    depth d+1 is the base's token given its parent was. Siblings are exclusive under greedy
+    verification, so a node is accepted with the product of its path's probabilities.
+    """
+    a = np.atleast_2d(np.asarray(accept, dtype=np.float64))
+    total = 1.0
+    for path in spec.choices:
+        prob = 1.0
+        for d, k in enumerate(path):
+            row = a[min(d, a.shape[0] - 1)]
+            prob *= row[k] if k < row.size else 0.0
+        total += prob
+    return total
+
+
+def step_cost(cost_curve: Mapping[int, float], num_nodes: int) -> float:
+    """Cost of a ``num_nodes``-token step: linear interpolation, linear extrapolation past the end."""
+    ts = np.array(sorted(cost_curve), dtype=np.float64)
+    cs = np.array([cost_curve[int(t)] for t in ts], dtype=np.float64)
+    if num_nodes > ts[-1] and ts.size >= 2:
+        slope = (cs[-1] - cs[-2]) / (ts[-1] - ts[-2])
+        return float(cs[-1] + slope * (num_nodes - ts[-1]))
+    return float(np.interp(num_nodes, ts, cs))
+
+
+def choose_default_tree(
+    cost_curve: Mapping[int, float] = CPU_COST_CURVE,
+    expected_accept: np.ndarray = DEFAULT_ACCEPT,
+    candidates: Mapping[str, TreeSpec] = STATIC_TREES,
+) -> str:
+    """Name of the candidate tree with the most expected tokens per unit of step cost."""
+    if not candidates or not cost_curve:
+        raise TreeSpecError("Choosing a tree needs at least one candidate tree and one measured step cost.")
+    return max(
+        candidates,
+        key=lambda name: (
+            expected_tokens(candidates[name], expected_accept)
+            / step_cost(cost_curve, candidates[name].num_nodes)
+        ),
+    )
+
+
+def parse_tree_arg(s: str) -> TreeSpec:
+    """Parse ``--tree``: a registry name (``tree16``) or a JSON list of paths (``[[0],[1],[0,0]]``)."""
+    s = s.strip()
+    if s in STATIC_TREES:
+        return STATIC_TREES[s]
+    try:
+        value = json.loads(s)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(
+        isinstance(p, list) and all(isinstance(k, int) and not isinstance(k, bool) for k in p) for p in value
+    ):
+        names = ", ".join(STATIC_TREES)
+        raise TreeSpecError(
+            f"Unknown tree '{s}': use one of {names} or a JSON list of paths like [[0],[1],[0,0]]."
+        )
+    return TreeSpec.static(value)
+
+
+__all__ = [
+    "CPU_COST_CURVE",
+    "DEFAULT_ACCEPT",
+    "STATIC_TREES",
+    "DraftTree",
+    "TreeBuffers",
+    "TreeSpec",
+    "build_buffers",
+    "choose_default_tree",
+    "expected_tokens",
+    "parse_tree_arg",
+    "select_dynamic",
+    "step_cost",
+]

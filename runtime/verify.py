@@ -1,0 +1,295 @@
+"""Verification: which drafted nodes the base model accepts, and the bonus token after them.
+
+Every rule takes the step's :class:`~.tree.DraftTree`, its :class:`~.tree.TreeBuffers` and the base
+logits ``[T, V]`` of the tree step (``T >= N``; rows past the tree's N nodes are padding and ignored).
+``logits[i]`` is the base model's prediction for the token *after* node i.
+
+- :func:`greedy_accept`: output identical to plain greedy decoding.
+- :func:`sample_accept`: tree rejection sampling (SpecInfer multi-draft); output distribution identical
+  to plain sampling with the same :func:`warp_logits` settings.
+- :func:`typical_accept`: Medusa's typical acceptance. LOSSY, opt-in.
+
+Only numpy is imported here: this module is part of the deployed runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import SpecDeployError, TreeSpecError
+from .tree import DraftTree, TreeBuffers
+
+
+@dataclass(frozen=True, eq=False)
+class Acceptance:
+    """Result of verifying one tree step."""
+
+    nodes: np.ndarray  # [A] int64 accepted node indices on one root path, nodes[0] == 0 (the root)
+    tokens: np.ndarray  # [A] int64 emitted: tokens of nodes[1:], then the bonus token
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        """Drafted tokens accepted this step (τ - 1)."""
+        return int(self.nodes.shape[0]) - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Distributions shared by speculative and plain sampling
+
+
+def warp_logits(
+    logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> np.ndarray:
+    """Base logits ``[..., V]`` -> float64 sampling probabilities ``[..., V]``.
+
+    Order as in transformers: temperature, then top-k, then top-p on the renormalised result. Ties at
+    a top-k or top-p cut are all kept, so the result does not depend on sort order. ``temperature``
+    0 gives a one-hot argmax (greedy). Plain decoding must sample from this same function, so that
+    speculative sampling reproduces its distribution exactly.
+    """
+    if not temperature >= 0 or top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise SpecDeployError(
+            f"Sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}."
+        )
+    z = np.array(logits, dtype=np.float64)  # [..., V] own copy, worked on in place below
+    v = z.shape[-1]
+    if temperature == 0:
+        probs = np.zeros_like(z)
+        np.put_along_axis(probs, z.argmax(-1)[..., None], 1.0, axis=-1)
+        return probs
+    if 0 < top_k < v:
+        kth = np.partition(z, v - top_k, axis=-1)[..., v - top_k, None]  # k-th largest (T > 0 keeps order)
+        z[z < kth] = -np.inf
+    # (z - max) / T == z / T - max / T; the max becomes exp(0) = 1, so no overflow and the sum is >= 1
+    z -= z.max(-1, keepdims=True)
+    z *= 1.0 / temperature
+    probs = np.exp(z, out=z)
+    probs /= probs.sum(-1, keepdims=True)
+    if top_p < 1.0:
+        for row in probs.reshape(-1, v):  # views into probs
+            row[row < _nucleus_threshold(row, top_p)] = 0.0
+            row /= row.sum()
+    return probs
+
+
+def _nucleus_threshold(p: np.ndarray, top_p: float) -> float:
+    """Smallest probability kept by top-p: the fewest top tokens whose mass reaches ``top_p``.
+
+    The nucleus is usually tiny, so look at the top 64, 256, ... tokens (argpartition, O(V))
+    before falling back to a full sort.
+    """
+    v = p.shape[0]
+    m = min(64, v)
+    while True:
+        top = np.sort(p[np.argpartition(p, v - m)[v - m :]])[::-1]  # [m] descending
+        mass = np.cumsum(top)
+        if mass[-1] >= top_p or m == v:
+            return float(top[min(int(np.searchsorted(mass, top_p)), m - 1)])
+        m = min(4 * m, v)
+
+
+_BLOCK = 256
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from ``probs`` [V] (need not be normalised) by inverse CDF; zero entries are never drawn.
+
+    Two-level search (block sums, then one block) because np.cumsum over a 50k vocabulary is slow.
+    """
+    v = probs.shape[0]
+    blocks = -(-v // _BLOCK)
+    padded = np.zeros(blocks * _BLOCK)
+    padded[:v] = probs
+    block_cdf = np.cumsum(padded.reshape(blocks, _BLOCK).sum(1))  # [blocks]
+    u = rng.random() * block_cdf[-1]
+    # side="right" gives the first block whose cdf exceeds u, so that block has positive mass
+    b = min(int(np.searchsorted(block_cdf, u, side="right")), blocks - 1)
+    block = padded[b * _BLOCK : (b + 1) * _BLOCK]
+    if b > 0:
+        u -= block_cdf[b - 1]
+    i = int(np.searchsorted(np.cumsum(block), u, side="right"))
+    last = int(np.flatnonzero(block)[-1])  # rounding can push u past the block's end: clamp to mass
+    return b * _BLOCK + min(i, last)
+
+
+def sample_token(
+    logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> int:
+    """Plain (non-speculative) sampling of one token from logits ``[V]``: the reference distribution."""
+    return sample_from(warp_logits(logits, temperature, top_k, top_p), rng)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Acceptance rules
+
+
+def _check(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray) -> None:
+    n = tree.num_nodes
+    if buffers.num_nodes != n or logits.ndim != 2 or logits.shape[0] < n:
+        raise TreeSpecError(
+            f"Verification needs buffers for {n} nodes and logits [>= {n}, V], "
+            f"got {buffers.num_nodes} nodes and logits {tuple(logits.shape)}."
+        )
+    if buffers.parents is not tree.parents and not np.array_equal(buffers.parents, tree.parents):
+        raise TreeSpecError("The tree buffers were built for a different tree shape than the draft.")
+
+
+def _longest_path(ok: np.ndarray, buffers: TreeBuffers) -> np.ndarray:
+    """Accepted nodes of the longest root path whose nodes are all ``ok``.
+
+    ``ok``: [N+1] bool, ok[0] = True (root) and ok[N] = False, which the -1 padding of ``retrieve``
+    indexes, so padding ends every path.
+    """
+    path_ok = ok[buffers.retrieve]  # [L, D+1]
+    lengths = np.logical_and.accumulate(path_ok, axis=1).sum(1)  # [L] all-true prefix length
+    best = int(lengths.argmax())  # first longest; any longest path emits the same count
+    return buffers.retrieve[best, : lengths[best]]
+
+
+def greedy_accept(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray) -> Acceptance:
+    """Accept the longest root path whose every token is the base argmax at its parent.
+
+    The bonus is the argmax at the last accepted node, so the output equals plain greedy decoding.
+    Argmax is taken only over rows that are a parent (plus one row for a leaf bonus): on tree64
+    that is 27 of 64 rows of V.
+    """
+    _check(tree, buffers, logits)
+    n = tree.num_nodes
+    argmax = np.full(n, -1, dtype=np.int64)  # [N], -1 where not computed
+    for i in buffers.internal.tolist():  # per row: no copy of [I, V], and 1-D argmax is the fast one
+        argmax[i] = logits[i].argmax()
+    ok = np.ones(n + 1, dtype=bool)
+    ok[n] = False
+    ok[1:n] = tree.tokens[1:] == argmax[buffers.parents[1:]]
+    nodes = _longest_path(ok, buffers)
+    last = int(nodes[-1])
+    bonus = argmax[last] if argmax[last] >= 0 else logits[last].argmax()
+    return Acceptance(nodes, np.append(tree.tokens[nodes[1:]], bonus).astype(np.int64))
+
+
+def sample_accept(
+    tree: DraftTree,
+    buffers: TreeBuffers,
+    logits: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    draft_probs: np.ndarray | None = None,
+) -> Acceptance:
+    """Tree rejection sampling (SpecInfer multi-draft): lossless, output ~ warped base distribution.
+
+    Walk from the root. At node u, p = warp(logits[u]); try u's children in order. A child with
+    token x drawn from proposal q is accepted with probability min(1, p(x)/q(x)); on rejection
+    p <- norm(max(p - q, 0)) and the next sibling is tried. An accepted child becomes u; if every
+    child is rejected (or u is a leaf) the bonus token is drawn from the current p and the step ends.
+
+    ``draft_probs``: [N, V] the proposal q each node's token was drawn from (siblings drawn
+    independently). None means deterministic drafts (top-k heads, prompt lookup): q is a point mass,
+    so the rule becomes "accept x with probability p(x), else zero p(x) and renormalise".
+    """
+    _check(tree, buffers, logits)
+    tokens = tree.tokens.tolist()
+    node = 0
+    nodes, out = [0], []
+    while True:
+        p = warp_logits(logits[node], temperature, top_k, top_p)  # [V] float64, our own copy
+        mass = 1.0  # p's total: point-mass rejections zero entries instead of renormalising all of V
+        child = -1
+        for c in buffers.children[node]:
+            x = tokens[c]
+            if draft_probs is None:
+                if rng.random() * mass < p[x]:  # u < p(x) / mass
+                    child = c
+                    break
+                if p[x] < mass:  # p(x) == mass would be a sure accept, so this keeps mass > 0
+                    mass -= p[x]
+                    p[x] = 0.0
+            else:
+                q = np.asarray(draft_probs[c], dtype=np.float64)
+                q = q / q.sum()
+                p /= mass
+                mass = 1.0
+                if rng.random() * q[x] < p[x]:  # u < p(x)/q(x), without dividing by q(x) = 0
+                    child = c
+                    break
+                residual = np.maximum(p - q, 0.0)
+                total = residual.sum()
+                if total > 0:  # total == 0 needs p == q, where rejection has probability 0
+                    p, mass = residual, total
+        if child < 0:
+            out.append(sample_from(p, rng))  # sample_from needs no normalisation
+            break
+        nodes.append(child)
+        out.append(tokens[child])
+        node = child
+    return Acceptance(np.array(nodes, dtype=np.int64), np.array(out, dtype=np.int64))
+
+
+def typical_accept(
+    tree: DraftTree,
+    buffers: TreeBuffers,
+    logits: np.ndarray,
+    rng: np.random.Generator,
+    temperature: float = 1.0,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> Acceptance:
+    """Medusa's typical acceptance. LOSSY: the output does NOT follow the base distribution.
+
+    With p = softmax(logits / temperature) at a node's parent and H its entropy, a node's token x is
+    typical if p(x) > min(posterior_threshold, posterior_alpha * exp(-H)). The longest all-typical
+    root path is accepted, and the bonus is sampled at its last node from p restricted to typical
+    tokens (as Medusa does). ``temperature`` 0 falls back to :func:`greedy_accept`.
+    """
+    if temperature <= 0:
+        return greedy_accept(tree, buffers, logits)
+    _check(tree, buffers, logits)
+    n = tree.num_nodes
+    ok = np.ones(n + 1, dtype=bool)
+    ok[n] = False
+    if buffers.internal.size:
+        z, log_norm, thresh = _typical(
+            logits[buffers.internal], temperature, posterior_threshold, posterior_alpha
+        )
+        row = np.full(n, -1, dtype=np.int64)  # node -> row of z
+        row[buffers.internal] = np.arange(buffers.internal.size)
+        r = row[buffers.parents[1:]]  # [N-1] every non-root node's parent is internal
+        ok[1:n] = np.exp(z[r, tree.tokens[1:]] - log_norm[r]) > thresh[r]
+    nodes = _longest_path(ok, buffers)
+    z, log_norm, thresh = _typical(
+        logits[int(nodes[-1])][None], temperature, posterior_threshold, posterior_alpha
+    )
+    probs = np.exp(z[0] - log_norm[0])  # [V]
+    cut = min(thresh[0], probs.max())  # the argmax always qualifies (thresh > max p needs alpha > 1)
+    bonus = sample_from(np.where(probs >= cut, probs, 0.0), rng)
+    return Acceptance(nodes, np.append(tree.tokens[nodes[1:]], bonus).astype(np.int64))
+
+
+def _typical(
+    logits: np.ndarray, temperature: float, eps: float, delta: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For logit rows [R, V]: scaled logits z [R, V], log-normaliser [R], and the typicality threshold
+    min(eps, delta * exp(-H)) [R], with H = log Z - E_p[z] so no log over V is needed (log p = z - log Z).
+    """
+    z = np.array(logits, dtype=np.float64)
+    z -= z.max(-1, keepdims=True)
+    z *= 1.0 / temperature
+    e = np.exp(z)  # [R, V]
+    norm = e.sum(-1)  # [R], >= 1 thanks to the max shift
+    entropy = np.log(norm) - np.einsum("rv,rv->r", e, z) / norm
+    return z, np.log(norm), np.minimum(eps, delta * np.exp(-entropy))
+
+
+__all__ = [
+    "Acceptance",
+    "greedy_accept",
+    "sample_accept",
+    "sample_from",
+    "sample_token",
+    "typical_accept",
+    "warp_logits",
+]
