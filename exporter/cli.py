@@ -67,18 +67,108 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--model", default=None, help="Source model, if it moved since export.")
-def validate(bundle: Path, model: str | None) -> None:
-    """Compare torch with ONNX Runtime on prefill, step and tree cases; ends with PASSED or FAILED."""
+@click.option("--backend", "backend", default="ort-cpu", show_default=True,
+              type=click.Choice(["ort-cpu", "trt", "ort-cuda", "ort-trt"]),
+              help="ort-cpu: torch vs ONNX Runtime; trt/ort-cuda/ort-trt: that GPU backend vs ONNX Runtime CPU.")
+def validate(bundle: Path, model: str | None, backend: str) -> None:
+    """Compare torch with ONNX Runtime on prefill, step and tree cases; ends with PASSED or FAILED.
+
+    \b
+    With --backend trt, every TensorRT engine built for this GPU is compared with ONNX Runtime on the
+    CPU (polygraphy runners, per-output tolerances per precision).
+    """
     from specdeploy.runtime.errors import ValidationFailed
 
     from .validate import validate_bundle
 
     try:
-        validate_bundle(bundle, model, progress=click.echo)
+        if backend == "ort-cpu":
+            validate_bundle(bundle, model, progress=click.echo)
+        else:
+            from .validate_trt import validate_backend
+
+            validate_backend(bundle, backend, progress=click.echo)
     except ValidationFailed as exc:
         click.echo(f"FAILED: {exc}")
         sys.exit(1)
     click.echo("PASSED")
+
+
+# --- lint / build (GPU path) ------------------------------------------------------------------
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+def lint(bundle: Path) -> None:
+    """Check every graph against what TensorRT's parser and ORT CUDA graphs accept; ends with PASSED or FAILED.
+
+    \b
+    Rules: opset range, standard domain only, no If/Loop/Scan, no sequences, no data-dependent
+    output shapes. Every offending node is listed with the rule it breaks.
+
+    \b
+    Example:
+      specdeploy lint bundles/smollm2
+    """
+    from .lint import lint_bundle
+
+    results = lint_bundle(bundle)
+    for g in results:
+        state = f"skipped: {g.skipped}" if g.skipped else ("ok" if g.passed else f"{len(g.issues)} issue(s)")
+        click.echo(f"{g.role:<12}{g.file:<28}{state}")
+        for issue in g.issues:
+            click.echo(f"  {issue}")
+    if all(g.passed for g in results):
+        click.echo("PASSED")
+    else:
+        click.echo("FAILED")
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--precision", default="fp16", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
+@click.option("--max-tree", type=int, default=None, help="Largest tree step T (default: the bundle's limit).")
+@click.option("--max-context", type=int, default=None, help="Longest context (default: the bundle's limit).")
+@click.option("--max-batch", type=int, default=None, help="Largest batch (default: the bundle's limit).")
+@click.option("--workspace-gb", type=float, default=4.0, show_default=True, help="TensorRT workspace limit.")
+def build(bundle: Path, precision: str, max_tree: int | None, max_context: int | None, max_batch: int | None,
+          workspace_gb: float) -> None:
+    """Build TensorRT engines for this GPU into BUNDLE/engines/ and record them in the manifest.
+
+    Needs an NVIDIA GPU and the tensorrt package. Prefill and tree decoding get their own optimization
+    profiles; the timing cache persists in BUNDLE/engines/timing.cache.
+
+    \b
+    Example:
+      specdeploy build bundles/smollm2 --precision fp16 --max-tree 64 --max-context 2048
+    """
+    from .trt_build import BuildConfig, build_engines
+
+    config = BuildConfig(precision, max_tree, max_context, max_batch, workspace_gb)
+    entries = build_engines(bundle, config, progress=lambda m: click.echo(m, err=True))
+    for e in entries:
+        click.echo(f"built {e.file}")
+
+
+def _lazy_torch_backend(variant: str):
+    """The torch backend needs torch, which the runtime never imports: load it only when it is chosen."""
+    def make(bundle_dir: Path, manifest, threads: int | None = None):
+        from specdeploy.runtime.backends import make_backend
+
+        from . import torch_backend  # noqa: F401 - registers the real factories
+
+        return make_backend(variant, bundle_dir, manifest, threads=threads)
+
+    return make
+
+
+def _register_torch_backends() -> None:
+    from specdeploy.runtime.backends import register_backend
+
+    for variant in ("torch", "torch-eager", "torch-graphs"):
+        register_backend(variant, _lazy_torch_backend(variant))
+
+
+_register_torch_backends()
 
 
 # --- generate --------------------------------------------------------------------------------
@@ -127,7 +217,8 @@ def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: 
 # --- bench -----------------------------------------------------------------------------------
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--variants", default="ar,hf", show_default=True, help="Comma-separated variant names.")
+@click.option("--variants", default="ar,hf", show_default=True,
+              help="Comma-separated variant names (ar, prompt-lookup, hf, hf-prompt-lookup, ...).")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL of {'prompt': ...} or MT-bench records (default: MT-bench question.jsonl).")
 @click.option("--num-prompts", default=20, show_default=True, type=int)
@@ -139,7 +230,14 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
           threads: int, tree: str | None, json_out: Path) -> None:
     """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
 
-    Writes JSON (--json), a Markdown table and a PNG plot next to it.
+    Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
+    and identity columns), prompt-lookup, chimera, cerberus, medusa (drafts stored in the bundle),
+    hf (transformers generate, greedy fp32) and hf-prompt-lookup. A variant whose package or draft
+    is missing is skipped with a note. Prompts are first turns rendered with the chat template;
+    all variants decode the same token ids greedily.
+
+    Writes JSON (--json), a Markdown table (same stem, .md, also printed), a tokens/s plot
+    (<stem>.png) and acceptance histograms (<stem>_acceptance.png).
 
     \b
     Example:
@@ -151,6 +249,52 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
     run_bench(bundle, [v.strip() for v in variants.split(",") if v.strip()], prompts_file, num_prompts,
               max_new_tokens, threads, tree, json_out)
     click.echo(f"bench finished in {time.time() - t0:.0f}s; wrote {json_out}")
+
+
+# --- serve -----------------------------------------------------------------------------------
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--draft", default="none", show_default=True, help="none, prompt-lookup, or a draft kind in the bundle.")
+@click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
+@click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
+@click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
+@click.option("--api-key", default=None, envvar="SPECDEPLOY_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (or set SPECDEPLOY_API_KEY).")
+@click.option("--model-name", default=None, help="Model id on /v1/models (default: the bundle folder's name).")
+@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
+              help="Longest prompt accepted, in tokens (default: the bundle's context - 1).")
+@click.option("--max-tokens-limit", default=None, type=click.IntRange(min=1),
+              help="Largest max_tokens a request may ask for (default: the bundle's context).")
+@click.option("--max-body-bytes", default=1_000_000, show_default=True, type=click.IntRange(min=1),
+              help="Larger request bodies get a 413.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Generation requests admitted at once (running + queued); more get a 503.")
+@click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
+def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
+          api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
+          max_body_bytes: int, max_queue: int, shutdown_timeout: float) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
+
+    Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
+    GET /v1/models, GET /health, GET /metrics (Prometheus). Requests queue for the one decode slot.
+
+    \b
+    Example:
+      specdeploy serve bundles/smollm2 --draft prompt-lookup --port 8000
+      curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+    """
+    from specdeploy.runtime import load
+    from specdeploy.runtime.server import ServerConfig, run_server
+
+    config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
+                          max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+                          max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree) as engine:
+        run_server(engine, config)
 
 
 if __name__ == "__main__":

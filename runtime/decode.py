@@ -234,7 +234,7 @@ class Decoder:
             if room <= 1:
                 stats.finish_reason = "length"
                 break
-            tree = self.propose(state, min(self.max_tree, room, remaining + 1) if self.drafter else 1)
+            tree = self.propose(state, min(self.max_tree, room) if self.drafter else 1)
             buffers = build_buffers(tuple(tree.parents.tolist()))
             tb = time.perf_counter()
             out = self.verify(state, tree, buffers)

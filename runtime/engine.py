@@ -1,56 +1,202 @@
 """The embedding API: ``engine = load(bundle)``; ``engine.generate(...)`` and ``engine.stream(...)``.
 
+    import os
     from specdeploy.runtime import load
-    with load("bundle", draft="prompt-lookup") as engine:
-        out = engine.generate("Write a haiku about CPUs.", max_new_tokens=64)
-        print(out.text, out.stats.tokens_per_s)
 
-One engine owns one backend session and is safe to share between threads: concurrent callers are
-queued on a lock (the CPU backend runs batch 1), never interleaved.
+    bundle = os.environ.get("SPECDEPLOY_BUNDLE", "bundles/smollm2")
+    with load(bundle, draft="prompt-lookup") as engine:
+        out = engine.generate("Name three prime numbers.", max_new_tokens=32, temperature=0.0)
+        print(out.text)
+        print(f"{out.stats.tokens_per_s:.1f} tok/s, tau {out.stats.mean_accepted:.2f}, {out.finish_reason}")
+        chat = [{"role": "user", "content": "Write a haiku about CPUs."}]
+        for delta in engine.stream(messages=chat, max_new_tokens=48, stop=["\\n\\n"]):
+            print(delta, end="", flush=True)
+        print()
+
+(That snippet is ``tests/api_example.py``, which a test runs as it stands.)
+
+One engine owns one backend session and is safe to share between threads. The backend runs batch 1,
+so the engine has a single decode slot: concurrent callers queue for it in arrival order and each
+generation runs start to finish on its own, never interleaved with another. Prompt encoding and
+validation happen before queueing, in the caller's thread.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .backends import make_backend
 from .bundle import BundleManifest, read_manifest
-from .decode import DecodeStats, Decoder, GenerationConfig, SamplingParams
+from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
 from .drafters import make_drafter
 from .errors import PromptError, SpecDeployError
 from .text import TextCodec
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+_POLL_S = 0.05  # how often a queued caller looks at its cancel flag
 
 
 @dataclass(frozen=True)
 class Completion:
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (closed before the end)
     stats: DecodeStats
 
 
-@dataclass
+@dataclass(frozen=True)
+class EngineStats:
+    """Totals since the engine was loaded, plus the queue right now; from ``Engine.stats()``."""
+
+    generations: int  # finished, stopped or cancelled after they got the slot
+    cancelled: int  # closed before their end, whether queued or running
+    prompt_tokens: int
+    new_tokens: int
+    steps: int  # decode steps (target forward passes after the prefills)
+    step_tokens: int  # tokens emitted by those steps (the prefills' first tokens excluded)
+    busy_s: float  # time the decode slot was held
+    queue_depth: int  # callers waiting for the slot now
+    running: int  # 1 while a generation holds the slot
+    last_tokens_per_s: float  # of the last generation that emitted a token
+    last_tau: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per decode step over every generation so far."""
+        return self.step_tokens / self.steps if self.steps else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of slot time (throughput while busy)."""
+        return self.new_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+
+class _Ticket:
+    __slots__ = ("event", "granted")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.granted = False
+
+
+class _Slot:
+    """The single decode slot: held by one caller at a time and handed over in arrival order.
+
+    A plain ``threading.Lock`` is not FIFO, so under load a caller could wait indefinitely; here a
+    release hands the slot straight to the oldest waiter.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._idle = threading.Condition(self._mutex)
+        self._waiters: deque[_Ticket] = deque()
+        self._busy = False
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def acquire(self, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Wait for the slot; False if ``cancelled()`` turns true or the slot closes first."""
+        with self._mutex:
+            if self._closed:
+                return False
+            if not self._busy and not self._waiters:
+                self._busy = True
+                return True
+            ticket = _Ticket()
+            self._waiters.append(ticket)
+        while True:
+            ticket.event.wait(_POLL_S if cancelled is not None else None)
+            with self._mutex:
+                if ticket.granted:
+                    if cancelled is not None and cancelled():
+                        self._release_locked()
+                        return False
+                    return True
+                if ticket.event.is_set():  # woken by close()
+                    return False
+                if cancelled is not None and cancelled():
+                    self._waiters.remove(ticket)
+                    return False
+
+    def release(self) -> None:
+        with self._mutex:
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._waiters:
+            ticket = self._waiters.popleft()
+            ticket.granted = True
+            ticket.event.set()
+        else:
+            self._busy = False
+            self._idle.notify_all()
+
+    def close(self) -> None:
+        """Turn away every waiter and new caller, then wait until the current holder releases."""
+        with self._mutex:
+            self._closed = True
+            for ticket in self._waiters:
+                ticket.event.set()
+            self._waiters.clear()
+            while self._busy:
+                self._idle.wait()
+
+
 class TextStream:
-    """Iterator of text deltas; ``completion`` is set once it is exhausted."""
+    """Iterator of text deltas; ``completion`` is set once it ends (exhausted, stopped or closed).
 
-    _deltas: Iterator[str]
-    completion: Completion | None = None
-    _closed: bool = field(default=False, repr=False)
+    ``close()`` may be called from any thread: a queued stream leaves the queue, and a running one
+    stops after its current decode step and hands the engine to the next caller.
+    """
 
-    def __iter__(self) -> "TextStream":
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.stats = DecodeStats()  # filled in live while the generation runs
+        self.completion: Completion | None = None
+        self._cancel = threading.Event()
+        self._deltas: Iterator[str] = iter(())
+
+    def __iter__(self) -> TextStream:
         return self
 
     def __next__(self) -> str:
-        return next(self._deltas)
+        try:
+            return next(self._deltas)
+        except ValueError as exc:
+            # close() from another thread raced this next(): the generator is being closed there.
+            if self._cancel.is_set() and "already executing" in str(exc):
+                raise StopIteration from None
+            raise
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
 
     def close(self) -> None:
         """Stop generating (e.g. the client went away); releases the engine for the next caller."""
+        self._cancel.set()
         close = getattr(self._deltas, "close", None)
-        if close is not None:
-            close()
+        try:
+            if close is not None:
+                close()
+        except ValueError:  # running in another thread, which sees the flag after this step
+            pass
 
 
 class Engine:
@@ -63,8 +209,22 @@ class Engine:
         self.draft_name = draft or "none"
         drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads)
         self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree)
-        self._lock = threading.Lock()
+        self._slot = _Slot()
+        self._mutex = threading.Lock()  # guards the totals below and the set of open streams
+        self._streams: weakref.WeakSet[TextStream] = weakref.WeakSet()
+        self._totals = {"generations": 0, "cancelled": 0, "prompt_tokens": 0, "new_tokens": 0, "steps": 0,
+                        "step_tokens": 0}
+        self._busy_s = 0.0
+        self._last = (0.0, 1.0)  # tokens/s and tau of the last generation
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def max_context(self) -> int:
+        return self.manifest.limits.max_context
 
     # --- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
@@ -84,69 +244,129 @@ class Engine:
                max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] = (), seed: int | None = None, chat: bool = False,
                typical: bool = False) -> TextStream:
-        """Stream text deltas. Validation happens here, before the first ``next()``."""
+        """Stream text deltas. Validation happens here; the stream queues for the engine at its first ``next()``."""
         if self._closed:
             raise SpecDeployError("This engine is closed.")
+        if isinstance(stop, str):
+            stop = (stop,)
         ids = self.encode(prompt, messages, chat)
         config = GenerationConfig(max_new_tokens, SamplingParams(temperature, top_p, top_k, seed, typical))
         self.decoder.check_prompt(ids, config)
         stops = tuple(s for s in stop if s)
-        stream = TextStream(iter(()))
+        stream = TextStream(len(ids))
         stream._deltas = self._run(ids, config, stops, stream)
+        with self._mutex:
+            self._streams.add(stream)
         return stream
 
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
              stream: TextStream) -> Iterator[str]:
-        stats = DecodeStats()
+        stats = stream.stats
+        if not self._slot.acquire(stream._cancel.is_set):
+            stats.finish_reason = "cancelled"
+            stream.completion = Completion("", (), "cancelled", stats)
+            self._record(stats, 0.0, ran=False)
+            return
+        t0 = time.perf_counter()
         detok = self.codec.stream()
         hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
         emitted_len, tokens, reason = 0, [], ""
-        with self._lock:
-            gen = self.decoder.generate(ids, config, stats)
-            try:
-                for tok in gen:
-                    tokens.append(tok)
-                    detok.push([tok])
-                    text = detok.text
-                    hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                    if hit >= 0:
-                        if hit > emitted_len:
-                            yield text[emitted_len:hit]
-                        emitted_len, reason = hit, "stop"
-                        break
-                    safe = len(text) - hold if stops else len(text)
-                    if safe > emitted_len:
-                        yield text[emitted_len:safe]
-                        emitted_len = safe
-                else:
-                    reason = stats.finish_reason
-                    if len(detok.text) > emitted_len:
-                        yield detok.text[emitted_len:]
-                        emitted_len = len(detok.text)
-            finally:
-                gen.close()
-        stats.finish_reason = reason or stats.finish_reason
-        stream.completion = Completion(detok.text[:emitted_len], tuple(tokens), stats.finish_reason, stats)
+        gen = self.decoder.generate(ids, config, stats)
+        try:
+            for tok in gen:
+                if stream._cancel.is_set():
+                    reason = "cancelled"
+                    break
+                tokens.append(tok)
+                detok.push([tok])
+                text = detok.text
+                hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if hit >= 0:
+                    if hit > emitted_len:
+                        yield text[emitted_len:hit]
+                    emitted_len, reason = hit, "stop"
+                    break
+                safe = len(text) - hold if stops else len(text)
+                if safe > emitted_len:
+                    yield text[emitted_len:safe]
+                    emitted_len = safe
+            else:
+                reason = stats.finish_reason
+                if len(detok.text) > emitted_len:
+                    yield detok.text[emitted_len:]
+                    emitted_len = len(detok.text)
+        finally:
+            # Also runs when the stream is closed at a yield (GeneratorExit): the slot is always freed.
+            gen.close()
+            self._slot.release()
+            if not reason:  # closed at a yield, or an error escaped the decoder
+                reason = "cancelled" if stream._cancel.is_set() or not stats.finish_reason else stats.finish_reason
+            stats.finish_reason = reason
+            stream.completion = Completion(detok.text[:emitted_len], tuple(tokens), stats.finish_reason, stats)
+            self._record(stats, time.perf_counter() - t0, ran=True)
 
     def generate(self, prompt: str | None = None, messages: Sequence[dict] | None = None, **kwargs) -> Completion:
         """Generate to completion; returns text, token ids, finish reason and stats."""
         stream = self.stream(prompt, messages, **kwargs)
-        for _ in stream:
-            pass
+        try:
+            for _ in stream:
+                pass
+        finally:
+            stream.close()  # a no-op once exhausted; frees the slot if a KeyboardInterrupt landed mid-way
         assert stream.completion is not None
         return stream.completion
 
     def generate_ids(self, ids: list[int], config: GenerationConfig, stats: DecodeStats | None = None) -> list[int]:
         """Token-level generation (no text handling), used by the bench."""
-        with self._lock:
+        stats = stats if stats is not None else DecodeStats()
+        if not self._slot.acquire():
+            raise SpecDeployError("This engine is closed.")
+        t0 = time.perf_counter()
+        try:
             return list(self.decoder.generate(ids, config, stats))
+        finally:
+            self._slot.release()
+            self._record(stats, time.perf_counter() - t0, ran=True)
 
+    # --- bookkeeping --------------------------------------------------------------------------
+    def _record(self, stats: DecodeStats, busy_s: float, ran: bool) -> None:
+        with self._mutex:
+            t = self._totals
+            t["generations"] += int(ran)
+            t["cancelled"] += int(stats.finish_reason == "cancelled")
+            if ran:
+                t["prompt_tokens"] += stats.prompt_tokens
+            t["new_tokens"] += stats.new_tokens
+            t["steps"] += stats.steps
+            t["step_tokens"] += sum(stats.accepted)
+            self._busy_s += busy_s
+            if stats.new_tokens:
+                self._last = (stats.tokens_per_s, stats.mean_accepted)
+
+    def stats(self) -> EngineStats:
+        """A consistent snapshot of the totals and the queue."""
+        with self._mutex:
+            return EngineStats(**self._totals, busy_s=self._busy_s, queue_depth=self._slot.depth,
+                               running=int(self._slot.busy), last_tokens_per_s=self._last[0],
+                               last_tau=self._last[1])
+
+    # --- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.backend.close()
+        """Cancel queued and running streams, wait for the running step to end, then release the backend.
 
-    def __enter__(self) -> "Engine":
+        A ``generate_ids`` call already running is not interrupted; close() waits for it.
+        """
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            streams = list(self._streams)
+        for stream in streams:
+            stream.close()
+        self._slot.close()
+        self.backend.close()
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

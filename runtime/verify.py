@@ -174,7 +174,6 @@ def sample_accept(
     buffers: TreeBuffers,
     logits: np.ndarray,
     rng: np.random.Generator,
-    *,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -233,21 +232,23 @@ def typical_accept(
     tree: DraftTree,
     buffers: TreeBuffers,
     logits: np.ndarray,
-    rng: np.random.Generator,
     temperature: float = 1.0,
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
+    rng: np.random.Generator | None = None,
 ) -> Acceptance:
     """Medusa's typical acceptance. LOSSY: the output does NOT follow the base distribution.
 
     With p = softmax(logits / temperature) at a node's parent and H its entropy, a node's token x is
     typical if p(x) > min(posterior_threshold, posterior_alpha * exp(-H)). The longest all-typical
     root path is accepted, and the bonus is sampled at its last node from p restricted to typical
-    tokens (as Medusa does). ``temperature`` 0 falls back to :func:`greedy_accept`.
+    tokens (as Medusa does). ``temperature`` 0 falls back to :func:`greedy_accept`. ``rng`` None
+    draws the bonus from a fresh, unseeded generator.
     """
     if temperature <= 0:
         return greedy_accept(tree, buffers, logits)
     _check(tree, buffers, logits)
+    rng = np.random.default_rng() if rng is None else rng
     n = tree.num_nodes
     ok = np.ones(n + 1, dtype=bool)
     ok[n] = False

@@ -479,7 +479,7 @@ def typical_ok(tree, logits, temperature, eps=0.09, delta=0.3):
 def test_typical_accept_accepts_only_typical_tokens(case, temperature, seed):
     tree, logits = case
     logits = logits * 1.5  # sharper rows so some tokens fall under the threshold
-    acc = typical_accept(tree, tree.buffers(), logits, np.random.default_rng(seed), temperature)
+    acc = typical_accept(tree, tree.buffers(), logits, temperature, rng=np.random.default_rng(seed))
     assert_valid_path(tree, acc)
     assert len(acc.tokens) >= 1
     ok = typical_ok(tree, logits, temperature)
@@ -489,7 +489,7 @@ def test_typical_accept_accepts_only_typical_tokens(case, temperature, seed):
 
 def test_typical_accept_temperature_zero_is_greedy():
     tree, logits = tree_with_children([0, 1, 2])
-    acc = typical_accept(tree, tree.buffers(), logits, np.random.default_rng(0), 0.0)
+    acc = typical_accept(tree, tree.buffers(), logits, 0.0)
     ref = greedy_accept(tree, tree.buffers(), logits)
     assert acc.tokens.tolist() == ref.tokens.tolist()
 

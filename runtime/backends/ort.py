@@ -4,11 +4,19 @@ The cache buffers are bound with IOBinding both as ``past_*`` inputs and as the 
 outputs, so the graph's ScatterND writes the new rows straight into the preallocated cache: no
 per-step copy of the cache happens outside the graph (an experiment here measured aliasing as
 bit-identical and ~4% faster than alternating two buffers).
+
+:class:`OrtCudaBackend` (``ort-cuda``, ``ort-trt``; UNTESTED on the CPU machines this project develops
+on) keeps the cache and every input/output in fixed device buffers bound by raw pointer. With
+``enable_cuda_graph`` ONNX Runtime captures one CUDA graph per ``gpu_graph_id``; we give each
+(batch, capacity bucket, padded T) its own id and binding, following :mod:`specdeploy.runtime.capture`.
+The TensorRT EP gets an engine cache, a timing cache and explicit profile shapes (the same prefill and
+tree profiles as ``specdeploy build``).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +72,13 @@ class OrtBackend(Backend):
     """Runs the bundle's base step graph with ONNX Runtime."""
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cpu",
-                 threads: int | None = None, graph: GraphEntry | None = None):
+                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None):
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
         self.provider = provider
         self.name = f"ort-{provider}"
         entry = graph or manifest.graph("base")
-        self.session = make_session(self.bundle_dir / entry.file, provider, threads)
+        self.session = make_session(self.bundle_dir / entry.file, provider, threads, provider_options)
         m = manifest.model
         self._past = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
         self._present = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
@@ -127,3 +135,157 @@ class OrtBackend(Backend):
     def close(self) -> None:
         self._ortvalues.clear()
         self.session = None  # type: ignore[assignment]
+
+
+# --- GPU execution providers (UNTESTED here: needs a GPU with onnxruntime-gpu) ----------------------
+def _dims(shape: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def trt_ep_options(bundle_dir: Path, manifest: BundleManifest, precision: str = "fp32",
+                   workspace_gb: float = 4.0) -> dict[str, str]:
+    """TensorRT-EP provider options: engine and timing caches under ``bundle/engines/``, explicit profiles.
+
+    Each input is listed once per profile (prefill, then tree), which is how the EP takes several
+    optimization profiles.
+    """
+    from .trt import optimization_profiles
+
+    profiles = optimization_profiles(manifest.limits)
+    entry = manifest.graph("base")
+    shapes: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
+    for p in profiles:
+        for spec in entry.inputs:
+            lo, opt, hi = p.shapes(spec)
+            shapes["min"].append(f"{spec.name}:{_dims(lo)}")
+            shapes["opt"].append(f"{spec.name}:{_dims(opt)}")
+            shapes["max"].append(f"{spec.name}:{_dims(hi)}")
+    cache_dir = bundle_dir / "engines" / "ort-trt-ep"
+    return {
+        "device_id": "0",
+        "trt_engine_cache_enable": "1",
+        "trt_engine_cache_path": str(cache_dir),
+        "trt_timing_cache_enable": "1",
+        "trt_timing_cache_path": str(cache_dir),
+        "trt_max_workspace_size": str(int(workspace_gb * (1 << 30))),
+        "trt_fp16_enable": "1" if precision == "fp16" else "0",
+        "trt_bf16_enable": "1" if precision == "bf16" else "0",
+        "trt_profile_min_shapes": ",".join(shapes["min"]),
+        "trt_profile_opt_shapes": ",".join(shapes["opt"]),
+        "trt_profile_max_shapes": ",".join(shapes["max"]),
+        "trt_cuda_graph_enable": "0",  # our own graph ids need the CUDA EP's capture; see OrtCudaBackend
+    }
+
+
+@dataclass
+class _Binding:
+    """One IOBinding over fixed device buffers; ``graph_id`` -1 runs uncaptured."""
+
+    binding: Any
+    inputs: dict[str, Any]  # name -> DeviceArray
+    logits: Any
+    hidden: Any
+    graph_id: int
+    past_ptrs: tuple[int, ...]
+
+
+class OrtCudaBackend(OrtBackend):
+    """ORT on the CUDA EP (``enable_cuda_graph``) or the TensorRT EP, with IOBinding over device buffers."""
+
+    def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cuda",
+                 threads: int | None = None, cuda_graphs: bool = True, precision: str = "fp32"):
+        bundle_dir = Path(bundle_dir)
+        if provider == "cuda":
+            options = {"device_id": "0", "enable_cuda_graph": "1" if cuda_graphs else "0"}
+        elif provider == "tensorrt":
+            options = trt_ep_options(bundle_dir, manifest, precision)
+            cuda_graphs = False
+        else:
+            raise BackendUnavailableError(f"OrtCudaBackend runs the cuda or tensorrt provider, not '{provider}'.")
+        super().__init__(bundle_dir, manifest, provider, threads, provider_options=options)
+        from ..capture import tree_buckets
+        from ..kvcache import capacity_buckets
+        from .trt import CachePool, check, cudart
+
+        self._check, self._rt = check, cudart()
+        self.stream = check(self._rt.cudaStreamCreate())
+        self.cuda_graphs = cuda_graphs
+        self.t_buckets = tree_buckets(manifest.limits.max_tree)
+        self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
+        self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
+        entry = manifest.graph("base")
+        self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
+        self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
+        self._bindings: dict[tuple[int, int, int], _Binding] = {}
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        m = self.manifest.model
+        allocate = self.pool.allocator()
+        shape = (batch, m.num_kv_heads, capacity, m.head_dim)
+        keys = [allocate(shape) for _ in range(m.num_layers)]
+        values = [allocate(shape) for _ in range(m.num_layers)]
+        return KVCache(keys, values, 0, allocate)
+
+    def _bind(self, feed: StepInputs, past: list, graph_id: int) -> _Binding:
+        from .trt import DeviceArray
+
+        b, t = feed.input_ids.shape
+        k = len(feed.logits_index)
+        m = self.manifest.model
+        binding = self.session.io_binding()
+        inputs = {}
+        for name in ("input_ids", "position_ids", "attention_mask", "write_indices", "logits_index"):
+            host = getattr(feed, name)
+            buf = inputs[name] = DeviceArray(host.shape, self._in_dtype[name], self.stream)
+            binding.bind_input(name, "cuda", 0, buf.dtype, list(buf.shape), buf.ptr)
+        for past_name, present_name, buf in zip(self._past, self._present, past):
+            binding.bind_input(past_name, "cuda", 0, buf.dtype, list(buf.shape), buf.ptr)
+            binding.bind_output(present_name, "cuda", 0, buf.dtype, list(buf.shape), buf.ptr)  # in place
+        logits = DeviceArray((b, k, m.vocab_size), self._out_dtype["logits"], self.stream)
+        hidden = DeviceArray((b, t, m.hidden_size), self._out_dtype["hidden_states"], self.stream)
+        binding.bind_output("logits", "cuda", 0, logits.dtype, list(logits.shape), logits.ptr)
+        binding.bind_output("hidden_states", "cuda", 0, hidden.dtype, list(hidden.shape), hidden.ptr)
+        return _Binding(binding, inputs, logits, hidden, graph_id, tuple(p.ptr for p in past))
+
+    def _run(self, bound: _Binding, feed: StepInputs) -> None:
+        import onnxruntime as ort
+
+        for name, buf in bound.inputs.items():
+            buf.upload(getattr(feed, name))
+        self._check(self._rt.cudaStreamSynchronize(self.stream))  # ORT runs on its own stream
+        ro = ort.RunOptions()
+        ro.add_run_config_entry("gpu_graph_id", str(bound.graph_id))
+        self.session.run_with_iobinding(bound.binding, ro)
+
+    def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
+        from ..capture import prepare_captured_step
+
+        padded = prepare_captured_step(inputs, cache, self.t_buckets, self.cap_buckets) if self.cuda_graphs else None
+        past = cache.buffers()
+        if padded is not None:
+            key = (padded.key.batch, padded.key.capacity, padded.key.t_pad)
+            bound = self._bindings.get(key)
+            if bound is None or bound.past_ptrs != tuple(p.ptr for p in past):
+                bound = self._bindings[key] = self._bind(padded.inputs, past, graph_id=len(self._bindings) + 1)
+            self._run(bound, padded.inputs)
+            n, k = padded.n_real, padded.k_real
+        else:
+            bound = self._bind(inputs, past, graph_id=-1)  # -1: run without capturing
+            self._run(bound, inputs)
+            n, k = inputs.input_ids.shape[1], len(inputs.logits_index)
+        logits = bound.logits.download_rows(k)
+        hidden = bound.hidden.download_rows(n)
+        if padded is None:
+            for buf in (*bound.inputs.values(), bound.logits, bound.hidden):
+                buf.free()
+        return StepOutputs(logits=logits.astype(np.float32, copy=False),
+                           hidden_states=hidden.astype(np.float32, copy=False))
+
+    def close(self) -> None:
+        for bound in self._bindings.values():
+            for buf in (*bound.inputs.values(), bound.logits, bound.hidden):
+                buf.free()
+        self._bindings.clear()
+        if getattr(self, "pool", None) is not None:
+            self.pool.free()
+        super().close()

@@ -6,10 +6,19 @@ from pathlib import Path
 
 from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
+from ..tree import TreeSpec, parse_tree_arg
 from .base import DraftContext, Drafter
 from .prompt_lookup import PromptLookupDrafter
 
 DRAFTS = ("none", "prompt-lookup")
+MAX_LOOKUP_DEPTH = 16
+
+
+def tree_spec(tree: str | None, manifest: BundleManifest, max_depth: int) -> TreeSpec | None:
+    """Parse and check ``--tree`` against the bundle's limits (None: the drafter's default)."""
+    if tree in (None, "", "auto"):
+        return None
+    return parse_tree_arg(tree).validate(manifest.limits.max_tree, max_depth)
 
 
 def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
@@ -17,7 +26,12 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
     if name in (None, "", "none"):
         return None
     if name == "prompt-lookup":
-        return PromptLookupDrafter()
+        spec = tree_spec(tree, manifest, MAX_LOOKUP_DEPTH)
+        if spec is None:
+            return PromptLookupDrafter()
+        # A static tree bounds the lookup: branches at depth 1, tokens per branch, total nodes.
+        branches = max(1, sum(1 for c in spec.choices if len(c) == 1))
+        return PromptLookupDrafter(num_tokens=max(1, spec.depth), branches=branches, max_nodes=spec.num_nodes)
     raise DraftMismatchError(f"Unknown draft '{name}'; choose one of {', '.join(DRAFTS)}.")
 
 

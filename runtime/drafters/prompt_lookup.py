@@ -17,11 +17,13 @@ from .base import DraftContext, Drafter
 class PromptLookupDrafter(Drafter):
     kind = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, branches: int = 2):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, branches: int = 2,
+                 max_nodes: int | None = None):
         if not (1 <= min_ngram <= max_ngram):
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_tokens, self.branches = num_tokens, branches
+        self.max_nodes = max_nodes
 
     def _continuations(self, tokens: np.ndarray, length: int) -> list[np.ndarray]:
         """Up to ``branches`` distinct continuations of the longest matching suffix, most recent first."""
@@ -49,7 +51,7 @@ class PromptLookupDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
-        budget = ctx.max_nodes - 1
+        budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
         conts = self._continuations(tokens, min(self.num_tokens, budget)) if budget > 0 else []
         # Merge the continuations into a trie rooted at the current token.
         node_tokens, parents = [int(tokens[-1])], [-1]

@@ -1,0 +1,267 @@
+"""``specdeploy bench`` results: per-variant aggregation, JSON, Markdown table and PNG plots.
+
+Conventions (Spec-Bench): a variant's ``tokens_per_s`` is the mean over prompts of each prompt's
+end-to-end tokens/s (prefill included); ``decode_tokens_per_s`` leaves out the first forward pass;
+``speedup_vs_ar`` is the ratio of ``tokens_per_s`` to the ``ar`` variant's; ``mean_accepted_tokens``
+(tau) is the mean number of tokens emitted per decode step, pooled over all prompts.
+
+JSON schema (stable; CI and other tools read it)::
+
+    created: ISO-8601 UTC time
+    config: bundle, model (source path), num_prompts, max_new_tokens, threads, tree, prompts_file,
+            baseline ("ar"), baseline_added (ar was not asked for but ran as the baseline),
+            machine {cpu_count, usable_cpus, cpu_model, platform, python}, versions {package: version|null}
+    variants: [ in run order, skipped ones included
+      name, description, skipped, note (why skipped, or how outputs differ from ar; else null),
+      tokens_per_s, decode_tokens_per_s, speedup_vs_ar, mean_accepted_tokens (tau),
+      identical_to_ar (every prompt's ids equal ar's), identical_prompts (how many),
+      loop_overhead (fraction of decode time outside backend.step; ours only, else null),
+      acceptance_histogram {"<tokens per step>": steps}, steps, new_tokens, seconds,
+      prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
+                 steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
+                 first token that differs from ar, else null), token_ids,
+                 prompt and text (the first 3 prompts only) ] ]
+Values a variant cannot measure are null (skipped variants: all of them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Protocol
+
+from .bench_variants import BASELINE, RunResult, VariantSpec
+
+_VERSIONED = ("specdeploy", "onnxruntime", "onnxruntime-gpu", "numpy", "tokenizers", "torch", "transformers",
+              "onnxruntime-genai", "llama-cpp-python", "nvidia-mtbench-evaluator")
+
+
+class _Prompt(Protocol):
+    text: str
+    ids: list[int]
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+# --- aggregation -----------------------------------------------------------------------------
+def acceptance_histogram(accepted: list[int]) -> dict[str, int]:
+    """Counts of decode steps by tokens emitted in the step, keyed "1", "2", ... (JSON object keys)."""
+    return {str(k): v for k, v in sorted(Counter(accepted).items())}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length); None when identical."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _prompt_entry(i: int, r: RunResult, base: RunResult, prompt: _Prompt, codec: _Decoder,
+                  with_text: bool) -> dict[str, Any]:
+    n = len(r.tokens)
+    n_decode = n - r.first_tokens
+    entry: dict[str, Any] = {
+        "index": i,
+        "prompt_tokens": len(prompt.ids),
+        "new_tokens": n,
+        "seconds": r.seconds,
+        "tokens_per_s": n / r.seconds if r.seconds > 0 else 0.0,
+        "decode_tokens_per_s": n_decode / r.decode_seconds if r.decode_seconds > 0 and n_decode > 0 else None,
+        "tau": _mean(r.accepted) if r.accepted else None,
+        "steps": len(r.accepted) if r.accepted is not None else None,
+        "loop_overhead": (1.0 - r.backend_seconds / r.decode_seconds
+                          if r.backend_seconds is not None and r.decode_seconds > 0 else None),
+        "finish_reason": r.finish_reason or None,
+        "identical_to_ar": r.tokens == base.tokens,
+        "first_difference": _first_difference(r.tokens, base.tokens),
+        "token_ids": r.tokens,
+    }
+    if with_text:
+        entry["prompt"] = prompt.text
+        entry["text"] = codec.decode(r.tokens)
+    return entry
+
+
+def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResult], prompts: list[_Prompt],
+                   codec: _Decoder, text_prompts: int) -> dict[str, Any]:
+    per = [_prompt_entry(i, r, b, p, codec, i < text_prompts)
+           for i, (r, b, p) in enumerate(zip(runs, base, prompts))]
+    accepted = [a for r in runs if r.accepted is not None for a in r.accepted]
+    have_steps = all(r.accepted is not None for r in runs)
+    ours = all(r.backend_seconds is not None for r in runs)
+    decode_s = sum(r.decode_seconds for r in runs)
+    same = sum(p["identical_to_ar"] for p in per)
+    note = None
+    if same < len(per):
+        why = ("a different backend: fp32 torch kernels can flip near-tied argmaxes" if spec.runner != "ours"
+               else "greedy speculative decoding must match it exactly, so this is a bug")
+        note = f"differs from ar on {len(per) - same}/{len(per)} prompts ({why})"
+    return {
+        "name": spec.name,
+        "description": spec.description,
+        "skipped": False,
+        "note": note,
+        "tokens_per_s": _mean([p["tokens_per_s"] for p in per]),
+        "decode_tokens_per_s": _mean([p["decode_tokens_per_s"] for p in per if p["decode_tokens_per_s"]]),
+        "speedup_vs_ar": None,  # filled once the baseline is known
+        "mean_accepted_tokens": _mean(accepted) if have_steps and accepted else None,
+        "identical_to_ar": same == len(per),
+        "identical_prompts": same,
+        "loop_overhead": (1.0 - sum(r.backend_seconds or 0.0 for r in runs) / decode_s
+                          if ours and decode_s > 0 else None),
+        "acceptance_histogram": acceptance_histogram(accepted) if have_steps else None,
+        "steps": len(accepted) if have_steps else None,
+        "new_tokens": sum(len(r.tokens) for r in runs),
+        "seconds": sum(r.seconds for r in runs),
+        "prompts": per,
+    }
+
+
+def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
+    return {"name": spec.name, "description": spec.description, "skipped": True, "note": note,
+            "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None,
+            "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
+            "loop_overhead": None, "acceptance_histogram": None, "steps": None, "new_tokens": None,
+            "seconds": None, "prompts": []}
+
+
+def machine_info() -> dict[str, Any]:
+    cpu_model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu_model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model or platform.processor(),
+            "platform": platform.platform(), "python": sys.version.split()[0]}
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in _VERSIONED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dict[str, list[RunResult]],
+                 prompts: list[_Prompt], codec: _Decoder, config: dict[str, Any],
+                 text_prompts: int = 3) -> dict[str, Any]:
+    """The bench JSON document: ``variants`` (in run order), ``config`` and ``created``."""
+    base = results.get(BASELINE)
+    variants = []
+    for spec in specs:
+        if spec.name in skipped:
+            variants.append(_skipped_entry(spec, skipped[spec.name]))
+        else:
+            variants.append(_variant_entry(spec, results[spec.name], base or [], prompts, codec, text_prompts))
+    ar_tps = next((v["tokens_per_s"] for v in variants if v["name"] == BASELINE and not v["skipped"]), None)
+    for v in variants:
+        if ar_tps and v["tokens_per_s"] is not None:
+            v["speedup_vs_ar"] = v["tokens_per_s"] / ar_tps
+    config = {**config, "machine": machine_info(), "versions": package_versions()}
+    return {"variants": variants, "config": config,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+# --- outputs ---------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [
+        (f"specdeploy bench: {Path(c['model']).name}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
+         f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']})"),
+        "",
+        "| variant | tok/s | decode tok/s | speed-up vs ar | τ | identical to ar | loop overhead | note |",
+        "|---|---:|---:|---:|---:|:---:|---:|---|",
+    ]
+    for v in report["variants"]:
+        if v["skipped"]:
+            ident = "–"
+        elif v["identical_to_ar"]:
+            ident = "yes"
+        else:
+            ident = f"no ({v['identical_prompts']}/{len(v['prompts'])} same)"
+        overhead = None if v["loop_overhead"] is None else 100 * v["loop_overhead"]
+        lines.append(
+            f"| {v['name']} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
+            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {ident} | "
+            f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot_speed(report: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ran = [v for v in report["variants"] if not v["skipped"]]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(ran) + 2), 4))
+    bars = ax.bar([v["name"] for v in ran], [v["tokens_per_s"] for v in ran], color="tab:blue")
+    for bar, v in zip(bars, ran):
+        label = _fmt(v["speedup_vs_ar"], ".2f", "×")
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                    xytext=(0, 2), textcoords="offset points")
+    c = report["config"]
+    ax.set_ylabel("tokens/s (end to end, mean over prompts)")
+    ax.set_title(f"{Path(c['model']).name}: {c['num_prompts']} prompts x {c['max_new_tokens']} tokens, "
+                 f"{c['threads']} threads", fontsize=9)
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_acceptance(report: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ran = [v for v in report["variants"] if not v["skipped"]]
+    fig, axes = plt.subplots(1, max(1, len(ran)), figsize=(3.2 * max(1, len(ran)), 3), squeeze=False)
+    for ax, v in zip(axes[0], ran):
+        hist = v["acceptance_histogram"]
+        if hist:
+            total = sum(hist.values())
+            ax.bar([int(k) for k in hist], [n / total for n in hist.values()], color="tab:green")
+            ax.set_xticks([int(k) for k in hist])
+        else:
+            ax.text(0.5, 0.5, "no per-step data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(f"{v['name']} (τ {_fmt(v['mean_accepted_tokens'], '.2f')})", fontsize=9)
+        ax.set_xlabel("tokens per step")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("fraction of steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(report: dict[str, Any], json_out: Path) -> str:
+    """Write ``json_out``, ``<stem>.md``, ``<stem>.png`` and ``<stem>_acceptance.png``; returns the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_out.with_name(json_out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, json_out)
+    table = markdown_table(report)
+    json_out.with_suffix(".md").write_text(table)
+    _plot_speed(report, json_out.with_suffix(".png"))
+    _plot_acceptance(report, json_out.with_name(json_out.stem + "_acceptance.png"))
+    return table

@@ -1,0 +1,90 @@
+"""One ``specdeploy bench`` variant in its own process, driven by JSON lines on stdin/stdout.
+
+Each variant gets its own process because torch and ONNX Runtime both start thread pools that
+fight for the cores when they live in one process; timing either one there is meaningless.
+
+Protocol (one JSON object per line):
+    worker -> {"event": "ready", "pid": ...}               after loading
+           -> {"event": "error", "message": ...}           a user error (SpecDeployError); exits 2
+    parent -> {"op": "generate", "ids": [...], "max_new_tokens": M}
+    worker -> {"event": "result", ...RunResult fields}
+    parent -> {"op": "quit"} or EOF                        the worker exits 0
+Any other failure prints its traceback on stderr and exits 1; the parent reports the stderr tail.
+
+    python -m specdeploy.exporter.bench_worker --variant ar --bundle bundles/smollm2 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "SPECDEPLOY_THREADS")
+
+
+def _protocol_channel() -> TextIO:
+    """Keep the real stdout for the protocol and point fd 1 at stderr, so stray prints from any
+    library (Python or C) cannot corrupt the JSON stream."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return proto
+
+
+def _send(channel: TextIO, message: dict) -> None:
+    channel.write(json.dumps(message) + "\n")
+    channel.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdeploy.exporter.bench_worker")
+    parser.add_argument("--variant", required=True)
+    parser.add_argument("--bundle", required=True, type=Path)
+    parser.add_argument("--threads", required=True, type=int)
+    parser.add_argument("--tree", default=None)
+    args = parser.parse_args(argv)
+    for var in THREAD_ENV:  # the parent sets them too; this covers a worker started by hand
+        os.environ[var] = str(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    channel = _protocol_channel()
+
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.errors import SpecDeployError
+
+    from .bench_variants import RUNNERS, VARIANTS
+
+    spec = VARIANTS[args.variant]
+    try:
+        manifest = read_manifest(args.bundle)
+        runner = RUNNERS[spec.runner](args.bundle, manifest, spec, args.threads, args.tree)
+    except SpecDeployError as exc:
+        _send(channel, {"event": "error", "message": str(exc)})
+        return 2
+    _send(channel, {"event": "ready", "pid": os.getpid()})
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if request["op"] == "quit":
+                break
+            if request["op"] != "generate":
+                raise ValueError(f"unknown bench worker op {request['op']!r}")
+            try:
+                result = runner.generate([int(i) for i in request["ids"]], int(request["max_new_tokens"]))
+            except SpecDeployError as exc:
+                _send(channel, {"event": "error", "message": str(exc)})
+                return 2
+            _send(channel, {"event": "result", **dataclasses.asdict(result)})
+    finally:
+        runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

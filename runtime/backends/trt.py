@@ -1,0 +1,526 @@
+"""Native TensorRT backend, plus the TensorRT bookkeeping shared with the builder and the ORT TRT-EP.
+
+Pure parts (tested on CPU): optimization profiles (:func:`optimization_profiles`), which profile a
+shape runs under (:func:`pick_profile`), where engines live (:func:`engine_dir_name`) and which engine
+a machine may load (:func:`select_engine`).
+
+Device parts (UNTESTED on the CPU machines this project develops on; exercised by
+``scripts/gpu_check.sh`` where TensorRT is installed): ``tensorrt`` and ``cuda-python`` are imported
+lazily. Every buffer is preallocated device memory bound with ``set_tensor_address``; steps run with
+``execute_async_v3`` on one stream. Decode steps are captured as CUDA graphs keyed by (capacity bucket,
+padded T, ping-pong parity), following :mod:`specdeploy.runtime.capture`: warm up once, capture, then
+replay with the inputs copied into the fixed buffers. Only the real rows of logits and hidden states
+are copied back to the host.
+
+KV write. The graph writes the cache with ScatterND, whose output is a full copy of ``past`` with the
+new rows scattered in. TensorRT does not promise that an output may alias an input, so the backend
+keeps two buffer sets per capacity bucket and alternates them (``present`` of one step is ``past`` of
+the next). See ``exporter/trt_build.py`` for why the KVCacheUpdate layer is not used.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..bundle import BundleManifest, EngineEntry, Limits, TensorSpec
+from ..capture import prepare_captured_step, tree_buckets
+from ..errors import BackendUnavailableError, BundleError
+from ..kvcache import KVCache, bucket_for, capacity_buckets
+from .base import Backend, StepInputs, StepOutputs
+
+# Which engine a backend loads when the bundle has several precisions for this GPU.
+PRECISION_PREFERENCE = ("fp16", "bf16", "fp32")
+PREFILL_OPT_T = 256  # the prompt length prefill kernels are tuned for (a typical chat turn)
+
+
+# --- optimization profiles (pure) --------------------------------------------------------------
+@dataclass(frozen=True)
+class DimRange:
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.opt <= self.max:
+            raise ValueError(f"need 1 <= min <= opt <= max, got {self.min}/{self.opt}/{self.max}")
+
+    def __contains__(self, value: int) -> bool:
+        return self.min <= value <= self.max
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Ranges of the graph's dynamic dimensions for one TensorRT optimization profile.
+
+    ``capacity`` is the cache length C (committed past + this step's rows), ``tree`` is T and ``kept``
+    is the number of logits rows K.
+    """
+
+    name: str  # "prefill" | "tree"
+    batch: DimRange
+    tree: DimRange
+    capacity: DimRange
+    kept: DimRange
+
+    def dim(self, symbol: str) -> DimRange:
+        ranges = {"batch": self.batch, "tree": self.tree, "capacity": self.capacity, "kept": self.kept}
+        if symbol not in ranges:
+            raise BundleError(
+                f"The graph has a dynamic dimension '{symbol}' that TensorRT profiles do not know how to bound "
+                f"(known: {', '.join(ranges)})."
+            )
+        return ranges[symbol]
+
+    def shapes(self, spec: TensorSpec) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(min, opt, max) shapes of one graph input; fixed dimensions stay as they are."""
+        dims = [(d, d, d) if isinstance(d, int) else (self.dim(d).min, self.dim(d).opt, self.dim(d).max)
+                for d in spec.shape]
+        return tuple(tuple(d[i] for d in dims) for i in range(3))  # type: ignore[return-value]
+
+    def contains(self, batch: int, tree: int, capacity: int, kept: int) -> bool:
+        return batch in self.batch and tree in self.tree and capacity in self.capacity and kept in self.kept
+
+
+def optimization_profiles(limits: Limits, max_tree: int | None = None, max_context: int | None = None,
+                          max_batch: int | None = None) -> list[Profile]:
+    """The prefill and tree-decoding profiles for a build; ``None`` means the bundle's limit.
+
+    * prefill: T from 1 to ``max_context`` (tuned for a ``PREFILL_OPT_T``-token prompt), K from 1
+      (the decoder keeps only the last row) to T;
+    * tree: T from 1 to ``max_tree`` (tuned for a full tree), K = up to T;
+    * both: capacity over the whole bucket range ``capacity_buckets(max_context, max_tree)`` (tuned for
+      the middle bucket, the prefill for the bucket its prompt lands in) and batch 1..``max_batch``
+      (tuned for 1, the single-stream case).
+    """
+    tree = limits.max_tree if max_tree is None else max_tree
+    ctx = limits.max_context if max_context is None else max_context
+    batch = limits.max_batch if max_batch is None else max_batch
+    for flag, value, limit in (("--max-tree", tree, limits.max_tree), ("--max-context", ctx, limits.max_context),
+                               ("--max-batch", batch, limits.max_batch)):
+        if value < 1:
+            raise BundleError(f"{flag} must be at least 1; got {value}.")
+        if value > limit:
+            raise BundleError(f"{flag} {value} exceeds the bundle's limit of {limit}; re-export with a larger limit.")
+    buckets = capacity_buckets(ctx, tree)
+    cap_mid = buckets[len(buckets) // 2]
+    b = DimRange(1, 1, batch)
+    pre_t = DimRange(1, min(PREFILL_OPT_T, ctx), ctx)
+    prefill = Profile("prefill", b, pre_t, DimRange(buckets[0], bucket_for(pre_t.opt + tree, buckets), buckets[-1]),
+                      DimRange(1, 1, ctx))
+    tree_p = Profile("tree", b, DimRange(1, tree, tree), DimRange(buckets[0], cap_mid, buckets[-1]),
+                     DimRange(1, tree, tree))
+    return [prefill, tree_p]
+
+
+def pick_profile(profiles: Sequence[Profile], batch: int, tree: int, capacity: int, kept: int) -> int:
+    """Index of the profile a step runs under: the tree profile when it fits (it is tuned for decode)."""
+    order = sorted(range(len(profiles)), key=lambda i: profiles[i].name != "tree")
+    for i in order:
+        if profiles[i].contains(batch, tree, capacity, kept):
+            return i
+    raise BackendUnavailableError(
+        f"No TensorRT optimization profile covers batch {batch}, T {tree}, capacity {capacity}, K {kept}; "
+        "rebuild the engines with larger --max-* limits."
+    )
+
+
+# --- engines on disk (pure) -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The GPU and TensorRT version an engine is built for (engines are valid for exactly these)."""
+
+    gpu: str  # e.g. "NVIDIA H200"
+    compute_capability: str  # e.g. "9.0"
+    trt_version: str  # e.g. "10.15.1.29"
+
+    def describe(self) -> str:
+        return f"{self.gpu} (compute {self.compute_capability}) with TensorRT {self.trt_version}"
+
+
+def engine_dir_name(device: DeviceInfo) -> str:
+    """``engines/<gpu-name>-<compute-capability>-trt<version>``, e.g. ``nvidia-h200-sm90-trt10.15.1.29``."""
+    gpu = re.sub(r"[^a-z0-9]+", "-", device.gpu.lower()).strip("-") or "gpu"
+    cc = "sm" + device.compute_capability.replace(".", "")
+    return f"{gpu}-{cc}-trt{device.trt_version}"
+
+
+def engine_file(device: DeviceInfo, graph: str, precision: str) -> str:
+    """An engine's path relative to the bundle."""
+    return f"engines/{engine_dir_name(device)}/{graph}-{precision}.plan"
+
+
+def _same_device(e: EngineEntry, device: DeviceInfo) -> bool:
+    return (e.gpu, e.compute_capability, e.trt_version) == (device.gpu, device.compute_capability, device.trt_version)
+
+
+def select_engine(engines: Sequence[EngineEntry], graph: str, device: DeviceInfo,
+                  precision: str | None = None) -> EngineEntry:
+    """The engine this machine may load for ``graph``, or one clear sentence saying why there is none."""
+    mine = [e for e in engines if e.graph == graph]
+    if not mine:
+        raise BundleError(
+            f"The bundle has no TensorRT engine for its '{graph}' graph; build one with 'specdeploy build BUNDLE'."
+        )
+    here = [e for e in mine if _same_device(e, device)]
+    if not here:
+        other = mine[0]
+        raise BundleError(
+            f"The bundle's TensorRT engines were built for {other.gpu} (compute {other.compute_capability}) with "
+            f"TensorRT {other.trt_version}, but this machine has {device.describe()}; rebuild them here with "
+            "'specdeploy build BUNDLE'."
+        )
+    if precision is not None:
+        for e in here:
+            if e.precision == precision:
+                return e
+        raise BundleError(
+            f"The bundle has no {precision} TensorRT engine for this GPU (it has: "
+            f"{', '.join(sorted(e.precision for e in here))}); build one with "
+            f"'specdeploy build BUNDLE --precision {precision}'."
+        )
+    rank = {p: i for i, p in enumerate(PRECISION_PREFERENCE)}
+    return min(here, key=lambda e: rank.get(e.precision, len(rank)))
+
+
+# --- CUDA runtime through cuda-python (lazy) -----------------------------------------------------
+def require_tensorrt() -> Any:
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise BackendUnavailableError(
+            "TensorRT is not installed: the 'trt' backend and 'specdeploy build' need an NVIDIA GPU with the "
+            "tensorrt and cuda-python packages (pip install 'specdeploy[trt]' cuda-python)."
+        ) from None
+    return trt
+
+
+def cudart() -> Any:
+    try:
+        from cuda.bindings import runtime as rt  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart as rt  # older cuda-python
+        except ImportError:
+            raise BackendUnavailableError(
+                "The GPU backends need the cuda-python package for device memory (pip install cuda-python)."
+            ) from None
+    return rt
+
+
+def check(result: Any) -> Any:
+    """Unwrap a cuda-python ``(err, *values)`` tuple, raising on error."""
+    rt = cudart()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != rt.cudaError_t.cudaSuccess:
+        msg = rt.cudaGetErrorString(err)[1]
+        raise RuntimeError(f"CUDA error: {msg.decode() if isinstance(msg, bytes) else msg}")
+    return values[0] if len(values) == 1 else (values or None)
+
+
+def current_device(trt_version: str) -> DeviceInfo:
+    rt = cudart()
+    err, count = rt.cudaGetDeviceCount()
+    if err != rt.cudaError_t.cudaSuccess or count == 0:
+        raise BackendUnavailableError("No CUDA GPU is visible on this machine; TensorRT needs one.")
+    props = check(rt.cudaGetDeviceProperties(0))
+    name = props.name.decode().rstrip("\x00") if isinstance(props.name, bytes) else str(props.name)
+    return DeviceInfo(name, f"{props.major}.{props.minor}", trt_version)
+
+
+class DeviceArray:
+    """A C-contiguous device buffer. Supports exactly the indexing :class:`KVCache` uses on axis 2:
+
+    ``new[:, :, :n] = old[:, :, :n]`` (grow) and ``buf[:, :, dst] = buf[:, :, src]`` (commit).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, stream: Any):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.stream = stream
+        self.ptr = int(check(cudart().cudaMalloc(max(self.nbytes, 1))))
+
+    def zero(self) -> DeviceArray:
+        check(cudart().cudaMemsetAsync(self.ptr, 0, self.nbytes, self.stream))
+        return self
+
+    def upload(self, host: np.ndarray) -> None:
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        assert host.nbytes == self.nbytes, (host.shape, self.shape)
+        rt = cudart()
+        check(rt.cudaMemcpyAsync(self.ptr, host.ctypes.data, self.nbytes,
+                                 rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+
+    def download_rows(self, rows: int) -> np.ndarray:
+        """The first ``rows`` entries of axis 1 of a [B, R, X] buffer, as a host array [B, rows, X]."""
+        b, r, x = self.shape
+        out = np.empty((b, rows, x), dtype=self.dtype)
+        es = self.dtype.itemsize
+        rt = cudart()
+        check(rt.cudaMemcpy2DAsync(out.ctypes.data, rows * x * es, self.ptr, r * x * es, rows * x * es, b,
+                                   rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        check(rt.cudaStreamSynchronize(self.stream))
+        return out
+
+    def __getitem__(self, key: tuple) -> tuple[DeviceArray, Any]:
+        return (self, key[2])
+
+    def __setitem__(self, key: tuple, value: tuple[DeviceArray, Any]) -> None:
+        src, src_idx = value
+        dst_idx = key[2]
+        b, h, c, d = self.shape
+        es = self.dtype.itemsize
+        row = d * es
+        rt = cudart()
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+
+        def copy(dst_slot: int, src_slot: int, n: int) -> None:  # n slots for each of the B*H rows
+            check(rt.cudaMemcpy2DAsync(self.ptr + dst_slot * row, c * row, src.ptr + src_slot * row,
+                                       src.shape[2] * row, n * row, b * h, kind, self.stream))
+
+        if isinstance(dst_idx, slice):
+            n = len(range(*dst_idx.indices(c)))
+            if n:
+                copy(dst_idx.start or 0, src_idx.start or 0, n)
+            return
+        dst, srcs = np.asarray(dst_idx), np.asarray(src_idx)
+        if np.any(dst > srcs) or np.any(np.diff(dst) <= 0):
+            raise ValueError("commit moves rows towards the front only, in increasing order")
+        for t, s in zip(dst.tolist(), srcs.tolist()):  # increasing order never overwrites a later source
+            if t != s:
+                copy(t, s, 1)
+
+    def free(self) -> None:
+        if self.ptr:
+            cudart().cudaFree(self.ptr)
+            self.ptr = 0
+
+
+class CachePool:
+    """Persistent device cache buffers per bucket, so the addresses baked into captured graphs stay valid.
+
+    ``allocator()`` hands a KVCache the pool's buffers in allocation order (KVCache allocates keys then
+    values, in the same order every time). With ``ping_pong`` every buffer has a partner that the step
+    writes ``present`` into (TensorRT); without it ``present`` aliases ``past`` (ONNX Runtime allows that).
+    A backend serves one cache at a time: a second live cache would share these buffers.
+    """
+
+    def __init__(self, dtype: Any, stream: Any, ping_pong: bool):
+        self.dtype, self.stream, self.ping_pong = dtype, stream, ping_pong
+        self._bufs: dict[tuple[int, ...], list[DeviceArray]] = {}
+        self._partner: dict[int, DeviceArray] = {}
+        self._first: set[int] = set()
+
+    def allocator(self):
+        counts: dict[tuple[int, ...], int] = {}
+
+        def allocate(shape: tuple[int, ...]) -> DeviceArray:
+            shape = tuple(int(s) for s in shape)
+            k = counts.get(shape, 0)
+            counts[shape] = k + 1
+            bufs = self._bufs.setdefault(shape, [])
+            if k == len(bufs):
+                a = DeviceArray(shape, self.dtype, self.stream)
+                b = DeviceArray(shape, self.dtype, self.stream) if self.ping_pong else a
+                bufs.append(a)
+                self._partner[a.ptr], self._partner[b.ptr] = b, a
+                self._first.add(a.ptr)
+            return bufs[k].zero()
+
+        return allocate
+
+    def partner(self, buf: DeviceArray) -> DeviceArray:
+        return self._partner[buf.ptr]
+
+    def parity(self, buf: DeviceArray) -> int:
+        return 0 if buf.ptr in self._first else 1
+
+    def free(self) -> None:
+        for bufs in self._bufs.values():
+            for a in bufs:
+                b = self._partner.get(a.ptr)
+                a.free()
+                if b is not None and b is not a:
+                    b.free()
+        self._bufs.clear()
+        self._partner.clear()
+        self._first.clear()
+
+
+# --- the backend (UNTESTED here: needs a GPU with TensorRT) ---------------------------------------
+def engine_profiles(engine: Any) -> list[Profile]:
+    """Read the profiles back from a deserialized engine (it may have been built with smaller limits)."""
+    n = engine.num_optimization_profiles
+    names = ["prefill", "tree"] + [f"p{i}" for i in range(2, n)] if n >= 2 else ["tree"]
+    out = []
+    for p in range(n):
+        ids = engine.get_tensor_profile_shape("input_ids", p)  # [min, opt, max] of [B, T]
+        mask = engine.get_tensor_profile_shape("attention_mask", p)  # [B, 1, T, C]
+        lidx = engine.get_tensor_profile_shape("logits_index", p)  # [K]
+        out.append(Profile(
+            names[p],
+            DimRange(ids[0][0], ids[1][0], ids[2][0]),
+            DimRange(ids[0][1], ids[1][1], ids[2][1]),
+            DimRange(mask[0][3], mask[1][3], mask[2][3]),
+            DimRange(lidx[0][0], lidx[1][0], lidx[2][0]),
+        ))
+    return out
+
+
+class _Slot:
+    """One execution context with fixed shapes and fixed I/O buffers; optionally a captured CUDA graph."""
+
+    def __init__(self, backend: TrtBackend, profile: int, feed: StepInputs, past: list[DeviceArray],
+                 present: list[DeviceArray]):
+        self.backend = backend
+        trt, engine, stream = backend.trt, backend.engine, backend.stream
+        self.context = engine.create_execution_context()
+        if not self.context.set_optimization_profile_async(profile, stream):
+            raise RuntimeError(f"TensorRT refused optimization profile {profile}")
+        self.inputs: dict[str, DeviceArray] = {}
+        for name in ("input_ids", "position_ids", "attention_mask", "write_indices", "logits_index"):
+            host = getattr(feed, name)
+            buf = DeviceArray(host.shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
+            self.inputs[name] = buf
+            self.context.set_input_shape(name, host.shape)
+            self.context.set_tensor_address(name, buf.ptr)
+        for name, buf in zip(backend.past_names, past):
+            self.context.set_input_shape(name, buf.shape)
+            self.context.set_tensor_address(name, buf.ptr)
+        for name, buf in zip(backend.present_names, present):
+            self.context.set_tensor_address(name, buf.ptr)
+        self.outputs: dict[str, DeviceArray] = {}
+        for name in ("logits", "hidden_states"):
+            shape = tuple(self.context.get_tensor_shape(name))
+            buf = DeviceArray(shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
+            self.outputs[name] = buf
+            self.context.set_tensor_address(name, buf.ptr)
+        self.graph_exec = None
+
+    def load(self, feed: StepInputs) -> None:
+        for name, buf in self.inputs.items():
+            buf.upload(getattr(feed, name))
+
+    def execute(self) -> None:
+        if not self.context.execute_async_v3(self.backend.stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed")
+
+    def capture(self) -> None:
+        """Warm up (TensorRT allocates lazily on the first run), then capture one execution."""
+        rt, stream = cudart(), self.backend.stream
+        self.execute()
+        check(rt.cudaStreamSynchronize(stream))
+        check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal))
+        self.execute()
+        graph = check(rt.cudaStreamEndCapture(stream))
+        self.graph_exec = check(rt.cudaGraphInstantiate(graph, 0))
+        check(rt.cudaGraphDestroy(graph))
+
+    def launch(self) -> None:
+        if self.graph_exec is None:
+            self.execute()
+        else:
+            check(cudart().cudaGraphLaunch(self.graph_exec, self.backend.stream))
+
+    def free(self) -> None:
+        if self.graph_exec is not None:
+            cudart().cudaGraphExecDestroy(self.graph_exec)
+            self.graph_exec = None
+        for buf in (*self.inputs.values(), *self.outputs.values()):
+            buf.free()
+        self.context = None
+
+
+class TrtBackend(Backend):
+    """Runs the bundle's base TensorRT engine built for this GPU (see ``specdeploy build``)."""
+
+    def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, precision: str | None = None,
+                 cuda_graphs: bool = True):
+        trt = require_tensorrt()
+        rt = cudart()
+        self.trt, self.bundle_dir, self.manifest = trt, Path(bundle_dir), manifest
+        device = current_device(trt.__version__)
+        entry = select_engine(manifest.engines, "base", device, precision)
+        path = self.bundle_dir / entry.file
+        if not path.is_file():
+            raise BundleError(f"The bundle is incomplete: TensorRT engine '{entry.file}' is listed but missing.")
+        self.logger = trt.Logger(trt.Logger.ERROR)
+        self.runtime = trt.Runtime(self.logger)
+        self.engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise BundleError(
+                f"TensorRT {trt.__version__} cannot load engine '{entry.file}' (built for {entry.gpu} with "
+                f"TensorRT {entry.trt_version}); rebuild it with 'specdeploy build BUNDLE'."
+            )
+        self.name = f"trt-{entry.precision}"
+        self.cuda_graphs = cuda_graphs
+        self.stream = check(rt.cudaStreamCreate())
+        m = manifest.model
+        self.past_names = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
+        self.present_names = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
+        self._mask_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype("attention_mask")))
+        self.profiles = engine_profiles(self.engine)
+        self.t_buckets = tree_buckets(min(manifest.limits.max_tree, max(p.tree.max for p in self.profiles
+                                                                         if p.name == "tree")))
+        self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
+        self.pool = CachePool(trt.nptype(self.engine.get_tensor_dtype("past_key_0")), self.stream, ping_pong=True)
+        self._slots: dict[tuple, _Slot] = {}
+
+    @property
+    def mask_dtype(self) -> np.dtype:
+        return self._mask_dtype
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        m = self.manifest.model
+        allocate = self.pool.allocator()
+        shape = (batch, m.num_kv_heads, capacity, m.head_dim)
+        keys = [allocate(shape) for _ in range(m.num_layers)]
+        values = [allocate(shape) for _ in range(m.num_layers)]
+        return KVCache(keys, values, 0, allocate)
+
+    def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
+        padded = prepare_captured_step(inputs, cache, self.t_buckets, self.cap_buckets) if self.cuda_graphs else None
+        feed = padded.inputs if padded is not None else inputs
+        n = padded.n_real if padded is not None else inputs.input_ids.shape[1]
+        k = padded.k_real if padded is not None else len(inputs.logits_index)
+        past = cache.buffers()
+        present = [self.pool.partner(b) for b in past]
+        b, t = feed.input_ids.shape
+        c, kk = feed.attention_mask.shape[3], len(feed.logits_index)
+        profile = pick_profile(self.profiles, b, t, c, kk)
+        if padded is not None:
+            key = (b, c, t, self.pool.parity(past[0]))
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot(self, profile, feed, past, present)
+                slot.load(feed)
+                slot.capture()
+            slot.load(feed)
+            slot.launch()
+        else:  # prefill and oversized steps: a throwaway context at these exact shapes
+            slot = _Slot(self, profile, feed, past, present)
+            slot.load(feed)
+            slot.launch()
+        logits = slot.outputs["logits"].download_rows(k)  # [B, K, V]; syncs the stream
+        hidden = slot.outputs["hidden_states"].download_rows(n)  # [B, N, H]
+        if padded is None:
+            slot.free()
+        # present (the partner set) now holds the cache: swap it in.
+        L = self.manifest.model.num_layers
+        cache.keys[:] = [present[2 * i] for i in range(L)]
+        cache.values[:] = [present[2 * i + 1] for i in range(L)]
+        return StepOutputs(logits=logits.astype(np.float32, copy=False),
+                           hidden_states=hidden.astype(np.float32, copy=False))
+
+    def close(self) -> None:
+        for slot in self._slots.values():
+            slot.free()
+        self._slots.clear()
+        if getattr(self, "pool", None) is not None:
+            self.pool.free()

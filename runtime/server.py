@@ -1,0 +1,652 @@
+"""An OpenAI-compatible HTTP server over one :class:`Engine`: ``specdeploy serve BUNDLE``.
+
+    POST /v1/completions        POST /v1/chat/completions   (``"stream": true`` -> server-sent events)
+    GET  /v1/models             GET  /health                GET  /metrics (Prometheus text format)
+
+Built on Starlette and uvicorn, imported only here so that ``import specdeploy.runtime`` stays lean.
+The engine has one decode slot; each request runs its generation in a worker thread that queues for
+the slot, and the event loop only moves bytes. When a client disconnects, its stream is closed: a
+queued request leaves the queue and a running one stops after the current decode step, so the slot
+goes to the next request. Requests are validated with strict pydantic models (no type coercion,
+unknown fields rejected) and every failure is an OpenAI-style error body.
+
+Differences from the OpenAI API, on purpose: one choice per request (``n`` = 1), one prompt per
+completion request, no logprobs or penalties, and a request whose prompt plus ``max_tokens`` runs past
+the bundle's context ends there with ``finish_reason: "length"`` instead of being refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .engine import Completion, Engine, TextStream
+from .errors import SpecDeployError
+
+try:
+    import uvicorn
+    from pydantic import BaseModel, ConfigDict, Field, ValidationError
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError as _exc:  # the server stack is an optional extra
+    raise SpecDeployError(
+        f"`specdeploy serve` needs the server extra ({_exc.name} is missing): pip install 'specdeploy[serve]'."
+    ) from None
+
+log = logging.getLogger("specdeploy.server")
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_MAX_STOP_CHARS = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # id on /v1/models; default: the bundle folder's name
+    api_key: str | None = None
+    max_prompt_tokens: int | None = None  # default: the bundle's context - 1
+    max_tokens_limit: int | None = None  # default: the bundle's context
+    max_body_bytes: int = 1_000_000
+    max_queue: int = 64  # admitted generation requests (running + queued); more get a 503
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM/SIGINT
+
+
+# --- request schema ------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1 << 31)  # an extension, as in vLLM
+    stop: str | list[str] | None = Field(default=None)
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if self.status == 503:
+            headers = {"Retry-After": "1"}
+        return JSONResponse(_error_body(self.message, self.type, self.param, self.code), self.status,
+                            headers=headers)
+
+
+def _error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _param(loc: tuple, extra: bool = False) -> str | None:
+    """``("messages", 0, "content", "str")`` -> ``"messages[0].content"`` (pydantic's union branch tags dropped)."""
+    fields = set(ChatMessage.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i == 0 or part in fields or (extra and i == len(loc) - 1):
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _parse(model: type[_Strict], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = _param(err["loc"], extra=err["type"] == "extra_forbidden")
+        if err["type"] == "json_invalid":
+            msg = f"The request body is not valid UTF-8 JSON ({err['msg']})."
+        elif err["type"] == "model_type":
+            msg = "The request body must be a JSON object."
+        elif err["type"] == "extra_forbidden":
+            msg = f"Unrecognized request argument supplied: {param}"
+        elif err["type"] == "missing":
+            msg = f"Missing required parameter: '{param}'."
+        else:
+            msg = f"Invalid value for '{param}': {err['msg']}."
+        raise ApiError(400, msg, param=param, code="invalid_value" if param else None) from None
+
+
+def _unsupported(req: _GenerationRequest) -> None:
+    """Reject OpenAI features this server does not implement instead of silently ignoring them."""
+    checks = [
+        ("n", req.n != 1, "Only n=1 is supported."),
+        ("presence_penalty", req.presence_penalty != 0.0, "presence_penalty is not supported."),
+        ("frequency_penalty", req.frequency_penalty != 0.0, "frequency_penalty is not supported."),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported."),
+    ]
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    checks.append(("stop", len(stops) > 4, "At most 4 stop sequences are allowed."))
+    checks.append(("stop", any(len(s) > _MAX_STOP_CHARS for s in stops),
+                   f"A stop sequence may be at most {_MAX_STOP_CHARS} characters."))
+    if isinstance(req, CompletionRequest):
+        checks += [
+            ("prompt", isinstance(req.prompt, list) and len(req.prompt) != 1, "Give exactly one prompt per request."),
+            ("echo", req.echo, "echo is not supported."),
+            ("best_of", req.best_of not in (None, 1), "Only best_of=1 is supported."),
+            ("logprobs", req.logprobs is not None, "logprobs are not supported."),
+            ("suffix", req.suffix is not None, "suffix is not supported."),
+        ]
+    if isinstance(req, ChatRequest):
+        checks += [
+            ("logprobs", bool(req.logprobs), "logprobs are not supported."),
+            ("top_logprobs", req.top_logprobs is not None, "top_logprobs are not supported."),
+        ]
+    for param, bad, msg in checks:
+        if bad:
+            raise ApiError(400, msg, param=param, code="unsupported_value")
+
+
+# --- response shapes -----------------------------------------------------------------------------
+class _Shape:
+    """How one endpoint's responses and stream chunks look."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, object: str) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            d: dict = {} if delta is None else {"content": delta}
+            if role:
+                d = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("text_completion") | {"choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, c: Completion) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [], "usage": _usage(c)}
+
+    def full(self, c: Completion) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                      "finish_reason": c.finish_reason}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            body = self._head("text_completion")
+        st = c.stats
+        return body | {"choices": [choice], "usage": _usage(c), "specdeploy": {
+            "tokens_per_s": round(st.tokens_per_s, 3), "tau": round(st.mean_accepted, 4), "steps": st.steps}}
+
+
+def _usage(c: Completion) -> dict:
+    p, n = c.stats.prompt_tokens, c.stats.new_tokens
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def _sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace") + b"\n\n"
+
+
+_DONE = object()
+
+
+def _exhaust(stream: TextStream) -> Completion | None:
+    for _ in stream:
+        pass
+    return stream.completion
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the client going away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- metrics -------------------------------------------------------------------------------------
+class _Metrics:
+    """HTTP-level counters; generation totals come from ``Engine.stats()`` at scrape time."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = {}
+        self.disconnects = 0
+        self.in_flight = 0  # admitted generation requests, running or queued
+
+    def observe(self, path: str, status: int) -> None:
+        key = (path if path in ENDPOINTS else "other", status)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def render(self, engine: Engine) -> str:
+        st = engine.stats()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{labels} {value:.10g}" for labels, value in samples)
+
+        def by_status(errors: bool) -> list[tuple[str, float]]:
+            return [(f'{{endpoint="{p}",status="{s}"}}', n) for (p, s), n in sorted(self.requests.items())
+                    if not errors or s >= 400]
+
+        metric("specdeploy_requests_total", "counter", "HTTP requests by endpoint and status.", by_status(False))
+        metric("specdeploy_errors_total", "counter", "HTTP responses with status >= 400.", by_status(True))
+        metric("specdeploy_client_disconnects_total", "counter",
+               "Generation requests whose client went away before the end.", [("", self.disconnects)])
+        metric("specdeploy_requests_in_flight", "gauge", "Generation requests admitted (running or queued).",
+               [("", self.in_flight)])
+        metric("specdeploy_queue_depth", "gauge", "Generations waiting for the decode slot.", [("", st.queue_depth)])
+        metric("specdeploy_generation_running", "gauge", "1 while a generation holds the decode slot.",
+               [("", st.running)])
+        metric("specdeploy_generations_total", "counter", "Generations that reached the decode slot.",
+               [("", st.generations)])
+        metric("specdeploy_generations_cancelled_total", "counter", "Generations closed before their end.",
+               [("", st.cancelled)])
+        metric("specdeploy_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", st.prompt_tokens)])
+        metric("specdeploy_generated_tokens_total", "counter", "Tokens generated.", [("", st.new_tokens)])
+        metric("specdeploy_decode_steps_total", "counter", "Target forward passes after the prefills.",
+               [("", st.steps)])
+        metric("specdeploy_busy_seconds_total", "counter", "Seconds the decode slot was held.", [("", st.busy_s)])
+        metric("specdeploy_tokens_per_second", "gauge", "Generated tokens per busy second, since start.",
+               [("", st.tokens_per_s)])
+        metric("specdeploy_last_tokens_per_second", "gauge", "Tokens per second of the last generation.",
+               [("", st.last_tokens_per_s)])
+        metric("specdeploy_tau", "gauge", "Mean tokens per decode step (tau), since start.", [("", st.tau)])
+        metric("specdeploy_last_tau", "gauge", "Mean tokens per decode step of the last generation.",
+               [("", st.last_tau)])
+        return "\n".join(lines) + "\n"
+
+
+# --- the application -----------------------------------------------------------------------------
+class _Server:
+    def __init__(self, engine: Engine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.model_id = config.model_name or engine.bundle_dir.resolve().name
+        context = engine.max_context
+        self.max_prompt_tokens = min(config.max_prompt_tokens or context - 1, context - 1)
+        self.max_tokens_limit = config.max_tokens_limit or context
+        self.metrics = _Metrics()
+        self.closing = False
+        self._cancel_timer: asyncio.TimerHandle | None = None
+        # One thread per admitted request: queued ones block in the engine's FIFO, so size it to the queue.
+        self.pool = ThreadPoolExecutor(max_workers=config.max_queue, thread_name_prefix="specdeploy-gen")
+
+    # --- plumbing ---
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = ApiError(413, f"The request body is larger than this server's limit of {limit} bytes.",
+                           code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _admit(self) -> None:
+        if self.closing or self.engine.closed:
+            raise ApiError(503, "The server is shutting down.", code="shutting_down")
+        if self.metrics.in_flight >= self.config.max_queue:
+            raise ApiError(503, f"The server is overloaded ({self.metrics.in_flight} requests in flight); "
+                                "retry shortly.", code="overloaded")
+        self.metrics.in_flight += 1
+
+    def _release(self) -> None:
+        self.metrics.in_flight -= 1
+
+    # --- endpoints ---
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = _parse(CompletionRequest, await self._body(request))
+        prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0] if req.prompt else ""
+        return await self._generate(request, req, prompt=prompt, messages=None,
+                                    max_tokens=req.max_tokens or 16)  # 16: OpenAI's default for completions
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatRequest = _parse(ChatRequest, await self._body(request))
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in req.messages]
+        max_tokens = req.max_completion_tokens or req.max_tokens or self.max_tokens_limit
+        return await self._generate(request, req, prompt=None, messages=messages, max_tokens=max_tokens)
+
+    async def _generate(self, request: Request, req: _GenerationRequest, prompt: str | None,
+                        messages: list[dict] | None, max_tokens: int) -> Response:
+        if req.model != self.model_id:
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_id}'.",
+                           param="model", code="model_not_found")
+        _unsupported(req)
+        if max_tokens > self.max_tokens_limit:
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise ApiError(400, f"{param} is {max_tokens} but this server allows at most {self.max_tokens_limit}.",
+                           param=param, code="invalid_value")
+        self._admit()
+        handed_off = False
+        try:
+            try:
+                stream = await run_in_threadpool(
+                    self.engine.stream, prompt, messages, max_new_tokens=max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, top_k=req.top_k, stop=[req.stop] if isinstance(req.stop, str) else req.stop or (),
+                    seed=None if req.seed is None else req.seed % (1 << 64))
+            except SpecDeployError as exc:
+                if self.engine.closed:
+                    raise ApiError(503, "The server is shutting down.", code="shutting_down") from None
+                raise ApiError(400, str(exc), param="messages" if messages else "prompt") from None
+            if stream.prompt_tokens > self.max_prompt_tokens:
+                stream.close()
+                raise ApiError(400, f"The prompt has {stream.prompt_tokens} tokens but this server accepts at most "
+                                    f"{self.max_prompt_tokens}.", param="messages" if messages else "prompt",
+                               code="context_length_exceeded")
+            shape = _Shape(messages is not None, self.model_id,
+                           bool(req.stream_options and req.stream_options.include_usage))
+            if req.stream:
+                handed_off = True  # the response releases the admission when it ends, however it ends
+                end = self._stream_end(request, stream)
+                return _EventStream(self._events(request, stream, shape, end), end)
+            completion = await self._drain(request, stream)
+            if completion is None:
+                return Response(status_code=499)  # the client went away; nobody reads this
+            request.scope["specdeploy.tokens"] = completion.stats.new_tokens
+            if completion.finish_reason == "cancelled":
+                raise ApiError(503, "The server is shutting down.", code="shutting_down")
+            return JSONResponse(shape.full(completion))
+        finally:
+            if not handed_off:
+                self._release()
+
+    async def _drain(self, request: Request, stream: TextStream) -> Completion | None:
+        """Run a whole generation in a worker thread; None if the client disconnected first."""
+        work = asyncio.get_running_loop().run_in_executor(self.pool, _exhaust, stream)
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            self.metrics.disconnects += 1
+            request.scope["specdeploy.tokens"] = stream.stats.new_tokens
+            request.scope["specdeploy.note"] = " client-disconnected"
+            return None
+        finally:
+            gone.cancel()
+            stream.close()  # a no-op once finished; otherwise frees the slot (disconnect or shutdown)
+
+    def _stream_end(self, request: Request, stream: TextStream) -> Callable[[bool], None]:
+        """Cleanup for one streamed response; runs once, from the body or from the response if no body ran."""
+        ended = False
+
+        def end(finished: bool) -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            stream.close()  # a no-op once finished; otherwise frees the slot
+            self._release()
+            if not finished:
+                self.metrics.disconnects += 1
+                request.scope["specdeploy.tokens"] = stream.stats.new_tokens
+                request.scope["specdeploy.note"] = " client-disconnected"
+
+        return end
+
+    async def _events(self, request: Request, stream: TextStream, shape: _Shape,
+                      end: Callable[[bool], None]) -> AsyncIterator[bytes]:
+        """Server-sent events; Starlette cancels this generator when the client disconnects."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def push(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (hard shutdown)
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                for delta in stream:
+                    push(delta)
+                push(_DONE)
+            except Exception as exc:  # noqa: BLE001 - handed to the event loop, which logs it
+                push(exc)
+
+        finished = False
+        try:
+            self.pool.submit(work)
+            if shape.chat:
+                yield _sse(shape.chunk(None, role=True))
+            while True:
+                item = await queue.get()
+                parts: list[str] = []
+                while isinstance(item, str):  # coalesce deltas that piled up while we were writing
+                    parts.append(item)
+                    item = queue.get_nowait() if not queue.empty() else None
+                if parts:
+                    yield _sse(shape.chunk("".join(parts)))
+                if item is None:
+                    continue
+                if isinstance(item, BaseException):
+                    log.error("generation failed", exc_info=item)
+                    yield _sse(_error_body("The generation failed; see the server log.", "server_error"))
+                    break
+                c = stream.completion
+                assert c is not None
+                request.scope["specdeploy.tokens"] = c.stats.new_tokens
+                if c.finish_reason == "cancelled":  # engine closed under us: shutdown
+                    request.scope["specdeploy.note"] = " cancelled-at-shutdown"
+                    yield _sse(_error_body("The server is shutting down.", "server_error", code="shutting_down"))
+                    break
+                yield _sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason))
+                if shape.include_usage:
+                    yield _sse(shape.usage_chunk(c))
+                break
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            end(finished)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "specdeploy",
+             "max_model_len": self.engine.max_context}]})
+
+    async def health(self, request: Request) -> Response:
+        st = self.engine.stats()
+        status = "shutting down" if self.closing or self.engine.closed else "ok"
+        return JSONResponse({"status": status, "model": self.model_id, "queue_depth": st.queue_depth,
+                             "running": st.running}, status_code=200 if status == "ok" else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(self.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- lifetime ---
+    def begin_shutdown(self, timeout: float) -> None:
+        """uvicorn stopped accepting: refuse new work now, and after ``timeout`` s cancel what is left.
+
+        Closing the engine ends queued and running streams cleanly (an SSE error event, a 503 for
+        non-streaming requests), so their connections close before uvicorn's own, harder deadline.
+        """
+        self.closing = True
+        loop = asyncio.get_running_loop()
+        self._cancel_timer = loop.call_later(timeout, lambda: loop.run_in_executor(None, self.engine.close))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        # Every connection is closed by now; closing the engine (again) lets the worker threads end.
+        self.closing = True
+        if self._cancel_timer is not None:
+            self._cancel_timer.cancel()
+        await run_in_threadpool(self.engine.close)
+        await run_in_threadpool(self.pool.shutdown, True, cancel_futures=True)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response whose cleanup also runs when its body never started (client gone before the first byte)."""
+
+    def __init__(self, body: AsyncIterator[bytes], end: Callable[[bool], None]):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end(False)
+
+
+class _FrontDoor:
+    """Pure ASGI wrapper (streaming-safe, unlike BaseHTTPMiddleware): API key, request metrics, one log line."""
+
+    def __init__(self, app: Any, server: _Server):
+        self.app, self.server = app, server
+        key = server.config.api_key
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    def _authorized(self, scope: dict) -> bool:
+        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(got, self.expected or b"")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.expected is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
+                err = ApiError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                await err.response()(scope, receive, send_status)
+            else:
+                await self.app(scope, receive, send_status)
+        finally:
+            self.server.metrics.observe(scope["path"], status[0])
+            log.info("%s %s %d tokens=%d %.3fs%s", scope["method"], scope["path"], status[0],
+                     scope.get("specdeploy.tokens", 0), time.perf_counter() - t0, scope.get("specdeploy.note", ""))
+
+
+def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> Any:
+    """The ASGI application serving ``engine``; closing the app (lifespan shutdown) closes the engine."""
+    return _build(_Server(engine, config))
+
+
+def _build(server: _Server) -> Any:
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(_error_body(str(exc.detail), "invalid_request_error"), exc.status_code)
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this, so uvicorn still logs the traceback: a bug stays visible.
+        return JSONResponse(_error_body("Internal server error.", "server_error"), 500)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/health", server.health, methods=["GET"]),
+            Route("/metrics", server.prometheus, methods=["GET"]),
+        ],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+        lifespan=server.lifespan,
+    )
+    return _FrontDoor(app, server)
+
+
+def run_server(engine: Engine, config: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight requests get ``config.shutdown_timeout`` seconds to finish."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    server = _Server(engine, config)
+    # uvicorn's own graceful timeout is only a backstop: ours ends the streams cleanly first.
+    uv = uvicorn.Config(_build(server), host=config.host, port=config.port, access_log=False, lifespan="on",
+                        timeout_graceful_shutdown=config.shutdown_timeout + 5.0, log_level="info")
+    _Uvicorn(uv, server).run()
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app_server: _Server):
+        super().__init__(config)
+        self.app_server = app_server
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.app_server.begin_shutdown(self.app_server.config.shutdown_timeout)
+        await super().shutdown(sockets)

@@ -1,0 +1,116 @@
+"""Shared fixtures: tiny random Llama-family models (fast) and the real SmolLM2 bundle (once per session)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("SPECDEPLOY_THREADS", "2")
+
+TINY = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": False}),
+}
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's real tokenizer (from the embedded GGUF), saved as a plain folder."""
+    from transformers import AutoTokenizer
+
+    from specdeploy.exporter.source import default_gguf_path
+
+    gguf = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    out = tmp_path_factory.mktemp("smol_tok")
+    tok.save_pretrained(out)
+    return out
+
+
+def make_tiny_model(model_type: str, dest: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer random model of the given family with SmolLM2's tokenizer (vocab 49152)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch, extra = TINY[model_type]
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+        architectures=[arch],
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so argmax ties are vanishingly rare
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(dest)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, dest / f.name)
+    json.loads((dest / "config.json").read_text())  # sanity: written
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, smol_tokenizer_dir):
+    cache: dict[str, Path] = {}
+
+    def make(model_type: str = "llama") -> Path:
+        if model_type not in cache:
+            cache[model_type] = make_tiny_model(model_type, tmp_path_factory.mktemp(f"tiny_{model_type}"),
+                                                smol_tokenizer_dir)
+        return cache[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_factory(tmp_path_factory, tiny_model_factory):
+    from specdeploy.exporter.export import export_base
+
+    cache: dict[str, Path] = {}
+
+    def make(model_type: str = "llama") -> Path:
+        if model_type not in cache:
+            out = tmp_path_factory.mktemp(f"bundle_{model_type}") / "bundle"
+            export_base(str(tiny_model_factory(model_type)), out, max_context=512, max_tree=64,
+                        progress=lambda m: None)
+            cache[model_type] = out
+        return cache[model_type]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_bundle_factory) -> Path:
+    return tiny_bundle_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def real_bundle(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct bundle (exported once; ~80 s on 2 cores)."""
+    from specdeploy.exporter.export import export_base
+
+    pre = os.environ.get("SPECDEPLOY_TEST_BUNDLE")
+    if pre and Path(pre, "manifest.json").is_file():
+        return Path(pre)
+    out = tmp_path_factory.mktemp("real") / "smollm2"
+    export_base(None, out, max_context=2048, progress=lambda m: None)
+    return out

@@ -1,0 +1,187 @@
+"""The decode loop on a tiny random model: speculative greedy == plain greedy, KV commit, edge cases,
+and exactness of speculative sampling through the whole loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig, SamplingParams
+from specdeploy.runtime.drafters.base import DraftContext, Drafter
+from specdeploy.runtime.errors import PromptError, TreeSpecError
+from specdeploy.runtime.tree import STATIC_TREES, DraftTree
+from specdeploy.runtime.verify import warp_logits
+
+
+class OracleDrafter(Drafter):
+    """Random trees in which one random root path carries the true continuation for a random length.
+
+    Accepted paths therefore run through arbitrary (non-first) branches, which exercises the KV
+    commit: a wrong row move changes every later token.
+    """
+
+    kind = "oracle"
+
+    def __init__(self, prompt_len: int, reference: list[int], max_nodes: int = 12, seed: int = 0, vocab: int = 49152):
+        self.prompt_len, self.reference = prompt_len, reference
+        self.max_nodes, self.rng, self.vocab = max_nodes, np.random.default_rng(seed), vocab
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        n = int(self.rng.integers(1, min(self.max_nodes, ctx.max_nodes) + 1))
+        parents = np.array([-1] + [int(self.rng.integers(0, i)) for i in range(1, n)], dtype=np.int64)
+        tokens = self.rng.integers(0, self.vocab, n).astype(np.int64)
+        tokens[0] = ctx.tokens[-1]
+        # Pick a random leaf-ward path and write the truth along it, for a random prefix of it.
+        done = len(ctx.tokens) - self.prompt_len  # tokens of the reference already emitted
+        leaf = int(self.rng.integers(0, n))
+        path = []
+        while leaf > 0:
+            path.append(leaf)
+            leaf = int(parents[leaf])
+        path.reverse()
+        good = int(self.rng.integers(0, len(path) + 1))
+        for depth, node in enumerate(path[:good]):
+            if done + depth < len(self.reference):
+                tokens[node] = self.reference[done + depth]
+        return DraftTree(tokens=tokens, parents=parents)
+
+
+def _plain(engine, ids, n):
+    return engine.generate_ids(ids, GenerationConfig(n))
+
+
+def test_speculative_greedy_matches_plain_with_random_trees(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        for seed, text in enumerate(["Hello there, how are you today?", "1 2 3 4 5", "a"]):
+            ids = engine.encode(text)
+            ref = _plain(engine, ids, 40)
+            drafter = OracleDrafter(len(ids), ref, seed=seed)
+            dec = Decoder(engine.backend, engine.manifest, drafter)
+            stats = DecodeStats()
+            out = list(dec.generate(ids, GenerationConfig(40), stats))
+            assert out == ref
+            assert stats.mean_accepted > 1.2  # the oracle's paths were really accepted
+            assert len(stats.accepted) == stats.steps
+
+
+def test_prompt_lookup_matches_plain_on_repetitive_text(tiny_bundle):
+    text = "one two three four one two three four one two three four one two"
+    with load(tiny_bundle) as plain, load(tiny_bundle, draft="prompt-lookup") as spec:
+        ids = plain.encode(text)
+        for tree in (None, "chain4"):
+            eng = spec if tree is None else load(tiny_bundle, draft="prompt-lookup", tree=tree)
+            assert eng.generate_ids(ids, GenerationConfig(48)) == _plain(plain, ids, 48)
+
+
+def test_eos_inside_accepted_path_stops_there(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        ids = engine.encode("The end is near")
+        ref = _plain(engine, ids, 30)
+        eos_at = 7
+        manifest = engine.manifest.replace(
+            model=engine.manifest.model.__class__(**{**engine.manifest.model.__dict__, "eos_token_ids": (ref[eos_at],)})
+        )
+        plain = list(Decoder(engine.backend, manifest).generate(ids, GenerationConfig(30)))
+        assert plain == ref[: ref.index(ref[eos_at]) + 1]
+        dec = Decoder(engine.backend, manifest, OracleDrafter(len(ids), ref, max_nodes=16, seed=3))
+        stats = DecodeStats()
+        assert list(dec.generate(ids, GenerationConfig(30), stats)) == plain
+        assert stats.finish_reason == "stop"
+
+
+def test_max_tokens_reached_mid_path(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        ids = engine.encode("Counting: 1, 2, 3")
+        ref = _plain(engine, ids, 40)
+
+        class Chain(Drafter):
+            def propose(self, ctx):  # the next true tokens: every step accepts all + a bonus
+                done = len(ctx.tokens) - len(ids)
+                return DraftTree.chain(ctx.tokens[-1], ref[done : done + min(8, ctx.max_nodes - 1)])
+
+        for n in (1, 2, 5, 11, 13):
+            stats = DecodeStats()
+            out = list(Decoder(engine.backend, engine.manifest, Chain()).generate(ids, GenerationConfig(n), stats))
+            assert out == ref[:n] and stats.new_tokens == n and stats.finish_reason == "length"
+
+
+def test_cache_bucket_boundary(tiny_bundle):
+    """Generation that crosses the 256-slot bucket reallocates the cache without changing tokens."""
+    with load(tiny_bundle) as engine:
+        ids = engine.encode("word " * 120)[:240]
+        ref = _plain(engine, ids, 40)
+        drafter = OracleDrafter(len(ids), ref, max_nodes=16, seed=5)
+        dec = Decoder(engine.backend, engine.manifest, drafter)
+        assert list(dec.generate(ids, GenerationConfig(40))) == ref
+
+
+def test_one_token_prompt_and_context_limit(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        assert len(_plain(engine, [5], 8)) == 8
+        limit = engine.manifest.limits.max_context
+        stats = DecodeStats()
+        out = list(engine.decoder.generate([5] * (limit - 4), GenerationConfig(50), stats))
+        assert len(out) <= 4 and stats.finish_reason in ("length", "stop")
+        with pytest.raises(PromptError, match="maximum context"):
+            _plain(engine, [5] * limit, 4)
+        with pytest.raises(PromptError, match="empty"):
+            engine.generate("", max_new_tokens=4)
+
+
+def test_drafter_that_breaks_the_contract_is_refused(tiny_bundle):
+    class TooBig(Drafter):
+        def propose(self, ctx):
+            return DraftTree.chain(ctx.tokens[-1], [1] * (ctx.max_nodes + 3))
+
+    with load(tiny_bundle) as engine:
+        dec = Decoder(engine.backend, engine.manifest, TooBig())
+        with pytest.raises(TreeSpecError):
+            list(dec.generate(engine.encode("hi there"), GenerationConfig(8)))
+
+
+def test_invalid_tree_argument_is_one_sentence(tiny_bundle):
+    with pytest.raises(TreeSpecError):
+        load(tiny_bundle, draft="prompt-lookup", tree="[[0,0]]")  # dangling: (0,) missing
+    with pytest.raises(TreeSpecError):
+        load(tiny_bundle, draft="prompt-lookup", tree="no-such-tree")
+
+
+@pytest.mark.parametrize("drafted", ["likely", "unlikely"])
+def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
+    """First sampled token via the full loop (prefill + tree step) vs the base softmax: chi-square."""
+    with load(tiny_bundle) as engine:
+        ids = engine.encode("Once upon a time")
+        sampling = SamplingParams(temperature=1.5, top_k=8)
+        dec0 = Decoder(engine.backend, engine.manifest)
+        state, out = dec0.prefill(ids)
+        first = int(np.argmax(out.logits[0, -1]))
+        # The distribution of the 2nd emitted token given the 1st is `first`: one step from the root.
+        root_tree = DraftTree.chain(first, [])
+        logits = dec0.verify(state, root_tree, root_tree.buffers()).logits[0, 0]
+        p = warp_logits(logits, 1.5, 8, 1.0)
+        support = np.flatnonzero(p)
+        order = support[np.argsort(-p[support])]
+        drafts = order[:3] if drafted == "likely" else order[-3:]
+
+        class Fixed(Drafter):
+            def propose(self, ctx):  # three sibling drafts under the root
+                return DraftTree(np.array([ctx.tokens[-1], *drafts]), np.array([-1, 0, 0, 0]))
+
+        counts = np.zeros(len(p))
+        rng = np.random.default_rng(0)
+        dec = Decoder(engine.backend, engine.manifest, Fixed())
+        n = 3000
+        for _ in range(n):
+            st, _ = dec.prefill(ids)
+            st.tokens.append(first)
+            tree = dec.propose(st, 4)
+            bufs = tree.buffers()
+            o = dec.verify(st, tree, bufs)
+            acc = dec.accept(tree, bufs, o, sampling, rng)
+            counts[acc.tokens[0]] += 1
+        expected = p[support] * n
+        stat = chisquare(counts[support], expected)
+        assert counts[np.setdiff1d(np.arange(len(p)), support)].sum() == 0
+        assert stat.pvalue > 1e-3, (stat, counts[support], expected)

@@ -1,0 +1,209 @@
+"""Export, parity, manifest and bad-input tests on tiny random Llama, Mistral and Qwen2 models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specdeploy.exporter.cli import main
+from specdeploy.runtime import load
+from specdeploy.runtime.bundle import SCHEMA_VERSION, BundleManifest, read_manifest
+from specdeploy.runtime.errors import (
+    BundleError,
+    BundleExistsError,
+    ModelSourceError,
+    PromptError,
+    UnsupportedArchitectureError,
+)
+
+ARCHS = ["llama", "mistral", "qwen2"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
+    from specdeploy.exporter.validate import validate_bundle
+
+    bundle = tiny_bundle_factory(arch)
+    manifest = read_manifest(bundle)
+    base = manifest.graph("base")
+    names = [s.name for s in base.inputs]
+    assert names[:5] == ["input_ids", "position_ids", "attention_mask", "write_indices", "logits_index"]
+    assert [s.name for s in base.outputs][:2] == ["logits", "hidden_states"]
+    assert base.inputs[0].shape == ("batch", "tree") and base.inputs[5].shape[2] == "capacity"
+    checks = validate_bundle(bundle, str(tiny_model_factory(arch)), progress=lambda m: None)
+    assert {c.case for c in checks} == {"prefill", "step", "tree"}
+    assert all(c.passed for c in checks)
+    assert all(c.argmax_agree for c in checks if c.output == "logits")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch, tiny_bundle_factory, tiny_model_factory):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    bundle = tiny_bundle_factory(arch)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_factory(arch), dtype=torch.float32).eval()
+    with load(bundle) as engine:
+        ids = engine.encode("The weather today is")
+        ours = engine.generate_ids(ids, __import__("specdeploy.runtime.decode", fromlist=["x"]).GenerationConfig(16))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2)
+    assert ours == ref[0, len(ids):].tolist()[: len(ours)]
+
+
+def test_manifest_round_trip(tiny_bundle):
+    manifest = read_manifest(tiny_bundle)
+    again = BundleManifest.from_json(manifest.to_json())
+    assert again == manifest
+    assert again.schema_version == SCHEMA_VERSION
+    assert dict(again.versions)["onnx"]
+
+
+def _copy_bundle(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupt_bundles_are_refused(tiny_bundle, tmp_path):
+    missing = _copy_bundle(tiny_bundle, tmp_path / "missing")
+    (missing / "base.onnx").unlink()
+    with pytest.raises(BundleError, match="missing"):
+        load(missing)
+
+    changed = _copy_bundle(tiny_bundle, tmp_path / "changed")
+    data = changed / "base.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(BundleError, match="do not match the hash"):
+        load(changed)
+
+    newer = _copy_bundle(tiny_bundle, tmp_path / "newer")
+    m = json.loads((newer / "manifest.json").read_text())
+    m["schema_version"] = SCHEMA_VERSION + 1
+    (newer / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="newer"):
+        load(newer)
+
+    garbage = _copy_bundle(tiny_bundle, tmp_path / "garbage")
+    (garbage / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        load(garbage)
+
+    with pytest.raises(BundleError, match="No bundle directory"):
+        load(tmp_path / "nope")
+
+
+def test_bad_model_sources(tmp_path):
+    from specdeploy.exporter.export import export_base
+
+    with pytest.raises(ModelSourceError, match="does not exist"):
+        export_base(str(tmp_path / "missing"), tmp_path / "out")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        export_base(str(gpt2), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "weights.bin").write_bytes(b"xx")
+    with pytest.raises(ModelSourceError, match="neither"):
+        export_base(str(tmp_path / "weights.bin"), tmp_path / "out")
+
+
+def test_force_and_interrupted_export_leave_nothing_half_written(tiny_bundle, tiny_model_factory, tmp_path,
+                                                                  monkeypatch):
+    from specdeploy.exporter import export as export_mod
+
+    out = tmp_path / "b"
+    out.mkdir()
+    with pytest.raises(BundleExistsError, match="--force"):
+        export_mod.export_base(str(tiny_model_factory("llama")), out)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_mod, "export_graph", interrupted)
+    fresh = tmp_path / "fresh"
+    with pytest.raises(KeyboardInterrupt):
+        export_mod.export_base(str(tiny_model_factory("llama")), fresh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no partial bundle, no temp dir
+
+
+def test_prompt_errors(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        with pytest.raises(PromptError, match="empty"):
+            engine.generate("   ")
+        with pytest.raises(PromptError, match="maximum context"):
+            engine.generate("word " * 2000)
+
+
+def test_cli_generate_validate_and_errors(tiny_bundle, tiny_model_factory, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["generate", str(tiny_bundle), "--prompt", "Hello", "--max-new-tokens", "8"])
+    assert res.exit_code == 0, res.output
+    assert "tok/s" in res.output
+    res = runner.invoke(main, ["generate", str(tiny_bundle), "--prompt", "Hello", "--chat", "--max-new-tokens", "4",
+                               "--draft", "prompt-lookup"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(main, ["validate", str(tiny_bundle), "--model", str(tiny_model_factory("llama"))])
+    assert res.exit_code == 0 and res.output.strip().endswith("PASSED"), res.output
+    for args, msg in [
+        (["export", "base", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "does not exist"),
+        (["export", "base", "--out", str(tiny_bundle)], "--force"),
+        (["generate", str(tmp_path / "nope"), "--prompt", "x"], "No bundle directory"),
+        (["generate", str(tiny_bundle), "--prompt", "x", "--draft", "magic"], "Unknown draft"),
+        (["generate", str(tiny_bundle), "--prompt", "x", "--tree", "[[3,1]]", "--draft", "prompt-lookup"], "Dangling"),
+        (["generate", str(tiny_bundle), "--prompt", "x", "--backend", "ort-cuda"], "not available"),
+    ]:
+        res = runner.invoke(main, args)
+        assert res.exit_code != 0
+        assert msg in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+
+
+def test_runtime_is_lean(tiny_bundle):
+    """`import specdeploy.runtime` and `specdeploy generate` pull in neither torch nor transformers."""
+    code = f"""
+import sys
+import specdeploy.runtime
+from specdeploy.exporter.cli import main
+try:
+    main(["generate", {str(tiny_bundle)!r}, "--prompt", "Hi", "--max-new-tokens", "4", "--draft", "prompt-lookup"],
+         standalone_mode=False)
+finally:
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "onnx", "onnxscript"))
+    print("HEAVY", heavy)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "SPECDEPLOY_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout
+
+
+def test_import_directions():
+    """runtime/ imports nothing from graphs/ or exporter/; graphs/ imports neither of the others."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    rules = {"runtime": ("specdeploy.graphs", "specdeploy.exporter", "torch", "transformers"),
+             "graphs": ("specdeploy.runtime", "specdeploy.exporter")}
+    bad = []
+    for folder, banned in rules.items():
+        for path in (root / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                bad += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith(banned)]
+    assert not bad, bad

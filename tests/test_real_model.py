@@ -1,0 +1,88 @@
+"""The same capabilities on the real SmolLM2-135M-Instruct (exported once per session)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig
+
+pytestmark = pytest.mark.slow
+
+
+def _mtbench_prompts(n: int) -> list[str]:
+    from specdeploy.exporter.bench import default_prompts_file
+
+    lines = default_prompts_file().read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines[:n]]
+
+
+def test_validate_real_bundle(real_bundle):
+    from specdeploy.exporter.validate import validate_bundle
+
+    checks = validate_bundle(real_bundle, progress=lambda m: None)
+    assert all(c.passed for c in checks)
+    worst = max(c.max_abs for c in checks if c.output == "logits")
+    assert worst < 1e-3
+
+
+def test_32_greedy_tokens_match_transformers(real_bundle):
+    import torch
+
+    from specdeploy.exporter.source import load_model
+
+    with load(real_bundle) as engine:
+        ids = engine.encode("What is the capital of France? Answer in one sentence.", chat=True)
+        ours = engine.generate_ids(ids, GenerationConfig(32))
+    hf = load_model(None).model
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                          eos_token_id=list(engine.manifest.model.eos_token_ids), pad_token_id=2)
+    assert ours == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("tree", [None, "tree16"])
+def test_prompt_lookup_identical_on_real_prompts(real_bundle, tree):
+    prompts = _mtbench_prompts(10)
+    taus = []
+    with load(real_bundle) as plain, load(real_bundle, draft="prompt-lookup", tree=tree) as spec:
+        for p in prompts:
+            ids = plain.encode(p, chat=True)
+            ref = plain.generate_ids(ids, GenerationConfig(64))
+            stats = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(64), stats) == ref
+            taus.append(stats.mean_accepted)
+    assert max(taus) > 1.0  # prompt lookup found real matches
+
+
+@pytest.mark.parametrize("tree", ["tree16", "tree32"])
+def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
+    """Static trees filled with the true continuation on random branches (see test_decode.OracleDrafter)."""
+    from specdeploy.runtime.tree import STATIC_TREES, DraftTree
+    from specdeploy.runtime.drafters.base import Drafter
+
+    spec = STATIC_TREES[tree]
+    rng = np.random.default_rng(1)
+    with load(real_bundle) as engine:
+        for p in _mtbench_prompts(3):
+            ids = engine.encode(p, chat=True)
+            ref = engine.generate_ids(ids, GenerationConfig(48))
+
+            class Oracle(Drafter):
+                def propose(self, ctx):
+                    done = len(ctx.tokens) - len(ids)
+                    topk = rng.integers(0, 49152, (spec.depth, spec.topk))
+                    for d in range(spec.depth):  # truth at a random rank per depth
+                        if done + d < len(ref):
+                            topk[d, rng.integers(0, spec.topk)] = ref[done + d]
+                    tree = DraftTree.from_static(spec, ctx.tokens[-1], topk)
+                    n = min(ctx.max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
+                    return DraftTree(tree.tokens[:n], tree.parents[:n])
+
+            stats = DecodeStats()
+            out = list(Decoder(engine.backend, engine.manifest, Oracle()).generate(ids, GenerationConfig(48), stats))
+            assert out == ref
+            assert stats.mean_accepted > 1.0
