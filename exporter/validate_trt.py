@@ -66,14 +66,15 @@ def reference_feeds(bundle_dir: Path, manifest: BundleManifest, capacity: int) -
 def compare_runners(reference: Any, runner: Any, feeds: Sequence[tuple[str, dict]], precision: str,
                     names: Sequence[str], label: str = "") -> list[OutputCheck]:
     """Run both polygraphy runners on the feeds and check every output with per-output tolerances."""
-    from polygraphy.comparator import Comparator, CompareFunc
+    from polygraphy import comparator
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     atol = tolerances(precision, names)
-    results = Comparator.run([reference, runner], data_loader=[f for _, f in feeds])
-    accuracy = Comparator.compare_accuracy(
-        results, compare_func=CompareFunc.simple(atol=atol, rtol=dict.fromkeys(names, 0.0), check_error_stat="max"))
+    results = comparator.Comparator.run([reference, runner], data_loader=[f for _, f in feeds])
+    simple = getattr(comparator, "SimpleCompareFunc", None) or comparator.CompareFunc.simple  # older polygraphy
+    compare = simple(atol=atol, rtol=dict.fromkeys(names, 0.0), check_error_stat="max")
+    accuracy = comparator.Comparator.compare_accuracy(results, compare_func=compare)
     per_iter = next(iter(accuracy[0].values()))  # one compare function, one runner pair
     ref_out, got_out = results[0][1], results[1][1]
     checks = []

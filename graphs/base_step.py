@@ -37,8 +37,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class BaseStep(nn.Module):
     """Stateless decoder step over a Hugging Face Llama-family causal LM (weights are shared, not copied)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv_form: str = "inplace"):
         super().__init__()
+        if kv_form not in ("inplace", "concat"):
+            raise ValueError(f"kv_form must be 'inplace' or 'concat', not {kv_form!r}")
+        # "concat" (past [B,Hkv,P,D] -> present [B,Hkv,P+T,D], write_indices ignored) exists only to
+        # measure the in-place form against; bundles and the runtime use "inplace".
+        self.kv_form = kv_form
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -73,6 +78,7 @@ class BaseStep(nn.Module):
         cos, sin = self.rotary_emb(x, position_ids)  # [B, T, D] each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         presents: list[torch.Tensor] = []
+        widx = write_indices.view(1, 1, t, 1).expand(bsz, hkv, t, d)  # [B, Hkv, T, D]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -81,9 +87,15 @@ class BaseStep(nn.Module):
             v = attn.v_proj(h).view(bsz, t, hkv, d).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            # In-place cache write: rows write_indices of the capacity axis get the new K/V.
-            k_all = past[2 * i].index_copy(2, write_indices, k)  # [B, Hkv, C, D]
-            v_all = past[2 * i + 1].index_copy(2, write_indices, v)
+            # In-place cache write: rows write_indices of the capacity axis get the new K/V. A
+            # ScatterElements on axis 2 works on the [B, Hkv, C, D] layout directly; index_copy would
+            # export as ScatterND wrapped in two full-cache Transposes, copying the cache every step.
+            if self.kv_form == "inplace":
+                k_all = past[2 * i].scatter(2, widx, k)  # [B, Hkv, C, D]
+                v_all = past[2 * i + 1].scatter(2, widx, v)
+            else:
+                k_all = torch.cat([past[2 * i], k], dim=2)  # [B, Hkv, P+T, D]
+                v_all = torch.cat([past[2 * i + 1], v], dim=2)
             presents += [k_all, v_all]
             # GQA without materialising repeated K/V: fold the query group into the row axis.
             qg = q.reshape(bsz, hkv, group * t, d)  # [B, Hkv, G*T, D]

@@ -196,7 +196,10 @@ class TextStream:
             if close is not None:
                 close()
         except ValueError:  # running in another thread, which sees the flag after this step
-            pass
+            return
+        if self.completion is None:  # closed before it ever started
+            self.stats.finish_reason = "cancelled"
+            self.completion = Completion("", (), "cancelled", self.stats)
 
 
 class Engine:

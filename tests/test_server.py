@@ -17,7 +17,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from specdeploy.runtime import load
 
 KEY = "sk-test-7f3a"
@@ -388,7 +387,6 @@ def test_load_32_concurrent_streaming_clients(server, model_id):
 # --- CLI and shutdown -------------------------------------------------------------------------------
 def test_serve_reports_a_bad_bundle_in_one_line(tmp_path):
     from click.testing import CliRunner
-
     from specdeploy.exporter.cli import main
 
     res = CliRunner().invoke(main, ["serve", str(tmp_path / "missing"), "--port", "1"])
