@@ -10,9 +10,8 @@ It lives in the exporter because the runtime never imports torch; importing this
 ``torch`` (CUDA graphs when CUDA is present), ``torch-eager`` and ``torch-graphs`` with
 :func:`specdeploy.runtime.backends.register_backend`.
 
-``BaseStep`` writes the cache with an out-of-place ``index_copy`` (that is what exports to ScatterND),
-so each step copies its T new rows back into the cache buffers in place; in a graph that copy is
-captured with the step.
+``BaseStep`` writes the cache out of place (that is what exports to a scatter), so each step copies its
+T new rows back into the cache buffers in place; in a graph that copy is captured with the step.
 """
 
 from __future__ import annotations
@@ -59,6 +58,8 @@ class TorchBackend(Backend):
             raise BackendUnavailableError("CUDA graphs need a CUDA GPU; use the 'torch-eager' backend on a CPU.")
         if precision not in DTYPES:
             raise BackendUnavailableError(f"Unknown precision '{precision}'; choose one of {', '.join(DTYPES)}.")
+        if manifest.kv_form != "inplace":
+            raise BackendUnavailableError(f"The torch backend runs in-place KV bundles, not kv_form '{manifest.kv_form}'.")
         if threads and device == "cpu":
             torch.set_num_threads(threads)
         self.bundle_dir, self.manifest = Path(bundle_dir), manifest

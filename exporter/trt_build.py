@@ -13,19 +13,20 @@ replaced). Engines land in ``bundle/engines/<gpu>-sm<cc>-trt<version>/<graph>-<p
 recorded in the manifest. The whole update is staged in a copy of the bundle (hard links) and
 renamed into place, so an interrupted build leaves the bundle as it was.
 
-**In-place KV write: ScatterND, not KVCacheUpdate (decided, not measured).** TensorRT >= 10.15 has an
+**In-place KV write: the graph's scatter, not KVCacheUpdate (decided, not measured).** TensorRT >= 10.15 has an
 ``IKVCacheUpdateLayer`` that writes new K/V rows into the cache in place (its output shares the
-cache input's memory). We keep the exported graph's ScatterND because:
+cache input's memory). We keep the exported graph's scatter (ScatterElements on the capacity axis;
+ScatterND in older bundles) because:
 
 1. KVCacheUpdate requires the cache's sequence axis to be *static*; our capacity is a dynamic
    dimension with doubling buckets, so one engine serves every bucket. Using the layer means one
    engine (and one set of profiles) per bucket.
 2. It is reached either by network surgery after parsing (TensorRT has no API to remove the parsed
-   ScatterND layers) or by re-exporting at opset 24 with ``TensorScatter`` and relying on the parser's
+   scatter layers) or by re-exporting at opset 24 with ``TensorScatter`` and relying on the parser's
    mapping, which ORT CPU, the lint's opset range and our tests would all have to follow.
 3. Nothing of it can be tested here.
 
-The price of ScatterND is one cache-sized copy per layer per step (its output is ``past`` with rows
+The price of the scatter is one cache-sized copy per layer per step (its output is ``past`` with rows
 scattered in). TensorRT does not promise that an output may alias an input, so the native backend
 alternates two cache buffer sets instead of aliasing. On SmolLM2-135M with a 2k cache that copy is
 ~50 MB per step, tens of microseconds on an H100-class GPU. The build reports whether the installed
@@ -121,7 +122,7 @@ def build_engines(bundle_dir: str | Path, config: BuildConfig, progress: Progres
         progress(f"  profile {p.name}: batch {p.batch.min}-{p.batch.max}, T {p.tree.min}-{p.tree.opt}-{p.tree.max}, "
                  f"capacity {p.capacity.min}-{p.capacity.opt}-{p.capacity.max}")
     has_kv_layer = hasattr(trt.INetworkDefinition, "add_kv_cache_update")
-    progress(f"  KV write: ScatterND, two alternating cache buffers (this TensorRT "
+    progress(f"  KV write: the graph's scatter, two alternating cache buffers (this TensorRT "
              f"{'has' if has_kv_layer else 'lacks'} KVCacheUpdate; see exporter/trt_build.py)")
     entries = []
     t0 = time.time()

@@ -29,6 +29,44 @@ from torch import nn
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written as x / sqrt(mean(x^2) + eps) * w: ONNX Runtime fuses this form (not the
+    rsqrt form transformers uses) into one SimplifiedLayerNormalization kernel."""
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+
+
+def _fused_linear(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the concatenation of ``linears``' outputs (fewer, larger GEMMs)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = linears[0].bias is not None
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    out.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        out.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False)
+    return out
+
+
+class _FusedBlock(nn.Module):
+    """One decoder layer's weights, with q/k/v and gate/up projections concatenated."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm_weight = layer.input_layernorm.weight
+        self.input_norm_eps = _eps(layer.input_layernorm)
+        self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.post_norm_weight = layer.post_attention_layernorm.weight
+        self.post_norm_eps = _eps(layer.post_attention_layernorm)
+        self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.act = mlp.act_fn
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -50,8 +88,9 @@ class BaseStep(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed_tokens = model.model.embed_tokens
-        self.layers = model.model.layers
-        self.norm = model.model.norm
+        self.blocks = nn.ModuleList(_FusedBlock(layer) for layer in model.model.layers)
+        self.norm_weight = model.model.norm.weight
+        self.norm_eps = _eps(model.model.norm)
         self.lm_head = model.lm_head
         self.rotary_emb = model.model.rotary_emb
         self.scale = self.head_dim**-0.5
@@ -79,12 +118,12 @@ class BaseStep(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         presents: list[torch.Tensor] = []
         widx = write_indices.view(1, 1, t, 1).expand(bsz, hkv, t, d)  # [B, Hkv, T, D]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, T, D]
-            k = attn.k_proj(h).view(bsz, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
-            v = attn.v_proj(h).view(bsz, t, hkv, d).transpose(1, 2)
+        for i, blk in enumerate(self.blocks):
+            h = rms_norm(x, blk.input_norm_weight, blk.input_norm_eps)
+            q, k, v = blk.qkv(h).split([hq * d, hkv * d, hkv * d], dim=-1)  # one GEMM for q, k and v
+            q = q.view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, T, D]
+            k = k.view(bsz, t, hkv, d).transpose(1, 2)  # [B, Hkv, T, D]
+            v = v.view(bsz, t, hkv, d).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             # In-place cache write: rows write_indices of the capacity axis get the new K/V. A
@@ -104,9 +143,10 @@ class BaseStep(nn.Module):
             probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * t, -1)
             ctx = torch.matmul(probs, v_all).view(bsz, hq, t, d)  # [B, Hq, T, D]
             ctx = ctx.transpose(1, 2).reshape(bsz, t, hq * d)
-            x = x + attn.o_proj(ctx)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.norm(x)  # [B, T, H]
+            x = x + blk.o_proj(ctx)
+            gate, up = blk.gate_up(rms_norm(x, blk.post_norm_weight, blk.post_norm_eps)).chunk(2, dim=-1)
+            x = x + blk.down_proj(blk.act(gate) * up)
+        hidden = rms_norm(x, self.norm_weight, self.norm_eps)  # [B, T, H]
         logits = self.lm_head(hidden.index_select(1, logits_index))  # [B, K, V]
         return (logits, hidden, *presents)
 

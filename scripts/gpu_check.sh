@@ -45,7 +45,7 @@ setup() {
       || echo "WARNING: could not install ${missing[*]} (offline and no .whl/ folder?)"
   fi
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
-    || "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || return 1
+    || timeout 60 "$PY" -m pip install -q --no-deps -e . || return 1  # second try: fetch a newer setuptools
   "$PY" -c "import specdeploy.exporter.cli, specdeploy.runtime, specdeploy.graphs; print('specdeploy importable')"
 }
 timeout 90 bash -c "$(declare -f setup); PY='$PY'; setup" >"$OUT/setup.log" 2>&1

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from specdeploy.exporter.cli import main
 from specdeploy.runtime import backends
 from specdeploy.runtime.backends.base import StepInputs
@@ -308,7 +307,7 @@ def test_build_bookkeeping_with_a_stand_in_tensorrt(tiny_bundle, tmp_path, monke
     assert (bundle / "engines" / "timing.cache").read_bytes() == b"+++"  # persisted and reused
     assert [c[2] for c in calls] == [b"", b"+", b"++"]
     assert calls[0][1] == ["prefill", "tree"]
-    assert any("KV write: ScatterND" in ln for ln in lines)
+    assert any("KV write:" in ln and "KVCacheUpdate" in ln for ln in lines)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging leftovers
 
 
@@ -379,7 +378,7 @@ def test_runtime_imports_neither_torch_nor_exporter():
             "specdeploy.runtime.capture, specdeploy.runtime.backends as b; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('specdeploy.exporter', "
             "'specdeploy.graphs', 'tensorrt'))]; print(bad); sys.exit(1 if bad else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -387,7 +386,6 @@ def test_validate_comparison_catches_a_drift(tiny_bundle):
     """The polygraphy comparison used by ``validate --backend``: ORT vs itself passes, a drift fails."""
     from polygraphy.backend.base import BaseRunner
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-
     from specdeploy.exporter.validate_trt import compare_runners, output_names, reference_feeds
 
     manifest = read_manifest(tiny_bundle)

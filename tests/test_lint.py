@@ -9,7 +9,6 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
-
 from specdeploy.exporter.cli import main
 from specdeploy.exporter.lint import (
     MAX_OPSET,

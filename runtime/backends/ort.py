@@ -1,7 +1,7 @@
 """ONNX Runtime backend: CPU EP here; CUDA and TensorRT EPs selectable by name.
 
 The cache buffers are bound with IOBinding both as ``past_*`` inputs and as the ``present_*``
-outputs, so the graph's ScatterND writes the new rows straight into the preallocated cache: no
+outputs, so the graph's scatter writes the new rows straight into the preallocated cache: no
 per-step copy of the cache happens outside the graph (an experiment here measured aliasing as
 bit-identical and ~4% faster than alternating two buffers).
 

@@ -12,8 +12,8 @@ padded T, ping-pong parity), following :mod:`specdeploy.runtime.capture`: warm u
 replay with the inputs copied into the fixed buffers. Only the real rows of logits and hidden states
 are copied back to the host.
 
-KV write. The graph writes the cache with ScatterND, whose output is a full copy of ``past`` with the
-new rows scattered in. TensorRT does not promise that an output may alias an input, so the backend
+KV write. The graph writes the cache with a scatter (ScatterElements/ScatterND), whose output is a full
+copy of ``past`` with the new rows scattered in. TensorRT does not promise that an output may alias an input, so the backend
 keeps two buffer sets per capacity bucket and alternates them (``present`` of one step is ``past`` of
 the next). See ``exporter/trt_build.py`` for why the KVCacheUpdate layer is not used.
 """
@@ -374,45 +374,58 @@ def engine_profiles(engine: Any) -> list[Profile]:
 
 
 class _Slot:
-    """One execution context with fixed shapes and fixed I/O buffers; optionally a captured CUDA graph."""
+    """Fixed I/O buffers for one set of shapes, and optionally the CUDA graph captured over them.
+
+    TensorRT lets only one execution context use an optimization profile, so the backend keeps one
+    context per profile and every slot re-applies its shapes and addresses to that context before
+    running or replaying (as TensorRT-Edge-LLM does): the context's state then always matches the
+    state the graph was captured in.
+    """
 
     def __init__(self, backend: TrtBackend, profile: int, feed: StepInputs, past: list[DeviceArray],
                  present: list[DeviceArray]):
-        self.backend = backend
+        self.backend, self.profile = backend, profile
         trt, engine, stream = backend.trt, backend.engine, backend.stream
-        self.context = engine.create_execution_context()
-        if not self.context.set_optimization_profile_async(profile, stream):
-            raise RuntimeError(f"TensorRT refused optimization profile {profile}")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
         self.inputs: dict[str, DeviceArray] = {}
         for name in ("input_ids", "position_ids", "attention_mask", "write_indices", "logits_index"):
             host = getattr(feed, name)
-            buf = DeviceArray(host.shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
-            self.inputs[name] = buf
-            self.context.set_input_shape(name, host.shape)
-            self.context.set_tensor_address(name, buf.ptr)
+            self.inputs[name] = DeviceArray(host.shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
+            self.shapes[name], self.addresses[name] = tuple(host.shape), self.inputs[name].ptr
         for name, buf in zip(backend.past_names, past):
-            self.context.set_input_shape(name, buf.shape)
-            self.context.set_tensor_address(name, buf.ptr)
+            self.shapes[name], self.addresses[name] = buf.shape, buf.ptr
         for name, buf in zip(backend.present_names, present):
-            self.context.set_tensor_address(name, buf.ptr)
+            self.addresses[name] = buf.ptr
+        context = self.bind()
         self.outputs: dict[str, DeviceArray] = {}
         for name in ("logits", "hidden_states"):
-            shape = tuple(self.context.get_tensor_shape(name))
-            buf = DeviceArray(shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
-            self.outputs[name] = buf
-            self.context.set_tensor_address(name, buf.ptr)
+            shape = tuple(context.get_tensor_shape(name))
+            self.outputs[name] = DeviceArray(shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
+            self.addresses[name] = self.outputs[name].ptr
+            context.set_tensor_address(name, self.outputs[name].ptr)
         self.graph_exec = None
+
+    def bind(self) -> Any:
+        """Put this slot's shapes and addresses on its profile's context."""
+        context = self.backend.contexts[self.profile]
+        for name, shape in self.shapes.items():
+            if not context.set_input_shape(name, shape):
+                raise RuntimeError(f"TensorRT rejects shape {shape} for '{name}' in profile {self.profile}")
+        for name, ptr in self.addresses.items():
+            context.set_tensor_address(name, ptr)
+        return context
 
     def load(self, feed: StepInputs) -> None:
         for name, buf in self.inputs.items():
             buf.upload(getattr(feed, name))
 
     def execute(self) -> None:
-        if not self.context.execute_async_v3(self.backend.stream):
+        if not self.backend.contexts[self.profile].execute_async_v3(self.backend.stream):
             raise RuntimeError("TensorRT execute_async_v3 failed")
 
     def capture(self) -> None:
-        """Warm up (TensorRT allocates lazily on the first run), then capture one execution."""
+        """Warm up (TensorRT allocates lazily on the first run at new shapes), then capture one execution."""
         rt, stream = cudart(), self.backend.stream
         self.execute()
         check(rt.cudaStreamSynchronize(stream))
@@ -434,7 +447,6 @@ class _Slot:
             self.graph_exec = None
         for buf in (*self.inputs.values(), *self.outputs.values()):
             buf.free()
-        self.context = None
 
 
 class TrtBackend(Backend):
@@ -470,6 +482,12 @@ class TrtBackend(Backend):
                                                                          if p.name == "tree")))
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(trt.nptype(self.engine.get_tensor_dtype("past_key_0")), self.stream, ping_pong=True)
+        self.contexts = []
+        for p in range(self.engine.num_optimization_profiles):
+            context = self.engine.create_execution_context()
+            if not context.set_optimization_profile_async(p, self.stream):
+                raise RuntimeError(f"TensorRT refused optimization profile {p}")
+            self.contexts.append(context)
         self._slots: dict[tuple, _Slot] = {}
 
     @property
@@ -501,9 +519,11 @@ class TrtBackend(Backend):
                 slot = self._slots[key] = _Slot(self, profile, feed, past, present)
                 slot.load(feed)
                 slot.capture()
+            else:
+                slot.bind()
             slot.load(feed)
             slot.launch()
-        else:  # prefill and oversized steps: a throwaway context at these exact shapes
+        else:  # prefill and oversized steps: throwaway buffers at these exact shapes
             slot = _Slot(self, profile, feed, past, present)
             slot.load(feed)
             slot.launch()
@@ -522,5 +542,6 @@ class TrtBackend(Backend):
         for slot in self._slots.values():
             slot.free()
         self._slots.clear()
+        self.contexts = []
         if getattr(self, "pool", None) is not None:
             self.pool.free()
