@@ -31,7 +31,7 @@ import os
 import platform
 import sys
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
@@ -176,7 +176,7 @@ def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dic
             v["speedup_vs_ar"] = v["tokens_per_s"] / ar_tps
     config = {**config, "machine": machine_info(), "versions": package_versions()}
     return {"variants": variants, "config": config,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "created": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 # --- outputs ---------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import click
-
 from specdeploy.runtime.errors import SpecDeployError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 from specdeploy.runtime.bundle import (
     BundleManifest,
@@ -213,9 +213,8 @@ def export_base(
 ) -> BundleManifest:
     """Export the base decoder step of ``model`` (default: embedded SmolLM2) to a new bundle at ``out``."""
     import torch
-    from torch.export import Dim
-
     from specdeploy.graphs.base_step import BaseStep, example_inputs
+    from torch.export import Dim
 
     from .source import check_architecture, load_model
 

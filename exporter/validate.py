@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.errors import ValidationFailed
 
@@ -36,9 +35,9 @@ class OutputCheck:
 
 def _torch_runner(module, output_names: list[str], name: str, example: dict[str, np.ndarray]):
     """A polygraphy runner for a CPU torch module taking the graph's flat inputs."""
+    import torch
     from polygraphy.backend.base import BaseRunner
     from polygraphy.common import TensorMetadata
-    import torch
 
     meta = TensorMetadata()
     for k, v in example.items():

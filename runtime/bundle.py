@@ -146,7 +146,7 @@ class BundleManifest:
             f"'specdeploy export draft --kind {kind}'."
         )
 
-    def replace(self, **changes: Any) -> "BundleManifest":
+    def replace(self, **changes: Any) -> BundleManifest:
         return dataclasses.replace(self, **changes)
 
     # --- JSON round trip -------------------------------------------------------------------
@@ -154,7 +154,7 @@ class BundleManifest:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "BundleManifest":
+    def from_json(cls, text: str) -> BundleManifest:
         raw = json.loads(text)
         version = raw.get("schema_version")
         if not isinstance(version, int):

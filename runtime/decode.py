@@ -11,8 +11,8 @@ how many nodes a step carries. Each stage is a named function with explicit inpu
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 

@@ -40,7 +40,7 @@ from .errors import PromptError, SpecDeployError
 from .text import TextCodec
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 _POLL_S = 0.05  # how often a queued caller looks at its cancel flag
 

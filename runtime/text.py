@@ -5,9 +5,9 @@ No transformers import: the bundle carries ``tokenizer.json`` and the chat templ
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from .bundle import TokenizerInfo
 from .errors import BundleError, PromptError
@@ -22,7 +22,7 @@ class TextCodec:
         path = Path(bundle_dir) / info.file
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises a bare Exception for unreadable files
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for unreadable files
             raise BundleError(f"The bundle's tokenizer '{path.name}' cannot be read ({exc}).") from None
         self.info = info
         self._template = None
@@ -71,7 +71,7 @@ class TextCodec:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream(self) -> "StreamDecoder":
+    def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
 
 
@@ -88,7 +88,7 @@ class StreamDecoder:
         text = self.codec.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
+        delta = text.removeprefix(self.text)
         self.text = text
         return delta
 

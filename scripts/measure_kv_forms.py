@@ -63,11 +63,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    from torch.export import Dim
-
     from specdeploy.exporter.export import export_graph
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep, example_inputs
+    from torch.export import Dim
 
     hf = load_model(args.model).model
     tmp = Path(tempfile.mkdtemp(prefix="kvforms-"))

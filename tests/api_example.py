@@ -1,4 +1,5 @@
 import os
+
 from specdeploy.runtime import load
 
 bundle = os.environ.get("SPECDEPLOY_BUNDLE", "bundles/smollm2")

@@ -21,9 +21,8 @@ TINY = {
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's real tokenizer (from the embedded GGUF), saved as a plain folder."""
-    from transformers import AutoTokenizer
-
     from specdeploy.exporter.source import default_gguf_path
+    from transformers import AutoTokenizer
 
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)

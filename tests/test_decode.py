@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from scipy.stats import chisquare
-
 from specdeploy.runtime import load
-from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig, SamplingParams
+from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
 from specdeploy.runtime.drafters.base import DraftContext, Drafter
 from specdeploy.runtime.errors import PromptError, TreeSpecError
-from specdeploy.runtime.tree import STATIC_TREES, DraftTree
+from specdeploy.runtime.tree import DraftTree
 from specdeploy.runtime.verify import warp_logits
 
 

@@ -6,9 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from specdeploy.runtime import load
-from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig
+from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +30,6 @@ def test_validate_real_bundle(real_bundle):
 
 def test_32_greedy_tokens_match_transformers(real_bundle):
     import torch
-
     from specdeploy.exporter.source import load_model
 
     with load(real_bundle) as engine:
@@ -61,8 +59,8 @@ def test_prompt_lookup_identical_on_real_prompts(real_bundle, tree):
 @pytest.mark.parametrize("tree", ["tree16", "tree32"])
 def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
     """Static trees filled with the true continuation on random branches (see test_decode.OracleDrafter)."""
-    from specdeploy.runtime.tree import STATIC_TREES, DraftTree
     from specdeploy.runtime.drafters.base import Drafter
+    from specdeploy.runtime.tree import STATIC_TREES, DraftTree
 
     spec = STATIC_TREES[tree]
     rng = np.random.default_rng(1)
@@ -72,7 +70,7 @@ def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
             ref = engine.generate_ids(ids, GenerationConfig(48))
 
             class Oracle(Drafter):
-                def propose(self, ctx):
+                def propose(self, ctx, ids=ids, ref=ref):
                     done = len(ctx.tokens) - len(ids)
                     topk = rng.integers(0, 49152, (spec.depth, spec.topk))
                     for d in range(spec.depth):  # truth at a random rank per depth

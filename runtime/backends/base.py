@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 
@@ -46,10 +47,10 @@ class Backend(ABC):
     def mask_dtype(self) -> np.dtype:
         return np.dtype(np.float32)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         """Release sessions and buffers."""
 
-    def __enter__(self) -> "Backend":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -62,9 +62,13 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None, 
     providers: list[Any] = [(ep, provider_options or {})]
     if ep != "CPUExecutionProvider":
         providers.append("CPUExecutionProvider")
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+    load_errors = (ort_errors.Fail, ort_errors.InvalidGraph, ort_errors.InvalidProtobuf, ort_errors.NoSuchFile,
+                   ort_errors.InvalidArgument, ort_errors.NotImplemented, ort_errors.RuntimeException)
     try:
         return ort.InferenceSession(str(path), sess_options=so, providers=providers)
-    except Exception as exc:  # ORT raises its own Fail/InvalidGraph types for unreadable graphs
+    except load_errors as exc:
         raise BundleError(f"ONNX Runtime cannot load '{path.name}' ({str(exc).splitlines()[0][:200]}).") from None
 
 

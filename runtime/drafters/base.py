@@ -26,15 +26,15 @@ class Drafter(ABC):
 
     kind: str = "drafter"
 
-    def check(self, manifest: BundleManifest) -> None:  # noqa: B027 - optional
+    def check(self, manifest: BundleManifest) -> None:
         """Raise DraftMismatchError if this drafter does not fit the bundle's base model."""
 
-    def reset(self) -> None:  # noqa: B027 - optional
+    def reset(self) -> None:
         """Forget per-sequence state before a new prompt."""
 
     @abstractmethod
     def propose(self, ctx: DraftContext) -> DraftTree:
         """Return a tree with ``tree.tokens[0] == ctx.tokens[-1]`` and at most ``ctx.max_nodes`` nodes."""
 
-    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:  # noqa: B027 - optional
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         """Told which nodes of the last proposal were accepted (for drafters with their own KV)."""
