@@ -74,6 +74,8 @@ class DecodeStats:
     tree_sizes: list[int] = field(default_factory=list)
     finish_reason: str = ""
     lossy: bool = False
+    gate_parallel: int = 0  # steps the drafter's gate sent to draft + tree verify
+    gate_ar: int = 0  # steps the gate ran as plain T=1 decoding (no draft cost)
 
     @property
     def mean_accepted(self) -> float:
@@ -150,11 +152,17 @@ class Decoder:
         state = DecodeState(cache, list(prompt), out.hidden_states[0], out.logits[0, -1])
         return state, out
 
-    def propose(self, state: DecodeState, budget: int) -> DraftTree:
+    def propose(self, state: DecodeState, budget: int, stats: DecodeStats | None = None) -> DraftTree:
         root = np.array([state.tokens[-1]], dtype=np.int64)
         if self.drafter is None or budget <= 1:
             return DraftTree(tokens=root, parents=np.array([-1], dtype=np.int64))
         ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget)
+        if not self.drafter.wants_draft(ctx):  # the gate: a hard step runs as plain decoding
+            if stats is not None:
+                stats.gate_ar += 1
+            return DraftTree(tokens=root, parents=np.array([-1], dtype=np.int64))
+        if stats is not None:
+            stats.gate_parallel += 1
         tree = self.drafter.propose(ctx)
         if len(tree.tokens) > budget or int(tree.tokens[0]) != state.tokens[-1]:
             raise TreeSpecError(
@@ -234,7 +242,7 @@ class Decoder:
             if room <= 1:
                 stats.finish_reason = "length"
                 break
-            tree = self.propose(state, min(self.max_tree, room) if self.drafter else 1)
+            tree = self.propose(state, min(self.max_tree, room) if self.drafter else 1, stats)
             buffers = build_buffers(tuple(tree.parents.tolist()))
             tb = time.perf_counter()
             out = self.verify(state, tree, buffers)

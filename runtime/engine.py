@@ -1,6 +1,7 @@
 """The embedding API: ``engine = load(bundle)``; ``engine.generate(...)`` and ``engine.stream(...)``.
 
     import os
+
     from specdeploy.runtime import load
 
     bundle = os.environ.get("SPECDEPLOY_BUNDLE", "bundles/smollm2")
@@ -30,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Self
 
 from .backends import make_backend
 from .bundle import BundleManifest, read_manifest
@@ -38,9 +39,6 @@ from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
 from .drafters import make_drafter
 from .errors import PromptError, SpecDeployError
 from .text import TextCodec
-
-if TYPE_CHECKING:
-    from typing import Self
 
 _POLL_S = 0.05  # how often a queued caller looks at its cancel flag
 

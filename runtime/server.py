@@ -293,29 +293,25 @@ class _Metrics:
 
         metric("specdeploy_requests_total", "counter", "HTTP requests by endpoint and status.", by_status(False))
         metric("specdeploy_errors_total", "counter", "HTTP responses with status >= 400.", by_status(True))
-        metric("specdeploy_client_disconnects_total", "counter",
-               "Generation requests whose client went away before the end.", [("", self.disconnects)])
-        metric("specdeploy_requests_in_flight", "gauge", "Generation requests admitted (running or queued).",
-               [("", self.in_flight)])
-        metric("specdeploy_queue_depth", "gauge", "Generations waiting for the decode slot.", [("", st.queue_depth)])
-        metric("specdeploy_generation_running", "gauge", "1 while a generation holds the decode slot.",
-               [("", st.running)])
-        metric("specdeploy_generations_total", "counter", "Generations that reached the decode slot.",
-               [("", st.generations)])
-        metric("specdeploy_generations_cancelled_total", "counter", "Generations closed before their end.",
-               [("", st.cancelled)])
-        metric("specdeploy_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", st.prompt_tokens)])
-        metric("specdeploy_generated_tokens_total", "counter", "Tokens generated.", [("", st.new_tokens)])
-        metric("specdeploy_decode_steps_total", "counter", "Target forward passes after the prefills.",
-               [("", st.steps)])
-        metric("specdeploy_busy_seconds_total", "counter", "Seconds the decode slot was held.", [("", st.busy_s)])
-        metric("specdeploy_tokens_per_second", "gauge", "Generated tokens per busy second, since start.",
-               [("", st.tokens_per_s)])
-        metric("specdeploy_last_tokens_per_second", "gauge", "Tokens per second of the last generation.",
-               [("", st.last_tokens_per_s)])
-        metric("specdeploy_tau", "gauge", "Mean tokens per decode step (tau), since start.", [("", st.tau)])
-        metric("specdeploy_last_tau", "gauge", "Mean tokens per decode step of the last generation.",
-               [("", st.last_tau)])
+        scalars = [
+            ("client_disconnects_total", "counter", "Generation requests whose client went away before the end.",
+             self.disconnects),
+            ("requests_in_flight", "gauge", "Generation requests admitted (running or queued).", self.in_flight),
+            ("queue_depth", "gauge", "Generations waiting for the decode slot.", st.queue_depth),
+            ("generation_running", "gauge", "1 while a generation holds the decode slot.", st.running),
+            ("generations_total", "counter", "Generations that reached the decode slot.", st.generations),
+            ("generations_cancelled_total", "counter", "Generations closed before their end.", st.cancelled),
+            ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", st.prompt_tokens),
+            ("generated_tokens_total", "counter", "Tokens generated.", st.new_tokens),
+            ("decode_steps_total", "counter", "Target forward passes after the prefills.", st.steps),
+            ("busy_seconds_total", "counter", "Seconds the decode slot was held.", st.busy_s),
+            ("tokens_per_second", "gauge", "Generated tokens per busy second, since start.", st.tokens_per_s),
+            ("last_tokens_per_second", "gauge", "Tokens per second of the last generation.", st.last_tokens_per_s),
+            ("tau", "gauge", "Mean tokens per decode step (tau), since start.", st.tau),
+            ("last_tau", "gauge", "Mean tokens per decode step of the last generation.", st.last_tau),
+        ]
+        for name, kind, help, value in scalars:
+            metric(f"specdeploy_{name}", kind, help, [("", value)])
         return "\n".join(lines) + "\n"
 
 

@@ -364,10 +364,20 @@ def test_load_32_concurrent_streaming_clients(server, model_id):
             sem = asyncio.Semaphore(concurrency)
             return await asyncio.wait_for(asyncio.gather(*(one(client, sem, i) for i in ids)), timeout=150)
 
+    def logged() -> int:
+        return len(REQUEST_LINE.findall(server.log()))
+
+    def settled() -> int:  # a request's line is written just after its last byte, so wait for quiet
+        n = -1
+        while n != logged():
+            n = logged()
+            time.sleep(0.3)
+        return n
+
     # Single-client references: one request at a time, for each (endpoint, prompt) pair the load uses.
     reference = {i: text for i, text, _ in asyncio.run(run(list(range(len(PROMPTS))), 1))}
+    logged_before = settled()
     rss_before = server.rss_mb()
-    logged_before = len(REQUEST_LINE.findall(server.log()))
 
     t0 = time.monotonic()
     results = asyncio.run(run(list(range(n_requests)), n_clients))
@@ -379,7 +389,7 @@ def test_load_32_concurrent_streaming_clients(server, model_id):
     m = server.metrics()
     assert m["specdeploy_requests_in_flight"] == 0 and m["specdeploy_queue_depth"] == 0
     assert server.rss_mb() - rss_before < 200, (rss_before, server.rss_mb())
-    assert _wait_for(lambda: len(REQUEST_LINE.findall(server.log())) - logged_before == n_requests, 5)
+    assert _wait_for(lambda: logged() - logged_before == n_requests, 5), (logged_before, logged())
     print(f"{n_requests} streamed requests, {n_clients} clients: {elapsed:.1f}s, "
           f"RSS {rss_before:.0f} -> {server.rss_mb():.0f} MB")
 

@@ -32,6 +32,10 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget per-sequence state before a new prompt."""
 
+    def wants_draft(self, ctx: DraftContext) -> bool:
+        """Asked before every step; False runs the step as plain decoding (T=1, no draft cost)."""
+        return True
+
     @abstractmethod
     def propose(self, ctx: DraftContext) -> DraftTree:
         """Return a tree with ``tree.tokens[0] == ctx.tokens[-1]`` and at most ``ctx.max_nodes`` nodes."""

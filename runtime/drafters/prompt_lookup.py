@@ -3,37 +3,65 @@
 No training and no model: the candidates are what followed earlier occurrences of the current
 suffix in the prompt and the generated text. Several matches become the branches of a trie-shaped
 tree, most recent match first.
+
+The draft length adapts: the drafter keeps, per matched n-gram size, a Beta estimate of the chance
+that a drafted token is accepted given the one before it was, and drafts the length that maximises
+expected tokens per unit of step cost (from the backend's cost curve). A poor match therefore costs
+a 1-token step, not a 10-token one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..tree import DraftTree
+from ..tree import CPU_COST_CURVE, DraftTree, step_cost
 from .base import DraftContext, Drafter
+
+_PRIOR = (2.0, 1.0)  # Beta(accepted, rejected) prior: optimistic, so new matches get tried
 
 
 class PromptLookupDrafter(Drafter):
     kind = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, branches: int = 2,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, cost_curve: Mapping[int, float] = CPU_COST_CURVE,
+                 adaptive: bool = True):
         if not (1 <= min_ngram <= max_ngram):
             raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.num_tokens, self.branches = num_tokens, branches
         self.max_nodes = max_nodes
+        self.adaptive = adaptive
+        self._cost = np.array([step_cost(cost_curve, n) for n in range(1, num_tokens * branches + 2)])
+        self.reset()
 
-    def _continuations(self, tokens: np.ndarray, length: int) -> list[np.ndarray]:
-        """Up to ``branches`` distinct continuations of the longest matching suffix, most recent first."""
+    def reset(self) -> None:
+        # Per n-gram size: [accepted drafts, rejected drafts] along the accepted branch.
+        self._stats = {n: list(_PRIOR) for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._last: tuple[int, int] | None = None  # (n-gram size, drafted depth) of the last proposal
+
+    def _length(self, n: int) -> int:
+        """Chain length with the most expected tokens per unit of step cost, for matches of size n."""
+        if not self.adaptive:
+            return self.num_tokens
+        acc, rej = self._stats[n]
+        a = acc / (acc + rej)
+        expected = np.cumsum(a ** np.arange(self.num_tokens + 1))  # [L+1]: 1 + a + ... + a^L
+        return int(np.argmax(expected / self._cost[: self.num_tokens + 1]))
+
+    def _continuations(self, tokens: np.ndarray) -> tuple[int, list[np.ndarray]]:
+        """The matched n-gram size and up to ``branches`` distinct continuations, most recent first."""
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            length = self._length(n)
+            if length == 0:
+                continue
             suffix = tokens[-n:]
             windows = sliding_window_view(tokens[:-1], n)  # [L-n, n]: every earlier n-gram
             hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size == 0:
-                continue
             out: list[np.ndarray] = []
             seen: set[tuple[int, ...]] = set()
             for start in hits[::-1]:
@@ -46,13 +74,13 @@ class PromptLookupDrafter(Drafter):
                 if len(out) == self.branches:
                     break
             if out:
-                return out
-        return []
+                return n, out
+        return 0, []
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
         budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
-        conts = self._continuations(tokens, min(self.num_tokens, budget)) if budget > 0 else []
+        n, conts = self._continuations(tokens) if budget > 0 else (0, [])
         # Merge the continuations into a trie rooted at the current token.
         node_tokens, parents = [int(tokens[-1])], [-1]
         children: dict[tuple[int, int], int] = {}
@@ -68,4 +96,14 @@ class PromptLookupDrafter(Drafter):
                     parents.append(cur)
                     children[(cur, tok)] = nxt
                 cur = nxt
+        self._last = (n, max((len(c) for c in conts), default=0)) if conts else None
         return DraftTree(tokens=np.array(node_tokens, dtype=np.int64), parents=np.array(parents, dtype=np.int64))
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
+        if self._last is None:
+            return
+        n, depth = self._last
+        k = len(nodes) - 1  # drafted tokens accepted along the best branch
+        stats = self._stats[n]
+        stats[0] += k
+        stats[1] += 1 if k < depth else 0  # the first rejected position, if any

@@ -1,0 +1,169 @@
+"""``specdeploy export draft --kind medusa|cerberus``: add the heads graph (and Cerberus' gate) to a bundle.
+
+The heads graph takes ``hidden_states [B, N, H]`` and returns each head's top-k ids and log-probs
+(``[B, N, K, k]``), so the shared lm_head projection and the TopK run inside ONNX Runtime and only
+small arrays reach Python. Cerberus also gets ``cerberus-gate.onnx`` (entropy + learned gate). The
+graphs are traced with ``torch.onnx.export(dynamo=True)`` and written into the bundle atomically; the
+manifest records a :class:`DraftEntry` tied to the base by its weight hash, with the tree and gate
+that the draft's calibration chose.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from specdeploy.runtime.bundle import DraftEntry, config_pairs, graph_paths, hash_files, read_manifest, write_manifest
+from specdeploy.runtime.errors import DraftMismatchError
+
+from .train import DraftWeights, check_draft_base, heads_from_weights, load_draft_weights
+
+HEADS_KINDS = ("medusa", "cerberus")
+DEFAULT_TOPK = 10  # enough for the largest static tree (ranks 0..9) and the dynamic tree's width
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def calibration_path(draft: str | Path) -> Path:
+    """Where a draft's calibration lives: ``<weights>.calibration.json`` next to the weights."""
+    draft = Path(draft)
+    return draft.with_name(draft.name.removesuffix(".safetensors") + ".calibration.json")
+
+
+def read_calibration(path: Path, weights: DraftWeights) -> dict[str, Any]:
+    """Load a calibration file and check it belongs to exactly these weights (one sentence otherwise)."""
+    try:
+        calib = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise DraftMismatchError(f"Cannot read the calibration file '{path}' ({exc}).") from None
+    if calib.get("kind") != weights.config.kind:
+        raise DraftMismatchError(f"'{path}' calibrates a {calib.get('kind')} draft, not a {weights.config.kind} draft.")
+    if calib.get("weights_sha") != hash_files([weights.path]):
+        raise DraftMismatchError(
+            f"The calibration '{path}' was made for other {weights.config.kind} weights; rerun "
+            "'specdeploy train calibrate' for these."
+        )
+    return calib
+
+
+def draft_graph_module(weights: DraftWeights, lm_weight, topk: int = DEFAULT_TOPK, vocab_trim: int | None = None):
+    """The traced torch module of a heads draft: heads + shared (maybe trimmed) lm_head + TopK."""
+    from specdeploy.graphs.heads import DraftHeadsGraph
+
+    trim = weights.vocab_trim if vocab_trim is None else int(vocab_trim)
+    order = weights.tensors.get("vocab_order")
+    if trim and (order is None or trim > order.numel()):
+        raise DraftMismatchError(
+            f"The draft weights keep {0 if order is None else order.numel()} frequency-ordered ids; "
+            f"cannot trim the vocabulary to {trim}."
+        )
+    vocab_map = order[:trim] if trim else None
+    return DraftHeadsGraph(heads_from_weights(weights), lm_weight, topk, vocab_map).eval()
+
+
+def gate_module(weights: DraftWeights):
+    """Cerberus' gate graph with the calibrated MLP (``gate.*`` tensors), or an untrained one."""
+    from specdeploy.graphs.gate import GateGraph
+
+    gate = GateGraph(weights.config.hidden_size)
+    state = weights.prefixed("gate.")
+    if state:
+        expected = gate.state_dict()
+        if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+            raise DraftMismatchError(f"The gate tensors in '{weights.path}' do not match the gate graph's shapes.")
+        gate.load_state_dict(state, strict=True)
+    return gate.eval(), bool(state)
+
+
+def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
+                 vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
+                 progress: Callable[[str], None] = _stderr) -> DraftEntry:
+    """Add a trained heads draft to ``bundle``; replaces a previous draft of the same kind."""
+    import torch
+    from torch.export import Dim
+
+    from specdeploy.graphs.gate import example_gate_inputs
+    from specdeploy.graphs.heads import example_hidden
+
+    from .export import export_graph, graph_entry, updated_bundle
+    from .source import load_model
+
+    if kind not in HEADS_KINDS:
+        raise DraftMismatchError(f"Unknown heads draft kind '{kind}'; choose one of {', '.join(HEADS_KINDS)}.")
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    weights = load_draft_weights(draft, kind)
+    m = manifest.model
+    check_draft_base(weights.config, manifest.source.weight_sha, m.hidden_size, m.vocab_size, "the bundle's base model")
+    cal_path = Path(calibration) if calibration else calibration_path(draft)
+    calib = read_calibration(cal_path, weights) if (calibration or cal_path.is_file()) else {}
+
+    progress(f"[1/3] loading the base model's lm_head ({manifest.source.path}) ...")
+    loaded = load_model(model or manifest.source.path)
+    if loaded.weight_sha != manifest.source.weight_sha:
+        raise DraftMismatchError("The model given is not the bundle's base model (weight hash differs).")
+    lm_weight = loaded.model.lm_head.weight.detach()
+    trim = calib.get("vocab_trim", weights.vocab_trim) if vocab_trim is None else vocab_trim
+    graph = draft_graph_module(weights, lm_weight, topk, trim)
+    cfg = weights.config
+    settings: dict[str, Any] = {
+        "kind": kind, "num_heads": cfg.num_heads, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "layers": cfg.layers, "topk": topk, "vocab_trim": int(trim or 0), "weights_path": str(Path(draft).resolve()),
+    }
+    for key in ("default_tree", "accept"):
+        if calib.get(key) is not None:
+            settings[key] = calib[key]
+    gate_cal = calib.get("gate") or {}
+    if kind == "cerberus" and gate_cal:
+        settings.update(gate_kind=gate_cal["kind"], gate_threshold=float(gate_cal["threshold"]))
+    elif kind == "cerberus":
+        progress("note: no gate calibration; 'cerberus' will refuse to load, 'cerberus-nogate' works.")
+
+    old = next((d for d in manifest.drafts if d.kind == kind), None)
+    with updated_bundle(bundle) as tmp:
+        if old is not None:  # the staged copy hard-links the old files: unlink before writing new ones
+            for g in old.graphs:
+                for p in graph_paths(tmp, g):
+                    p.unlink(missing_ok=True)
+        progress(f"[2/3] tracing the {kind} heads ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
+        batch, rows = Dim("batch"), Dim("rows")
+        with torch.no_grad():
+            export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / f"{kind}.onnx", ["hidden_states"],
+                         ["topk_ids", "topk_logprobs"], {"hidden_states": {0: batch, 1: rows}})
+        graphs = [graph_entry(tmp, kind, f"{kind}.onnx")]
+        if kind == "cerberus":
+            gate, trained = gate_module(weights)
+            if gate_cal and gate_cal["kind"] == "learned" and not trained:
+                raise DraftMismatchError(f"The calibration picks the learned gate but '{draft}' holds no gate weights.")
+            with torch.no_grad():
+                export_graph(gate, example_gate_inputs(cfg.hidden_size, cfg.vocab_size), tmp / "cerberus-gate.onnx",
+                             ["hidden_states", "logits"], ["entropy", "gate_prob"],
+                             {"hidden_states": {0: batch, 1: rows}, "logits": {0: batch, 1: rows}})
+            graphs.append(graph_entry(tmp, "cerberus-gate", "cerberus-gate.onnx"))
+            settings["gate_trained"] = trained
+        entry = DraftEntry(kind, cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs), config_pairs(settings))
+        drafts = tuple(d for d in manifest.drafts if d.kind != kind) + (entry,)
+        write_manifest(tmp, manifest.replace(drafts=drafts))
+        progress(f"[3/3] added {', '.join(g.file for g in graphs)} to {bundle}")
+    return entry
+
+
+def torch_draft_modules(entry: DraftEntry, lm_weight) -> dict[str, Any]:
+    """Torch references of a heads draft's graphs, by role, from the weights the manifest names."""
+    path = entry.setting("weights_path")
+    if not path or not Path(path).is_file():
+        raise DraftMismatchError(
+            f"The {entry.kind} draft's weights file '{path}' is not found; cannot rebuild its torch reference."
+        )
+    weights = load_draft_weights(path, entry.kind)
+    if hash_files([weights.path]) != entry.weights_sha:
+        raise DraftMismatchError(f"'{path}' changed since the {entry.kind} draft was exported; re-export it.")
+    mods = {entry.kind: draft_graph_module(weights, lm_weight, int(entry.setting("topk")),
+                                           int(entry.setting("vocab_trim", 0)))}
+    if entry.kind == "cerberus":
+        mods["cerberus-gate"] = gate_module(weights)[0]
+    return mods

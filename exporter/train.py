@@ -1,0 +1,528 @@
+"""Draft training: a generic resumable loop, the Medusa/Cerberus heads task, and the draft weights file.
+
+The loop knows nothing about heads. A :class:`DraftTask` says what one example is, how a batch of
+examples is built, the loss, and the held-out evaluation; the loop does AdamW with a cosine
+schedule, progress bars, per-epoch evaluation (stdout and a JSON log) and checkpoints. Chimera's
+task plugs into the same loop.
+
+Checkpoints live in ``<out>.ckpt/``: each one is a directory ``step-XXXXXXXX/`` holding
+``model.safetensors``, ``optim.safetensors`` and ``state.json``, written to a temporary name and
+renamed, and ``latest.json`` (replaced atomically) names the newest. A rerun with the same settings
+resumes from it automatically; the batch order is a pure function of (seed, epoch), so a resumed
+run reaches the same weights as an uninterrupted one.
+
+Draft weights (``.safetensors``) hold only the draft's own parameters (never the base lm_head) and
+metadata tying them to the base model: its weight hash, hidden size and vocabulary size, the kind
+and the head count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdeploy.runtime.errors import DraftMismatchError, TrainingError
+
+WEIGHTS_FORMAT = "specdeploy-draft"
+WEIGHTS_VERSION = 1
+VOCAB_ORDER_SIZE = 32768  # frequency-ordered token ids kept with the weights, for any trim <= this
+TRIM_EVAL_SIZES = (4096, 8192, 16384)
+
+
+# --- draft weights file -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DraftWeights:
+    """A loaded draft weights file: its config, tensors by prefix, and free-form metadata."""
+
+    config: Any  # graphs.heads.HeadsConfig (or another kind's frozen config)
+    tensors: dict[str, Any]  # name -> torch.Tensor, e.g. "heads.blocks.0.linear.weight", "vocab_order"
+    meta: dict[str, Any]
+    path: Path
+
+    def prefixed(self, prefix: str) -> dict[str, Any]:
+        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+    @property
+    def vocab_trim(self) -> int:
+        return int(self.meta.get("vocab_trim", 0))
+
+
+def save_draft_weights(path: str | os.PathLike, config: Any, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write ``tensors`` (contiguous copies) and metadata atomically to ``path``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = {
+        "format": WEIGHTS_FORMAT,
+        "version": str(WEIGHTS_VERSION),
+        "config": json.dumps(asdict(config), sort_keys=True),
+        "meta": json.dumps(meta, sort_keys=True),
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=header)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_draft_weights(path: str | os.PathLike, kind: str | None = None) -> DraftWeights:
+    """Read a draft weights file; a missing, corrupt or foreign file, or another kind, gets one sentence."""
+    from safetensors import safe_open
+
+    from specdeploy.graphs.heads import HeadsConfig
+
+    path = Path(path)
+    if not path.is_file():
+        raise DraftMismatchError(f"Draft weights file '{path}' does not exist.")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            header = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
+        raise DraftMismatchError(
+            f"Draft weights file '{path}' is corrupt or not safetensors ({str(exc).splitlines()[0][:120]})."
+        ) from None
+    if header.get("format") != WEIGHTS_FORMAT:
+        raise DraftMismatchError(f"'{path}' is a safetensors file but not a specdeploy draft (no draft metadata).")
+    try:
+        raw = json.loads(header["config"])
+        meta = json.loads(header.get("meta", "{}"))
+        config = HeadsConfig(**raw)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DraftMismatchError(f"Draft weights file '{path}' has malformed metadata ({exc}).") from None
+    if kind is not None and config.kind != kind:
+        raise DraftMismatchError(f"'{path}' holds a {config.kind} draft, not a {kind} draft.")
+    return DraftWeights(config, tensors, meta, path)
+
+
+def check_draft_base(config: Any, weight_sha: str, hidden_size: int, vocab_size: int, where: str) -> None:
+    """A draft trained for another base model (hidden size, vocabulary or weight hash) gets one sentence."""
+    if config.hidden_size != hidden_size or config.vocab_size != vocab_size:
+        raise DraftMismatchError(
+            f"The {config.kind} draft was trained for a base with hidden size {config.hidden_size} and vocabulary "
+            f"{config.vocab_size}, but {where} has {hidden_size} and {vocab_size}."
+        )
+    if config.base_weight_sha != weight_sha:
+        raise DraftMismatchError(
+            f"The {config.kind} draft was trained for another base model (weight hash "
+            f"{config.base_weight_sha[:12]}, {where} has {weight_sha[:12]})."
+        )
+
+
+# --- the generic loop -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoopConfig:
+    epochs: int = 3
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.05  # cosine decays to lr * this
+    seed: int = 0
+    ckpt_every: int = 100  # steps between checkpoints (one is also written at every epoch end)
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise TrainingError("Training needs epochs >= 1, batch size >= 1 and a positive learning rate.")
+
+
+class DraftTask(ABC):
+    """One kind of draft to train: examples, batches, loss and held-out evaluation."""
+
+    kind: str
+
+    @abstractmethod
+    def build(self):
+        """The trainable torch module (fresh, deterministic under the torch seed)."""
+
+    @abstractmethod
+    def num_examples(self) -> int:
+        """Training examples per epoch; the loop shuffles indices ``0..n-1``."""
+
+    @abstractmethod
+    def loss(self, model, index: np.ndarray):
+        """``(loss tensor, {name: float})`` for the examples ``index``."""
+
+    @abstractmethod
+    def evaluate(self, model, final: bool = False) -> dict[str, Any]:
+        """Held-out metrics (JSON-serialisable); ``final`` may do a more thorough pass."""
+
+    @abstractmethod
+    def fingerprint(self) -> dict[str, Any]:
+        """Everything that must match for a checkpoint to be resumed (data, model shape, settings)."""
+
+    @abstractmethod
+    def save(self, model, out: Path, summary: dict[str, Any]) -> None:
+        """Write the final draft weights file."""
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    seconds: float
+    history: list[dict[str, Any]] = field(default_factory=list)
+    final: dict[str, Any] = field(default_factory=dict)
+
+
+def _lr_at(step: int, total: int, cfg: LoopConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    cos = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cos)
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The batch order of an epoch: a pure function of (seed, epoch), so resuming reproduces it."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str = "auto",
+          show_progress: bool = True, log: Callable[[str], None] | None = None,
+          stop_after_steps: int | None = None) -> TrainResult:
+    """Train ``task`` and write its weights to ``out``.
+
+    ``resume``: "auto" continues a matching checkpoint if there is one, "require" insists on one,
+    "restart" discards any. ``stop_after_steps`` ends the run early after a checkpoint (it simulates
+    an interruption in tests); the weights file is then not written.
+    """
+    import torch
+    from tqdm import tqdm
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    if resume not in ("auto", "require", "restart"):
+        raise ValueError(resume)
+    out = Path(out)
+    torch.set_num_threads(max(1, cfg.threads))
+    ckpt_dir = out.with_name(out.name + ".ckpt")
+    fingerprint = {"task": task.fingerprint(), "loop": asdict(cfg)}
+    fingerprint["loop"].pop("threads")
+    torch.manual_seed(cfg.seed)
+    model = task.build()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    n = task.num_examples()
+    steps_per_epoch = max(1, n // cfg.batch_size)  # the last partial batch is dropped
+    total = steps_per_epoch * cfg.epochs
+    step, history, elapsed = 0, [], 0.0
+
+    if resume == "restart":
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    found = _latest_checkpoint(ckpt_dir)
+    if found is None and resume == "require":
+        raise TrainingError(f"There is no checkpoint to resume in '{ckpt_dir}'.")
+    if found is not None:
+        state = _load_checkpoint(found, model, opt)
+        if state["fingerprint"] != json.loads(json.dumps(fingerprint)):
+            raise TrainingError(
+                f"The checkpoint in '{ckpt_dir}' belongs to a run with other settings or data; "
+                "pass --restart to discard it."
+            )
+        step, history, elapsed = int(state["step"]), list(state["history"]), float(state["elapsed"])
+        log(f"resuming from step {step}/{total} ({found.name})")
+
+    log_path = out.with_name(out.stem + ".train.json")
+    t_start = time.time() - elapsed
+    bar = tqdm(total=total, initial=step, desc=f"train {task.kind}", unit="step", disable=not show_progress)
+    model.train()
+    while step < total:
+        epoch, within = divmod(step, steps_per_epoch)
+        order = epoch_order(cfg.seed, epoch, n)
+        for b in range(within, steps_per_epoch):
+            index = order[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, total, cfg)
+            loss, stats = task.loss(model, index)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}", **{k: f"{v:.3f}" for k, v in stats.items()})
+            last_of_epoch = b == steps_per_epoch - 1
+            if last_of_epoch:
+                model.eval()
+                metrics = task.evaluate(model)
+                model.train()
+                entry = {"epoch": epoch + 1, "step": step, "loss": float(loss), "elapsed_s": round(time.time() - t_start, 1),
+                         **metrics}
+                history.append(entry)
+                bar.write(f"epoch {epoch + 1}/{cfg.epochs}: " + _fmt_metrics(metrics))
+                _write_json(log_path, {"kind": task.kind, "history": history, "fingerprint": fingerprint})
+            if last_of_epoch or step % cfg.ckpt_every == 0 or step == stop_after_steps:
+                _save_checkpoint(ckpt_dir, step, model, opt, {
+                    "step": step, "history": history, "elapsed": time.time() - t_start, "fingerprint": fingerprint,
+                })
+            if stop_after_steps is not None and step >= stop_after_steps:
+                bar.close()
+                return TrainResult(out, step, time.time() - t_start, history)
+    bar.close()
+    seconds = time.time() - t_start
+    model.eval()
+    final = task.evaluate(model, final=True)
+    log("final held-out: " + _fmt_metrics(final))
+    summary = {"steps": step, "train_seconds": round(seconds, 1), "history": history, "final": final,
+               "loop": asdict(cfg)}
+    task.save(model, out, summary)
+    _write_json(log_path, {"kind": task.kind, "history": history, "final": final, "train_seconds": round(seconds, 1),
+                           "fingerprint": fingerprint})
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return TrainResult(out, step, seconds, history, final)
+
+
+def _fmt_metrics(metrics: dict[str, Any]) -> str:
+    parts = []
+    for k, v in metrics.items():
+        if isinstance(v, list) and v and isinstance(v[0], float):
+            parts.append(f"{k} " + " ".join(f"{x:.3f}" for x in v))
+        elif isinstance(v, float):
+            parts.append(f"{k} {v:.3f}")
+    return "; ".join(parts)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    latest = ckpt_dir / "latest.json"
+    if not latest.is_file():
+        return None
+    try:
+        name = json.loads(latest.read_text())["checkpoint"]
+    except (ValueError, KeyError, TypeError):
+        raise TrainingError(f"The checkpoint index '{latest}' is corrupt; pass --restart to start over.") from None
+    path = ckpt_dir / str(name)
+    if not path.is_dir():
+        raise TrainingError(f"The checkpoint '{path}' named by '{latest}' is missing; pass --restart to start over.")
+    return path
+
+
+def _save_checkpoint(ckpt_dir: Path, step: int, model, opt, state: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=ckpt_dir))
+    try:
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+        save_file(_optim_tensors(opt), str(tmp / "optim.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(state))
+        final = ckpt_dir / name
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_json(ckpt_dir / "latest.json", {"checkpoint": name})
+    for old in ckpt_dir.glob("step-*"):  # keep only the newest
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _optim_tensors(opt) -> dict[str, Any]:
+    """AdamW state as flat tensors ``"<param index>.<key>"`` (step counts included)."""
+    import torch
+
+    out = {}
+    for pid, st in opt.state_dict()["state"].items():
+        for key, val in st.items():
+            out[f"{pid}.{key}"] = val.detach().clone().contiguous() if torch.is_tensor(val) else torch.tensor(val)
+    return out
+
+
+def _load_checkpoint(path: Path, model, opt) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    try:
+        state = json.loads((path / "state.json").read_text())
+        weights = load_file(str(path / "model.safetensors"))
+        optim = load_file(str(path / "optim.safetensors"))
+        model.load_state_dict(weights, strict=True)
+        sd = opt.state_dict()
+        per_param: dict[int, dict[str, Any]] = {}
+        for name, val in optim.items():
+            pid, key = name.split(".", 1)
+            per_param.setdefault(int(pid), {})[key] = val
+        sd["state"] = per_param
+        opt.load_state_dict(sd)
+        int(state["step"]), state["history"], float(state["elapsed"]), state["fingerprint"]
+    except Exception as exc:  # noqa: BLE001 - json, safetensors and torch each raise their own types here
+        detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        raise TrainingError(f"The checkpoint '{path}' is corrupt ({detail}); pass --restart to start over.") from None
+    return state
+
+
+# --- Medusa / Cerberus heads ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsTrainConfig:
+    kind: str  # "medusa" | "cerberus"
+    num_heads: int = 4
+    layers: int = 1
+    head_decay: float = 0.8  # loss weight of head k is head_decay**k (Medusa-1)
+    vocab_trim: int = 0  # > 0: the loss (and the exported graph) use only the N most frequent label ids
+    bf16: bool = True  # the lm_head matmuls in bf16 (AMX on this CPU, ~4x); softmax and loss stay fp32
+    assistant_only: bool = True  # train on positions inside assistant replies
+    eval_positions: int = 4096  # held-out positions per epoch (all of them in the final evaluation)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("medusa", "cerberus"):
+            raise TrainingError(f"Unknown heads kind '{self.kind}'; choose medusa or cerberus.")
+        if self.num_heads < 1 or self.num_heads > 8:
+            raise TrainingError("The head count must be between 1 and 8.")
+        if self.vocab_trim < 0 or self.vocab_trim > VOCAB_ORDER_SIZE:
+            raise TrainingError(f"--vocab-trim must be 0 (full vocabulary) or at most {VOCAB_ORDER_SIZE}.")
+
+
+class HeadsTask(DraftTask):
+    """Self-distillation of K heads: head k at position t learns the base argmax ``labels[t+1+k]``."""
+
+    def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig):
+        import torch
+
+        from specdeploy.graphs.heads import HeadsConfig
+
+        self.kind = config.kind
+        self.cache, self.cfg = cache, config
+        vocab, hidden = int(lm_weight.shape[0]), int(lm_weight.shape[1])
+        cache.check_base(base_weight_sha, hidden, vocab)
+        self.heads_config = HeadsConfig(config.kind, config.num_heads, hidden, vocab, config.layers, base_weight_sha)
+        self.lm_weight = lm_weight.detach().float()  # [V, H] frozen, shared with the base
+        counts = cache.label_counts(vocab)
+        order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, ties by id
+        self.vocab_order = torch.from_numpy(order[: min(vocab, VOCAB_ORDER_SIZE)].astype(np.int64))
+        if config.vocab_trim:
+            keep = self.vocab_order[: config.vocab_trim]
+            self.remap = torch.full((vocab,), -1, dtype=torch.int64)
+            self.remap[keep] = torch.arange(keep.numel())
+            self.train_weight = self.lm_weight[keep]
+        else:
+            self.remap, self.train_weight = None, self.lm_weight
+        if config.bf16:
+            self.train_weight = self.train_weight.to(torch.bfloat16)
+        self.train_pos = cache.positions("train", config.assistant_only)
+        self.heldout_pos = cache.positions("heldout", config.assistant_only)
+        if self.train_pos.size == 0 or self.heldout_pos.size == 0:
+            raise TrainingError("The training-data cache has no usable train or held-out positions.")
+        self.weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])
+
+    def build(self):
+        from specdeploy.graphs.heads import build_heads
+
+        return build_heads(self.heads_config)
+
+    def num_examples(self) -> int:
+        return int(self.train_pos.size)
+
+    def _batch(self, positions: np.ndarray):
+        import torch
+
+        hidden = torch.from_numpy(np.asarray(self.cache.hidden[positions], dtype=np.float32))  # [B, H]
+        labels, valid = self.cache.head_targets(positions, self.cfg.num_heads)  # [B, K] each
+        return hidden, torch.from_numpy(labels), torch.from_numpy(valid)
+
+    def loss(self, model, index: np.ndarray):
+        import torch
+        import torch.nn.functional as F
+
+        hidden, labels, valid = self._batch(np.sort(self.train_pos[index]))
+        if self.remap is not None:
+            labels = self.remap[labels]
+            valid = valid & (labels >= 0)
+        z = model(hidden)  # [B, K, H]
+        logits = torch.matmul(z.to(self.train_weight.dtype), self.train_weight.t()).float()  # [B, K, V']
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+        ce = ce.view_as(labels) * valid  # [B, K]
+        per_head = ce.sum(0) / valid.sum(0).clamp(min=1)  # [K]
+        loss = (per_head * self.weights).sum()
+        with torch.no_grad():
+            top1 = ((logits.argmax(-1) == labels) & valid).sum(0) / valid.sum(0).clamp(min=1)
+        return loss, {"acc0": float(top1[0]), f"acc{self.cfg.num_heads - 1}": float(top1[-1])}
+
+    def evaluate(self, model, final: bool = False) -> dict[str, Any]:
+        """Held-out per-head top-1 (full lm_head), top-5/top-10, and top-1 with trimmed vocabularies."""
+        import torch
+
+        pos = self.heldout_pos
+        if not final and pos.size > self.cfg.eval_positions:
+            pos = np.sort(np.random.default_rng(0).choice(pos, self.cfg.eval_positions, replace=False))
+        k = self.cfg.num_heads
+        hits = {"top1": np.zeros(k), "top5": np.zeros(k), "top10": np.zeros(k)}
+        trims = [t for t in TRIM_EVAL_SIZES if t < self.heads_config.vocab_size]
+        trim_hits = {t: np.zeros(k) for t in trims}
+        in_trim = {}
+        for t in trims:
+            mask = torch.zeros(self.heads_config.vocab_size, dtype=torch.bool)
+            mask[self.vocab_order[:t]] = True
+            in_trim[t] = mask
+        count = np.zeros(k)
+        weight = self.lm_weight if final else self.lm_weight.to(torch.bfloat16)
+        with torch.no_grad():
+            for a in range(0, pos.size, 512):
+                hidden, labels, valid = self._batch(pos[a : a + 512])
+                logits = torch.matmul(model(hidden).to(weight.dtype), weight.t()).float()  # [B, K, V]
+                label_logit = logits.gather(-1, labels.unsqueeze(-1))  # [B, K, 1]
+                rank = (logits > label_logit).sum(-1)  # [B, K]: 0 means top-1
+                v = valid.numpy()
+                count += v.sum(0)
+                for name, r in (("top1", 1), ("top5", 5), ("top10", 10)):
+                    hits[name] += ((rank < r).numpy() & v).sum(0)
+                for t in trims:
+                    masked = logits.masked_fill(~in_trim[t], float("-inf"))
+                    hits_t = (masked.argmax(-1) == labels).numpy() & v
+                    trim_hits[t] += hits_t.sum(0)
+        out: dict[str, Any] = {name: (h / np.maximum(count, 1)).round(4).tolist() for name, h in hits.items()}
+        for t in trims:
+            out[f"top1_trim{t}"] = (trim_hits[t] / np.maximum(count, 1)).round(4).tolist()
+        out["heldout_positions"] = int(count[0])
+        return out
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"heads": asdict(self.heads_config), "train": asdict(self.cfg), "data": self.cache.meta["config"],
+                "data_tokens": self.cache.num_tokens}
+
+    def save(self, model, out: Path, summary: dict[str, Any]) -> None:
+        tensors = {f"heads.{k}": v for k, v in model.state_dict().items()}
+        tensors["vocab_order"] = self.vocab_order.to(dtype=self.vocab_order.dtype)
+        meta = {
+            "vocab_trim": self.cfg.vocab_trim,
+            "train": {**summary, "config": asdict(self.cfg)},
+            "data": {"sequences": self.cache.num_sequences, "tokens": self.cache.num_tokens,
+                     "train_positions": int(self.train_pos.size), "heldout_positions": int(self.heldout_pos.size),
+                     "config": self.cache.meta["config"], "build_seconds": self.cache.meta.get("build_seconds")},
+        }
+        save_draft_weights(out, self.heads_config, tensors, meta)
+
+
+def heads_from_weights(weights: DraftWeights):
+    """Rebuild the heads module from a weights file, every key and shape checked."""
+    from specdeploy.graphs.heads import build_heads
+
+    module = build_heads(weights.config)
+    state = weights.prefixed("heads.")
+    expected = module.state_dict()
+    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+        raise DraftMismatchError(
+            f"Draft weights file '{weights.path}' does not match a {weights.config.kind} draft with "
+            f"{weights.config.num_heads} heads (keys or shapes differ)."
+        )
+    module.load_state_dict(state, strict=True)
+    return module.eval()

