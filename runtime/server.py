@@ -27,20 +27,29 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from .engine import Completion, Engine, TextStream
 from .errors import SpecDeployError
 
 try:
     import uvicorn
-    from pydantic import BaseModel, ConfigDict, Field, ValidationError
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
+
+    from .server_schema import (
+        ApiError,
+        ChatRequest,
+        CompletionRequest,
+        _error_body,
+        _GenerationRequest,
+        _parse,
+        _unsupported,
+    )
 except ImportError as _exc:  # the server stack is an optional extra
     raise SpecDeployError(
         f"`specdeploy serve` needs the server extra ({_exc.name} is missing): pip install 'specdeploy[serve]'."
@@ -49,7 +58,6 @@ except ImportError as _exc:  # the server stack is an optional extra
 log = logging.getLogger("specdeploy.server")
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-_MAX_STOP_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -63,140 +71,6 @@ class ServerConfig:
     max_body_bytes: int = 1_000_000
     max_queue: int = 64  # admitted generation requests (running + queued); more get a 503
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM/SIGINT
-
-
-# --- request schema ------------------------------------------------------------------------------
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class _GenerationRequest(_Strict):
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=1 << 31)  # an extension, as in vLLM
-    stop: str | list[str] | None = Field(default=None)
-    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-
-
-class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str]
-    echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class ChatRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI-style body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
-
-    def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        if self.status == 503:
-            headers = {"Retry-After": "1"}
-        return JSONResponse(_error_body(self.message, self.type, self.param, self.code), self.status,
-                            headers=headers)
-
-
-def _error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def _param(loc: tuple, extra: bool = False) -> str | None:
-    """``("messages", 0, "content", "str")`` -> ``"messages[0].content"`` (pydantic's union branch tags dropped)."""
-    fields = set(ChatMessage.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)
-    out = ""
-    for i, part in enumerate(loc):
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif i == 0 or part in fields or (extra and i == len(loc) - 1):
-            out += f".{part}" if out else str(part)
-    return out or None
-
-
-def _parse(model: type[_Strict], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        param = _param(err["loc"], extra=err["type"] == "extra_forbidden")
-        if err["type"] == "json_invalid":
-            msg = f"The request body is not valid UTF-8 JSON ({err['msg']})."
-        elif err["type"] == "model_type":
-            msg = "The request body must be a JSON object."
-        elif err["type"] == "extra_forbidden":
-            msg = f"Unrecognized request argument supplied: {param}"
-        elif err["type"] == "missing":
-            msg = f"Missing required parameter: '{param}'."
-        else:
-            msg = f"Invalid value for '{param}': {err['msg']}."
-        raise ApiError(400, msg, param=param, code="invalid_value" if param else None) from None
-
-
-def _unsupported(req: _GenerationRequest) -> None:
-    """Reject OpenAI features this server does not implement instead of silently ignoring them."""
-    checks = [
-        ("n", req.n != 1, "Only n=1 is supported."),
-        ("presence_penalty", req.presence_penalty != 0.0, "presence_penalty is not supported."),
-        ("frequency_penalty", req.frequency_penalty != 0.0, "frequency_penalty is not supported."),
-        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported."),
-    ]
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    checks.append(("stop", len(stops) > 4, "At most 4 stop sequences are allowed."))
-    checks.append(("stop", any(len(s) > _MAX_STOP_CHARS for s in stops),
-                   f"A stop sequence may be at most {_MAX_STOP_CHARS} characters."))
-    if isinstance(req, CompletionRequest):
-        checks += [
-            ("prompt", isinstance(req.prompt, list) and len(req.prompt) != 1, "Give exactly one prompt per request."),
-            ("echo", req.echo, "echo is not supported."),
-            ("best_of", req.best_of not in (None, 1), "Only best_of=1 is supported."),
-            ("logprobs", req.logprobs is not None, "logprobs are not supported."),
-            ("suffix", req.suffix is not None, "suffix is not supported."),
-        ]
-    if isinstance(req, ChatRequest):
-        checks += [
-            ("logprobs", bool(req.logprobs), "logprobs are not supported."),
-            ("top_logprobs", req.top_logprobs is not None, "top_logprobs are not supported."),
-        ]
-    for param, bad, msg in checks:
-        if bad:
-            raise ApiError(400, msg, param=param, code="unsupported_value")
 
 
 # --- response shapes -----------------------------------------------------------------------------
