@@ -76,20 +76,29 @@ class TextCodec:
 
 
 class StreamDecoder:
-    """Turns a token stream into text deltas without splitting multi-byte characters."""
+    """Turns a token stream into text deltas without splitting multi-byte characters.
+
+    Decodes only a sliding window (``ids[prefix:]`` against ``ids[prefix:read]``), as TGI and vLLM
+    do, so a long generation costs linear time; decoding the window from the same start keeps
+    tokenizers that drop a leading space at the start of a decode consistent.
+    """
 
     def __init__(self, codec: TextCodec):
         self.codec = codec
         self.ids: list[int] = []
         self.text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # tokens already turned into text
 
     def push(self, tokens: Iterable[int]) -> str:
         self.ids.extend(int(t) for t in tokens)
-        text = self.codec.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        before = self.codec.decode(self.ids[self._prefix : self._read])
+        after = self.codec.decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # incomplete UTF-8: wait for more
             return ""
-        delta = text.removeprefix(self.text)
-        self.text = text
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
         return delta
 
 

@@ -206,3 +206,20 @@ def test_import_directions():
                     names = [node.module]
                 bad += [f"{path.relative_to(root)}: {n}" for n in names if n.startswith(banned)]
     assert not bad, bad
+
+
+def test_stream_decoder_matches_full_decode(tiny_bundle):
+    from specdeploy.runtime.text import TextCodec
+
+    codec = TextCodec(tiny_bundle, read_manifest(tiny_bundle).tokenizer)
+    text = "Héllo wörld! 日本語のテキスト 🤖🚀 emoji\n  indented:\n\tdef f(x): return x**2  "
+    ids = codec.encode(text)
+    stream = codec.stream()
+    deltas = [stream.push([t]) for t in ids]
+    assert "".join(deltas) == codec.decode(ids) == stream.text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_readme_shows_the_tested_api_example():
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "tests" / "api_example.py").read_text() in (root / "README.md").read_text()
