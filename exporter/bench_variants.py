@@ -37,6 +37,7 @@ class VariantSpec:
     requires: tuple[str, ...] = ()  # importable modules; a missing one skips the variant
     install: str = ""  # how to get the missing modules
     bundle_draft: bool = False  # needs a draft of kind ``draft`` stored in the bundle
+    draft_kind: str | None = None  # the bundle's draft kind when it differs from the drafter name
 
     def unavailable(self, manifest: BundleManifest) -> str | None:
         """Why this variant cannot run here (missing package or draft), or None when it can."""
@@ -44,9 +45,10 @@ class VariantSpec:
         if missing:
             hint = f" ({self.install})" if self.install else ""
             return f"skipped: needs the Python package(s) {', '.join(missing)}{hint}."
-        if self.bundle_draft and self.draft not in {d.kind for d in manifest.drafts}:
-            return (f"skipped: the bundle has no '{self.draft}' draft; add one with "
-                    f"'specdeploy export draft --kind {self.draft}'.")
+        kind = self.draft_kind or self.draft
+        if self.bundle_draft and kind not in {d.kind for d in manifest.drafts}:
+            return (f"skipped: the bundle has no '{kind}' draft; add one with "
+                    f"'specdeploy export draft --kind {kind}'.")
         return None
 
 
@@ -62,6 +64,8 @@ VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("cerberus", "ours", "specdeploy ORT CPU, Cerberus heads with gate", draft="cerberus",
                 requires=("onnxruntime",), bundle_draft=True),
+    VariantSpec("cerberus-nogate", "ours", "specdeploy ORT CPU, Cerberus heads, gate off (always draft)",
+                draft="cerberus-nogate", requires=("onnxruntime",), bundle_draft=True, draft_kind="cerberus"),
     VariantSpec("medusa", "ours", "specdeploy ORT CPU, Medusa heads", draft="medusa",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("hf", "hf", "transformers generate, greedy, fp32 torch", requires=_HF, install=_HF_INSTALL),
@@ -83,6 +87,8 @@ class RunResult:
     accepted: list[int] | None  # tokens emitted per decode step (first forward excluded)
     backend_seconds: float | None = None  # decode time inside the backend's step (ours only)
     finish_reason: str = ""
+    gate_parallel: int | None = None  # decode steps the drafter's gate sent to draft + verify (ours only)
+    gate_ar: int | None = None  # decode steps the gate ran as plain T=1 decoding (ours only)
 
 
 class Runner(ABC):
@@ -124,6 +130,8 @@ class OursRunner(Runner):
             accepted=list(stats.accepted),
             backend_seconds=stats.backend_s,
             finish_reason=stats.finish_reason,
+            gate_parallel=stats.gate_parallel if self.spec.draft else None,
+            gate_ar=stats.gate_ar if self.spec.draft else None,
         )
 
     def close(self) -> None:

@@ -62,6 +62,133 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     click.echo(f"Wrote bundle {out}")
 
 
+@export.command("draft")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--kind", required=True, type=click.Choice(["medusa", "cerberus"]), help="Draft kind.")
+@click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
+@click.option("--calibration", default=None, type=click.Path(path_type=Path),
+              help="Calibration JSON (default: <weights>.calibration.json next to the weights, if present).")
+@click.option("--vocab-trim", type=int, default=None,
+              help="Draft vocabulary: the N most frequent ids, 0 = full lm_head (default: the calibrated choice).")
+@click.option("--model", default=None, help="Source model, if it moved since export.")
+def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
+                     model: str | None) -> None:
+    """Add trained Medusa or Cerberus heads (and Cerberus' gate) to a bundle.
+
+    The heads graph returns each head's top-k ids and log-probs, so the shared lm_head projection runs
+    inside ONNX Runtime. The draft must have been trained for the bundle's base model.
+
+    \b
+    Example:
+      specdeploy export draft --kind cerberus --draft specdeploy/graphs/weights/cerberus.safetensors bundles/smollm2
+    """
+    from .export_draft import export_draft
+
+    export_draft(bundle, kind, draft, calibration=calibration, vocab_trim=vocab_trim, model=model)
+    click.echo(f"Added the {kind} draft to {bundle}")
+
+
+# --- train -----------------------------------------------------------------------------------
+@main.group()
+def train() -> None:
+    """Train a draft on ShareGPT with the frozen base model (self-distillation)."""
+
+
+def _heads_train_options(fn):
+    options = [
+        click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)."),
+        click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write."),
+        click.option("--heads", default=4, show_default=True, type=int, help="Number of heads."),
+        click.option("--layers", default=1, show_default=True, type=int, help="ResBlocks per head (Medusa)."),
+        click.option("--epochs", default=3, show_default=True, type=int),
+        click.option("--batch-size", default=256, show_default=True, type=int, help="Positions per step."),
+        click.option("--lr", default=1e-3, show_default=True, type=float),
+        click.option("--max-seqs", default=256, show_default=True, type=int, help="ShareGPT sequences to cache."),
+        click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence."),
+        click.option("--vocab-trim", default=0, show_default=True, type=int,
+                     help="Train and export on the N most frequent label ids (0: the full shared lm_head)."),
+        click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
+                     help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data)."),
+        click.option("--threads", default=2, show_default=True, type=int, help="torch threads."),
+        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint."),
+        click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over."),
+        click.option("--calibrate/--no-calibrate", default=True, show_default=True,
+                     help="Afterwards choose the default tree (and Cerberus' gate) on held-in prompts."),
+        click.option("--bundle", default=None, type=click.Path(path_type=Path),
+                     help="Base bundle to calibrate with (default: a temporary export); the draft is added to it."),
+        click.option("--calib-prompts", default=24, show_default=True, type=int),
+        click.option("--calib-tokens", default=128, show_default=True, type=int),
+    ]
+    for opt in reversed(options):
+        fn = opt(fn)
+    return fn
+
+
+def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: int, epochs: int, batch_size: int,
+                 lr: float, max_seqs: int, max_len: int, vocab_trim: int, data_dir: Path | None, threads: int,
+                 seed: int, resume: str | None, calibrate: bool, bundle: Path | None, calib_prompts: int,
+                 calib_tokens: int) -> None:
+    from .train import run_heads_training
+
+    run_heads_training(kind, model, out, heads, layers, epochs, batch_size, lr, max_seqs, max_len, vocab_trim,
+                       data_dir, threads, seed, resume or "auto", calibrate, bundle, calib_prompts, calib_tokens)
+
+
+@train.command("medusa")
+@_heads_train_options
+def train_medusa(**kw) -> None:
+    """Train Medusa-1 heads (ResBlocks + the shared lm_head; head k predicts token t+2+k).
+
+    Caches base features for ShareGPT once, trains with a 0.8^k per-head loss, resumes from its last
+    checkpoint automatically, logs held-out per-head top-1 per epoch, then calibrates the default tree.
+
+    \b
+    Example:
+      specdeploy train medusa --out medusa.safetensors --epochs 3
+    """
+    _train_heads("medusa", **kw)
+
+
+@train.command("cerberus")
+@_heads_train_options
+def train_cerberus(**kw) -> None:
+    """Train Cerberus heads (sequential blocks chain head k-1 into head k), then calibrate tree and gate.
+
+    The gate (entropy of the base distribution, or a learned MLP) is calibrated on held-in ShareGPT
+    prompts to maximise tokens/s measured on this machine.
+
+    \b
+    Example:
+      specdeploy train cerberus --out cerberus.safetensors --epochs 3
+    """
+    _train_heads("cerberus", **kw)
+
+
+@train.command("calibrate")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--kind", required=True, type=click.Choice(["medusa", "cerberus"]))
+@click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
+@click.option("--prompts", default=24, show_default=True, type=int, help="Held-in ShareGPT prompts to trace.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--threads", default=2, show_default=True, type=int)
+def train_calibrate(bundle: Path, kind: str, draft: Path, prompts: int, max_new_tokens: int, threads: int) -> None:
+    """Re-calibrate a draft's default tree (and Cerberus' gate) for this machine; updates the bundle.
+
+    Writes <weights>.calibration.json (and, for Cerberus, the learned gate into the weights file).
+
+    \b
+    Example:
+      specdeploy train calibrate bundles/smollm2 --kind cerberus --draft cerberus.safetensors
+    """
+    from .calibrate_draft import calibrate
+
+    calib = calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads)
+    gate = calib.get("gate")
+    tail = f", gate {gate['kind']} threshold {gate['threshold']}" if gate else ""
+    click.echo(f"Calibrated {kind}: tree {calib['default_tree']}{tail}")
+
+
 # --- validate --------------------------------------------------------------------------------
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))

@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from specdeploy.runtime.bundle import DraftEntry, config_pairs, graph_paths, hash_files, read_manifest, write_manifest
+from specdeploy.runtime.bundle import (
+    DraftEntry,
+    config_pairs,
+    graph_paths,
+    hash_files,
+    read_manifest,
+    write_manifest,
+)
 from specdeploy.runtime.errors import DraftMismatchError
 
 from .train import DraftWeights, check_draft_base, heads_from_weights, load_draft_weights
@@ -81,13 +89,16 @@ def gate_module(weights: DraftWeights):
 
 def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
                  vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
-                 progress: Callable[[str], None] = _stderr) -> DraftEntry:
-    """Add a trained heads draft to ``bundle``; replaces a previous draft of the same kind."""
-    import torch
-    from torch.export import Dim
+                 progress: Callable[[str], None] = _stderr, use_calibration: bool = True) -> DraftEntry:
+    """Add a trained heads draft to ``bundle``; replaces a previous draft of the same kind.
 
+    ``calibration`` defaults to ``<weights>.calibration.json`` when that exists; ``use_calibration``
+    False ignores it (the calibration step itself exports the uncalibrated draft first).
+    """
+    import torch
     from specdeploy.graphs.gate import example_gate_inputs
     from specdeploy.graphs.heads import example_hidden
+    from torch.export import Dim
 
     from .export import export_graph, graph_entry, updated_bundle
     from .source import load_model
@@ -100,7 +111,8 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
     m = manifest.model
     check_draft_base(weights.config, manifest.source.weight_sha, m.hidden_size, m.vocab_size, "the bundle's base model")
     cal_path = Path(calibration) if calibration else calibration_path(draft)
-    calib = read_calibration(cal_path, weights) if (calibration or cal_path.is_file()) else {}
+    wanted = use_calibration and (calibration is not None or cal_path.is_file())
+    calib = read_calibration(cal_path, weights) if wanted else {}
 
     progress(f"[1/3] loading the base model's lm_head ({manifest.source.path}) ...")
     loaded = load_model(model or manifest.source.path)

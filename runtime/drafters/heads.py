@@ -24,7 +24,15 @@ import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry, GraphEntry
 from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
-from ..tree import DEFAULT_ACCEPT, CPU_COST_CURVE, DraftTree, TreeSpec, choose_default_tree, parse_tree_arg, select_dynamic
+from ..tree import (
+    CPU_COST_CURVE,
+    DEFAULT_ACCEPT,
+    DraftTree,
+    TreeSpec,
+    choose_default_tree,
+    parse_tree_arg,
+    select_dynamic,
+)
 from .base import DraftContext, Drafter
 
 HEADS_KINDS = ("medusa", "cerberus")
