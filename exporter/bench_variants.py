@@ -49,7 +49,8 @@ class VariantSpec:
         if self.bundle_draft and kind not in {d.kind for d in manifest.drafts}:
             return (f"skipped: the bundle has no '{kind}' draft; add one with "
                     f"'specdeploy export draft --kind {kind}'.")
-        return None
+        runner = RUNNERS.get(self.runner)
+        return runner.unavailable(self, manifest) if runner is not None else None
 
 
 _HF = ("torch", "transformers")
@@ -98,6 +99,11 @@ class Runner(ABC):
                  tree: str | None):
         self.bundle, self.manifest, self.spec = bundle, manifest, spec
         self.threads, self.tree = threads, tree
+
+    @classmethod
+    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
+        """Why this runner cannot run ``spec`` on this bundle (beyond missing packages), or None."""
+        return None
 
     @abstractmethod
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
@@ -198,3 +204,7 @@ class _StepClock:
 
 
 RUNNERS: dict[str, type[Runner]] = {"ours": OursRunner, "hf": HfRunner}
+
+# Peers (onnxruntime-genai, llama.cpp) register their runners and variants on import; their packages
+# are optional and imported only inside the runners.
+from . import bench_peers  # noqa: F401

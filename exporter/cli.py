@@ -49,16 +49,34 @@ def export() -> None:
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--max-context", type=int, default=None, help="Maximum prompt + generated tokens.")
 @click.option("--max-tree", type=int, default=64, show_default=True, help="Maximum tree nodes per step.")
-def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int | None, max_tree: int) -> None:
+@click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "int8", "int4"]),
+              help="Weight precision. int8/int4: weight-only MatMulNBits quantization (ONNX Runtime only).")
+@click.option("--block-size", type=int, default=None,
+              help="int8/int4: weights per quantization block (power of two >= 16; default 32).")
+@click.option("--target", type=click.Choice(["ort", "trt"]), default=None,
+              help="Graph target: trt (standard ops, TensorRT-parseable; default for fp32) or ort "
+                   "(ONNX Runtime; required by int8/int4).")
+def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int | None, max_tree: int,
+                    precision: str, block_size: int | None, target: str | None) -> None:
     """Trace the base decoder step (tree attention, in-place KV) to ONNX.
 
     \b
-    Example:
+    int8/int4 quantize the MatMul weights blockwise with ONNX Runtime's MatMulNBitsQuantizer
+    (graph inputs, outputs and the KV cache stay fp32); check them with 'specdeploy validate', which adds a
+    quality report (top-1 agreement and perplexity against fp32). fp16 is not exported for the CPU:
+    build TensorRT engines with 'specdeploy build --precision fp16' instead.
+
+    \b
+    Examples:
       specdeploy export base --out bundles/smollm2
+      specdeploy export base --precision int4 --out bundles/smollm2-int4
     """
     from .export import export_base
 
-    export_base(model, out, force=force, max_context=max_context, max_tree=max_tree)
+    if block_size is not None and precision not in ("int8", "int4"):
+        raise click.UsageError("--block-size applies to --precision int8 or int4 only.")
+    export_base(model, out, force=force, max_context=max_context, max_tree=max_tree, precision=precision,
+                target=target, block_size=block_size)
     click.echo(f"Wrote bundle {out}")
 
 
@@ -80,7 +98,7 @@ def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | N
 
     \b
     Example:
-      specdeploy export draft --kind cerberus --draft specdeploy/graphs/weights/cerberus.safetensors bundles/smollm2
+      specdeploy export draft --kind cerberus --draft graphs/weights/cerberus.safetensors bundles/smollm2
     """
     from .export_draft import export_draft
 
@@ -239,7 +257,7 @@ def lint(bundle: Path) -> None:
     results = lint_bundle(bundle)
     for g in results:
         state = f"skipped: {g.skipped}" if g.skipped else ("ok" if g.passed else f"{len(g.issues)} issue(s)")
-        click.echo(f"{g.role:<12}{g.file:<28}{state}")
+        click.echo(f"{g.role:<15}{g.file:<28}{state}")
         for issue in g.issues:
             click.echo(f"  {issue}")
     if all(g.passed for g in results):

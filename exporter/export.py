@@ -6,6 +6,7 @@ error leaves nothing half-written. Progress is printed stage by stage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -210,14 +211,25 @@ def export_base(
     max_tree: int = DEFAULT_MAX_TREE,
     max_batch: int = 1,
     progress: Progress = _stderr,
+    precision: str = "fp32",
+    target: str | None = None,
+    block_size: int | None = None,
 ) -> BundleManifest:
-    """Export the base decoder step of ``model`` (default: embedded SmolLM2) to a new bundle at ``out``."""
+    """Export the base decoder step of ``model`` (default: embedded SmolLM2) to a new bundle at ``out``.
+
+    ``precision`` "int8"/"int4" quantizes the MatMul weights (ONNX Runtime's MatMulNBits, blocks of
+    ``block_size``; see ``quantize.py``), which makes the graph target "ort". ``target`` defaults to
+    "trt" for fp32 and "ort" for the quantized precisions.
+    """
     import torch
     from specdeploy.graphs.base_step import BaseStep, example_inputs
     from torch.export import Dim
 
+    from .quantize import QUANTIZED, quant_config, quantize_file, resolve_target
     from .source import check_architecture, load_model
 
+    target = resolve_target(precision, target)
+    qconfig = quant_config(precision, block_size) if precision in QUANTIZED else None
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
@@ -244,12 +256,23 @@ def export_base(
             "past": [{0: batch, 2: cap} for _ in step.past_names()],
         }
         with torch.no_grad():
-            export_graph(step, args, tmp / "base.onnx", in_names, out_names, axes)
+            if qconfig is None:
+                export_graph(step, args, tmp / "base.onnx", in_names, out_names, axes)
+            else:
+                (tmp / "fp32").mkdir()
+                export_graph(step, args, tmp / "fp32" / "base.onnx", in_names, out_names, axes)
+                progress(f"[2/4] quantizing MatMul weights to {precision} (MatMulNBits, block "
+                         f"{qconfig.block_size}, lm_head {qconfig.lm_head_bits or 'fp32'}-bit) ...")
+                quantize_file(tmp / "fp32" / "base.onnx", tmp / "base.onnx", qconfig)
+                shutil.rmtree(tmp / "fp32")
+                if qconfig.accuracy_level == 4:
+                    progress("      note: int8 activations in every layer: speculative greedy output can differ "
+                             "from plain greedy at rare near-ties (see exporter/quantize.py)")
         progress(f"[3/4] writing tokenizer and manifest ({time.time() - t0:.0f}s) ...")
         tok = write_tokenizer(loaded.tokenizer, tmp)
         manifest = BundleManifest(
             model=mcfg,
-            graphs=(graph_entry(tmp, "base", "base.onnx"),),
+            graphs=(graph_entry(tmp, "base", "base.onnx", target=target, precision=precision),),
             limits=Limits(max_batch=max_batch, max_tree=max_tree, max_context=ctx),
             tokenizer=tok,
             source=SourceInfo(path=loaded.path, format=loaded.format, weight_sha=loaded.weight_sha),
@@ -258,7 +281,8 @@ def export_base(
         write_manifest(tmp, manifest)
         (tmp / "README.txt").write_text(
             "specdeploy bundle. Run: specdeploy generate <this folder> --prompt '...'\n"
-            + json.dumps({"model": loaded.path, "architecture": arch}, indent=1)
+            + json.dumps({"model": loaded.path, "architecture": arch, "precision": precision, "target": target,
+                          "quantization": None if qconfig is None else dataclasses.asdict(qconfig)}, indent=1)
             + "\n"
         )
         progress(f"[4/4] bundle complete ({time.time() - t0:.0f}s)")

@@ -75,9 +75,12 @@ def draft_graph_module(weights: DraftWeights, lm_weight, topk: int = DEFAULT_TOP
 
 def gate_module(weights: DraftWeights):
     """Cerberus' gate graph with the calibrated MLP (``gate.*`` tensors), or an untrained one."""
+    import torch
     from specdeploy.graphs.gate import GateGraph
 
-    gate = GateGraph(weights.config.hidden_size)
+    with torch.random.fork_rng():  # an untrained gate is still the same graph every time it is rebuilt
+        torch.manual_seed(0)
+        gate = GateGraph(weights.config.hidden_size)
     state = weights.prefixed("gate.")
     if state:
         expected = gate.state_dict()

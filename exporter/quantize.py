@@ -14,9 +14,45 @@ a MatMul whose weight is an initializer, so :func:`untie_lm_head` folds that Tra
 ``[H, V]`` initializer of its own first; the ``Gather`` keeps the float table. (ONNX Runtime folds the
 Transpose into such a copy at session start anyway, so this costs no memory at run time.)
 
-The defaults come from measurements on SmolLM2-135M-Instruct (see ``QUANT_DEFAULTS`` and the issue
-thread): symmetric blocks of 32 and ``accuracy_level`` 4 (int8 activations inside the kernel, the CPU
-setting onnxruntime-genai's model builder also uses), lm_head quantized too.
+The defaults were chosen by measurement on SmolLM2-135M-Instruct (teacher-forced top-1 agreement with
+fp32 and perplexity on ``quality.HELD_IN_TEXTS``, 394 positions, fp32 ppl 16.22; step times are T=1
+decode steps at 2 threads, capacity 256, min over interleaved rounds on a shared, busy 2-core machine:
+only their order is meaningful; fp32 measured 64 ms there). "acc" is MatMulNBits' ``accuracy_level``:
+0 computes in fp32, 4 quantizes the activations to int8 inside the kernel.
+
+===============================================  ======  =====  ============  ==================
+int4 variant (symmetric unless said)             top-1   ppl    step (noisy)  spec == plain
+===============================================  ======  =====  ============  ==================
+block 32, acc 4, lm_head int4 acc 4              0.62    21.9   31-37 ms
+block 32, acc 4, lm_head int8 acc 4              0.69    20.3   32-40 ms      NO: 5 of 12 differ
+block 32, acc 0, lm_head int8 acc 4  (default)   0.69    20.1   43-48 ms      yes: 20 of 20
+block 32, acc 0, lm_head int4 acc 0              0.62    21.6   40-48 ms      yes: 12 of 12
+block 32, acc 0, lm_head fp32                    0.70    20.0   46-57 ms
+asymmetric, block 32, acc 4, lm_head int8        0.70    20.7   35-40 ms
+block 16, acc 4, lm_head int8                    0.74    20.1   44-52 ms
+HQQ block 32 (float zero points)                 0.78    17.5   670 ms (no fast CPU kernel)
+===============================================  ======  =====  ============  ==================
+
+"spec == plain": prompt-lookup (auto tree and tree16) against plain greedy, MT-bench prompts, 64 tokens.
+With int8 activations greedy speculative decoding is no longer reliably identical to plain decoding:
+a tree step places a node's ancestors at other cache slots than a sequential step does, which changes
+fp32 summation order at the 1e-7 level (harmless in fp32), and requantizing the activations in every
+layer turns such a difference into a flipped int8 rounding, so near-tied argmaxes flip. With fp32
+activations the graph is as stable as the fp32 one. The lm_head alone at acc 4 (one requantization,
+no layers after it) measured identical, and its 8 bits win back the agreement that 4 bits lose.
+At T=16 (a tree step) int4 is barely faster than fp32 here (136-144 ms vs 144 ms).
+
+So int4: symmetric blocks of 32 (asymmetric buys nothing measurable and adds zero points), fp32
+compute in the layers, lm_head int8 with int8 activations.
+
+int8 (block 32, lm_head int8): top-1 0.95, ppl 16.31 at acc 4; 0.967 / 16.23 at acc 0, whose 8-bit
+CPU path dequantizes on every call (~16x slower than fp32), so int8 keeps acc 4 and with it the
+caveat above: 1 of 12 speculative runs differed from plain greedy. Use int4 (or fp32) where outputs
+must be bit-identical to plain greedy decoding.
+
+int4 loses more here than usual because SmolLM2's fp32 weights are themselves dequantized Q4_1 (the
+embedded GGUF): rounding them onto another 4-bit grid adds a second rounding error of the same size.
+onnxruntime-genai's int4 builder (symmetric, block 32, acc 4, lm_head int4) rounds the same way.
 
 This module is export-time only; the runtime never imports it.
 """
@@ -46,20 +82,24 @@ class QuantConfig:
     bits: int  # 4 or 8
     block_size: int = 32  # values per scale; a power of two >= 16
     symmetric: bool = True  # no zero points: measured as good as asymmetric here, and smaller
-    accuracy_level: int = 4  # MatMulNBits compute type: 0 = as the input (fp32), 4 = int8 activations
-    quantize_lm_head: bool = True  # the logits MatMul too (its own copy; the embedding Gather stays float)
+    accuracy_level: int = 0  # MatMulNBits compute type: 0 = as the input (fp32), 4 = int8 activations
+    lm_head_bits: int = 8  # the logits MatMul (its own copy; the embedding Gather stays float); 0 = keep fp32
+    lm_head_accuracy_level: int = 4  # the lm_head's compute type (see accuracy_level)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise PrecisionError(f"Weight-only quantization takes 4 or 8 bits, not {self.bits}.")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise PrecisionError(f"--block-size must be a power of two >= 16, not {self.block_size}.")
+        if self.lm_head_bits not in (0, 4, 8):
+            raise PrecisionError(f"lm_head_bits must be 0 (fp32), 4 or 8, not {self.lm_head_bits}.")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise PrecisionError(f"accuracy_level must be 0..4, not {self.accuracy_level}.")
 
 
 # Measured defaults per precision (see the module docstring).
-QUANT_DEFAULTS = {"int8": QuantConfig(8), "int4": QuantConfig(4)}
+QUANT_DEFAULTS = {"int8": QuantConfig(8, accuracy_level=4), "int4": QuantConfig(4)}
+
 
 
 def resolve_target(precision: str, target: str | None) -> str:
@@ -70,9 +110,10 @@ def resolve_target(precision: str, target: str | None) -> str:
         raise PrecisionError(f"Unknown target '{target}'; choose one of {', '.join(TARGETS)}.")
     if precision == "fp16":
         raise PrecisionError(
-            "--precision fp16 is not exported: ONNX Runtime's CPU execution provider has no fp16 kernels for "
-            "most of this graph (MatMul, Softmax, ReduceMean...) and runs fp16 slower than fp32 where it has "
-            "them. For a GPU, export fp32 and build TensorRT engines with 'specdeploy build --precision fp16'."
+            "--precision fp16 is not exported: on ONNX Runtime's CPU provider fp16 only pays in the weight-bound "
+            "MatMuls, its Softmax/Pow/Sigmoid kernels run 1.2-1.7x slower than fp32, and --precision int8 "
+            "shrinks the weights further at fp32-like quality. For a GPU, export fp32 and build TensorRT "
+            "engines with 'specdeploy build --precision fp16'."
         )
     if precision in QUANTIZED:
         if target == "trt":
@@ -134,19 +175,21 @@ def quantize_model(model, config: QuantConfig):
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     lm_head = untie_lm_head(model)
-    exclude = [lm_head] if lm_head and not config.quantize_lm_head else []
     # The quantizer logs one INFO line per node it skips; keep the export's progress readable.
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    quantizer = MatMulNBitsQuantizer(
-        model,
-        bits=config.bits,
-        block_size=config.block_size,
-        is_symmetric=config.symmetric,
-        accuracy_level=config.accuracy_level,
-        nodes_to_exclude=exclude,
-    )
-    quantizer.process()
-    out = quantizer.model.model
+
+    def run(model, bits: int, accuracy_level: int, exclude: list[str]):
+        quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=config.block_size,
+                                         is_symmetric=config.symmetric, accuracy_level=accuracy_level,
+                                         nodes_to_exclude=exclude)
+        quantizer.process()
+        return quantizer.model.model
+
+    # Pass 1: every constant-weight MatMul but the lm_head; pass 2: the lm_head at its own width (the
+    # only constant-weight MatMul left; the attention MatMuls multiply activations and are skipped).
+    out = run(model, config.bits, config.accuracy_level, [lm_head] if lm_head else [])
+    if lm_head and config.lm_head_bits:
+        out = run(out, config.lm_head_bits, config.lm_head_accuracy_level, [])
     if not any(n.op_type == "MatMulNBits" for n in out.graph.node):
         raise PrecisionError("No MatMul weight was quantized; the graph has no constant-weight MatMul.")
     return out
@@ -166,22 +209,67 @@ def quantize_file(src: Path, dst: Path, config: QuantConfig) -> None:
                     location=data.name, size_threshold=1024)
 
 
-def graph_quantization(path: Path) -> dict[str, object]:
-    """What a bundle graph's MatMulNBits nodes say about its quantization (for reports)."""
+@dataclass(frozen=True)
+class GraphQuantization:
+    """What a graph's MatMulNBits nodes say about its quantization (for reports and tests)."""
+
+    matmuls: int  # MatMulNBits nodes
+    bits: int  # of the decoder-layer weights
+    block_size: int
+    symmetric: bool  # no zero points anywhere
+    accuracy_level: int
+    lm_head_bits: int  # 0: the logits MatMul is fp32
+
+
+def graph_quantization(path: Path, vocab_size: int) -> GraphQuantization | None:
+    """Read the quantization of the graph at ``path`` (None when it has no MatMulNBits)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    nodes = [(n, {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute})
+             for n in model.graph.node if n.op_type == "MatMulNBits"]
     if not nodes:
-        return {}
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
-    lm = any(dict((a.name, onnx.helper.get_attribute_value(a)) for a in n.attribute).get("N", 0) > 8192
-             for n in nodes)
-    return {
-        "matmuls": len(nodes),
-        "bits": int(attrs.get("bits", 4)),
-        "block_size": int(attrs.get("block_size", 0)),
-        "symmetric": all(len(n.input) < 4 or not n.input[3] for n in nodes),
-        "accuracy_level": int(attrs.get("accuracy_level", 0)),
-        "lm_head": lm,
-    }
+        return None
+    lm = [a for _, a in nodes if a.get("N") == vocab_size]
+    layers = [a for _, a in nodes if a.get("N") != vocab_size] or lm
+    return GraphQuantization(
+        matmuls=len(nodes),
+        bits=int(layers[0]["bits"]),
+        block_size=int(layers[0]["block_size"]),
+        symmetric=all(len(n.input) < 4 or not n.input[3] for n, _ in nodes),
+        accuracy_level=int(layers[0].get("accuracy_level", 0)),
+        lm_head_bits=int(lm[0]["bits"]) if lm else 0,
+    )
+
+
+def quantize_bundle(src: Path, out: Path, precision: str, config: QuantConfig | None = None,
+                    force: bool = False) -> None:
+    """Write a copy of the fp32 bundle ``src`` whose base graph is quantized to ``precision``.
+
+    The same graph ``export base --precision`` writes, without tracing again; draft graphs and the
+    tokenizer are copied unchanged.
+    """
+    import shutil
+
+    from specdeploy.runtime.bundle import graph_paths, read_manifest, write_manifest
+
+    from .export import graph_entry, staged_bundle
+
+    src, out = Path(src), Path(out)
+    manifest = read_manifest(src)
+    base = manifest.graph("base")
+    if base.precision != "fp32":
+        raise PrecisionError(f"'{src}' is already quantized ({base.precision}); quantize an fp32 bundle.")
+    config = config or quant_config(precision)
+    target = resolve_target(precision, "ort")
+    skip = {p.name for p in graph_paths(src, base)} | {"manifest.json"}
+    with staged_bundle(out, force) as tmp:
+        for f in src.rglob("*"):
+            rel = f.relative_to(src)
+            if f.is_file() and str(rel) not in skip:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, tmp / rel)
+        quantize_file(src / base.file, tmp / base.file, config)
+        entry = graph_entry(tmp, base.role, base.file, target=target, precision=precision)
+        graphs = tuple(entry if g.role == base.role else g for g in manifest.graphs)
+        write_manifest(tmp, manifest.replace(graphs=graphs))

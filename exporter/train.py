@@ -73,6 +73,7 @@ def save_draft_weights(path: str | os.PathLike, config: Any, tensors: dict[str, 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(tmp), metadata=header)
+        os.chmod(tmp, 0o644)  # a shippable file, readable like the rest of the package
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -203,7 +204,7 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
     import torch
     from tqdm import tqdm
 
-    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    log = log or (lambda m: print(m, flush=True))
     if resume not in ("auto", "require", "restart"):
         raise ValueError(resume)
     out = Path(out)
@@ -226,12 +227,7 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
     if found is None and resume == "require":
         raise TrainingError(f"There is no checkpoint to resume in '{ckpt_dir}'.")
     if found is not None:
-        state = _load_checkpoint(found, model, opt)
-        if state["fingerprint"] != json.loads(json.dumps(fingerprint)):
-            raise TrainingError(
-                f"The checkpoint in '{ckpt_dir}' belongs to a run with other settings or data; "
-                "pass --restart to discard it."
-            )
+        state = _load_checkpoint(found, model, opt, json.loads(json.dumps(fingerprint)))
         step, history, elapsed = int(state["step"]), list(state["history"]), float(state["elapsed"])
         log(f"resuming from step {step}/{total} ({found.name})")
 
@@ -251,17 +247,18 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
             loss.backward()
             opt.step()
             step += 1
+            loss_value = float(loss.detach())
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}", **{k: f"{v:.3f}" for k, v in stats.items()})
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss_value:.3f}", **{k: f"{v:.3f}" for k, v in stats.items()})
             last_of_epoch = b == steps_per_epoch - 1
             if last_of_epoch:
                 model.eval()
                 metrics = task.evaluate(model)
                 model.train()
-                entry = {"epoch": epoch + 1, "step": step, "loss": float(loss), "elapsed_s": round(time.time() - t_start, 1),
-                         **metrics}
+                entry = {"epoch": epoch + 1, "step": step, "loss": loss_value,
+                         "elapsed_s": round(time.time() - t_start, 1), **metrics}
                 history.append(entry)
-                bar.write(f"epoch {epoch + 1}/{cfg.epochs}: " + _fmt_metrics(metrics))
+                log(f"epoch {epoch + 1}/{cfg.epochs}: " + _fmt_metrics(metrics))
                 _write_json(log_path, {"kind": task.kind, "history": history, "fingerprint": fingerprint})
             if last_of_epoch or step % cfg.ckpt_every == 0 or step == stop_after_steps:
                 _save_checkpoint(ckpt_dir, step, model, opt, {
@@ -347,11 +344,20 @@ def _optim_tensors(opt) -> dict[str, Any]:
     return out
 
 
-def _load_checkpoint(path: Path, model, opt) -> dict[str, Any]:
+def _load_checkpoint(path: Path, model, opt, fingerprint: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     try:
         state = json.loads((path / "state.json").read_text())
+        same = state["fingerprint"] == fingerprint
+    except Exception as exc:  # noqa: BLE001 - missing file, bad JSON, missing key: all mean corrupt
+        raise TrainingError(f"The checkpoint '{path}' is corrupt ({exc}); pass --restart to start over.") from None
+    if not same:
+        raise TrainingError(
+            f"The checkpoint in '{path.parent}' belongs to a run with other settings or data; "
+            "pass --restart to discard it."
+        )
+    try:
         weights = load_file(str(path / "model.safetensors"))
         optim = load_file(str(path / "optim.safetensors"))
         model.load_state_dict(weights, strict=True)
@@ -393,7 +399,8 @@ class HeadsTrainConfig:
 class HeadsTask(DraftTask):
     """Self-distillation of K heads: head k at position t learns the base argmax ``labels[t+1+k]``."""
 
-    def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig):
+    def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig,
+                 vocab_order: np.ndarray | None = None):
         import torch
         from specdeploy.graphs.heads import HeadsConfig
 
@@ -403,9 +410,9 @@ class HeadsTask(DraftTask):
         cache.check_base(base_weight_sha, hidden, vocab)
         self.heads_config = HeadsConfig(config.kind, config.num_heads, hidden, vocab, config.layers, base_weight_sha)
         self.lm_weight = lm_weight.detach().float()  # [V, H] frozen, shared with the base
-        counts = cache.label_counts(vocab)
-        order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, ties by id
-        self.vocab_order = torch.from_numpy(order[: min(vocab, VOCAB_ORDER_SIZE)].astype(np.int64))
+        if vocab_order is None:  # most frequent training label first, ties by id
+            vocab_order = np.lexsort((np.arange(vocab), -cache.label_counts(vocab)))
+        self.vocab_order = torch.from_numpy(np.asarray(vocab_order)[: min(vocab, VOCAB_ORDER_SIZE)].astype(np.int64))
         if config.vocab_trim:
             keep = self.vocab_order[: config.vocab_trim]
             self.remap = torch.full((vocab,), -1, dtype=torch.int64)
@@ -535,7 +542,7 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
     import torch
 
     from .source import load_model
-    from .train_data import DataConfig, ensure_cache
+    from .train_data import DataConfig, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
@@ -549,7 +556,8 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
     log(f"training data: {cache.num_sequences} ShareGPT sequences, {cache.num_tokens} tokens "
         f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
         f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")
-    task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg)
+    order = vocab_order(cache, loaded.tokenizer)
+    task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg, order)
     result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)
     log(f"wrote {out} ({result.steps} steps, {result.seconds:.0f} s)")
     if calibrate:

@@ -317,6 +317,43 @@ class HiddenCache:
         return np.bincount(self.labels[pos + 1], minlength=vocab_size).astype(np.int64)
 
 
+def reply_token_counts(tokenizer, vocab_size: int, conversations: int = 3000, source: str | None = None,
+                       min_ascii: float = 0.9) -> np.ndarray:
+    """[V] int64 counts of the tokens in assistant replies of the first ``conversations`` conversations.
+
+    Tokenizing is cheap next to the base forward pass, so the draft vocabulary's frequency order
+    comes from far more text than the cached sequences (their labels alone miss the rarer ids).
+    """
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for i, conv in enumerate(iter_conversations(source)):
+        if i >= conversations:
+            break
+        if ascii_fraction(conv) < min_ascii:
+            continue
+        ids, mask = encode_conversation(tokenizer, conv, 1 << 30)
+        counts += np.bincount(ids[mask == 1], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def vocab_order(cache: HiddenCache, tokenizer, conversations: int = 3000) -> np.ndarray:
+    """Token ids, most useful first, for a trimmed draft vocabulary: by the average of the label
+    distribution (base argmax at training positions) and the reply-text distribution. Both
+    counts are kept in the cache directory (``token_counts.npy`` is computed once, on first use).
+    """
+    vocab = int(cache.meta["vocab_size"])
+    path = cache.path / "token_counts.npy"
+    if path.is_file():
+        text = np.load(path)
+    else:
+        text = reply_token_counts(tokenizer, vocab, conversations, cache.meta["config"].get("source"))
+        tmp = cache.path / "token_counts.tmp.npy"
+        np.save(tmp, text)
+        os.replace(tmp, path)
+    labels = cache.label_counts(vocab)
+    score = labels / max(1, labels.sum()) + text / max(1, text.sum())
+    return np.lexsort((np.arange(vocab), -score)).astype(np.int64)
+
+
 def default_cache_dir(weight_sha: str, config: DataConfig) -> Path:
     from .source import cache_root
 

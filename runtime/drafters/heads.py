@@ -15,7 +15,6 @@ numpy and onnxruntime only: this is part of the lean runtime.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,8 +212,3 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
         gate_session = make_session(Path(bundle_dir) / draft_graph(entry, f"{kind}-gate").file, "cpu", threads)
     return HeadsDrafter(kind, session, num_heads, topk, spec, dynamic, gate, gate_session)
 
-
-def describe(drafter: HeadsDrafter) -> str:
-    tree = json.dumps([list(c) for c in drafter.tree.choices]) if drafter.tree else f"dynamic:{drafter.dynamic_nodes}"
-    gate = f"{drafter.gate.kind}<{drafter.gate.threshold:g}" if drafter.gate else "off"
-    return f"{drafter.kind}: {drafter.num_heads} heads, top-{drafter.topk}, tree {tree}, gate {gate}"

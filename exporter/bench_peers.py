@@ -1,0 +1,266 @@
+"""Peers for ``specdeploy bench``: onnxruntime-genai (fp32 and int4) and llama.cpp, on the same model.
+
+They run in the same bench as our variants, on the same prompt token ids, greedily:
+
+``ort-genai-fp32`` / ``ort-genai-int4``
+    onnxruntime-genai's model builder converts the bundle's source model from its fp32 safetensors
+    folder (:func:`specdeploy.exporter.source.cached_hf_folder`: the dequantized cache of a GGUF, or the
+    HF folder itself; the builder rejects GGUF Q4_1 input). The build runs once, offline
+    (``HF_HUB_OFFLINE=1``: the builder reads the local folder and must not reach a hub), into
+    ``<specdeploy cache>/peers/<weights sha>/ort-genai-<precision>-<version>/``, shared by every bundle
+    of that model. The builder's own CPU defaults apply (int4: blocks of 32, ``accuracy_level`` 4).
+``llama.cpp``
+    llama-cpp-python on the GGUF the bundle was exported from (``manifest.source.path``), so the
+    weights are the shipped quantized ones (SmolLM2: Q4_1). A bundle exported from a HF folder has no
+    GGUF: the variant is skipped with a note.
+
+All peers take the bench's ``--threads``. Their numerics differ from ours (other kernels, other
+quantization), so ``identical_to_ar`` is reported as measured: differences are expected, not hidden.
+A missing package skips the variant with a note (``pip install 'specdeploy[peers]'``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from specdeploy.runtime.bundle import BundleManifest
+from specdeploy.runtime.errors import SpecDeployError
+
+from .bench_variants import RUNNERS, VARIANTS, Runner, RunResult, VariantSpec
+
+PEERS_INSTALL = "pip install 'specdeploy[peers]'"
+GENAI_BUILD_TIMEOUT_S = 1800
+
+
+class PeerError(SpecDeployError):
+    """A peer could not be prepared (model build failed, missing source file)."""
+
+
+def _gguf_source(manifest: BundleManifest) -> Path | None:
+    """The GGUF the bundle was exported from, or None when its source is a HF folder."""
+    if manifest.source.format != "gguf":
+        return None
+    path = Path(manifest.source.path)
+    if not path.is_file():
+        from .source import resolve_model_path
+
+        try:  # the embedded default model is recorded by path; resolve it again if it moved
+            path = resolve_model_path(None)
+        except SpecDeployError:
+            return None
+    return path
+
+
+# --- onnxruntime-genai -----------------------------------------------------------------------------
+def genai_model_dir(manifest: BundleManifest, precision: str) -> Path:
+    """Where the genai build of the bundle's source model at ``precision`` is cached."""
+    from .source import cache_root
+
+    version = importlib.metadata.version("onnxruntime-genai")
+    return cache_root() / "peers" / manifest.source.weight_sha[:16] / f"ort-genai-{precision}-{version}"
+
+
+def build_genai_model(manifest: BundleManifest, precision: str, threads: int) -> Path:
+    """Run onnxruntime-genai's model builder once (offline) and return the model folder."""
+    from .source import cached_hf_folder
+
+    dest = genai_model_dir(manifest, precision)
+    if (dest / "genai_config.json").is_file():
+        return dest
+    src = cached_hf_folder(manifest.source.path)  # fp32 safetensors + config.json with `architectures`
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(tmp / "model"),
+           "-p", precision, "-e", "cpu", "-c", str(tmp / "cache")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS=str(threads))
+    print(f"[ort-genai] building the {precision} model once into {dest} ...", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=GENAI_BUILD_TIMEOUT_S)
+        if proc.returncode != 0 or not (tmp / "model" / "genai_config.json").is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise PeerError(f"onnxruntime-genai's model builder failed on '{src}' (exit {proc.returncode}):\n{tail}")
+        os.replace(tmp / "model", dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+class OrtGenaiRunner(Runner):
+    """onnxruntime-genai greedy decoding of the builder's model (``options``: precision)."""
+
+    @classmethod
+    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
+        if genai_model_dir(manifest, dict(spec.options).get("precision", "int4")).joinpath("genai_config.json").is_file():
+            return None
+        if not Path(manifest.source.path).exists() and _gguf_source(manifest) is None:
+            return (f"skipped: the bundle's source model '{manifest.source.path}' is not on this machine; "
+                    "onnxruntime-genai's model builder needs it.")
+        return None
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        import onnxruntime_genai as og
+
+        self.og = og
+        precision = dict(self.spec.options).get("precision", "int4")
+        model_dir = build_genai_model(self.manifest, precision, self.threads)
+        config = og.Config(str(model_dir))
+        config.clear_providers()  # the CPU provider
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": self.threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+        self.eos = {int(e) for e in self.manifest.model.eos_token_ids}
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens, batch_size=1)
+        t0 = time.perf_counter()
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(ids)  # the prefill runs here
+        tokens: list[int] = []
+        t_first = None
+        while not gen.is_done() and len(tokens) < max_new_tokens:
+            gen.generate_next_token()
+            tokens.append(int(gen.get_next_tokens()[0]))
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tokens[-1] in self.eos:
+                break
+        t1 = time.perf_counter()
+        del gen
+        finish = "stop" if tokens and tokens[-1] in self.eos else "length"
+        return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1), [1] * max(0, len(tokens) - 1), None, finish)
+
+
+# --- llama.cpp -------------------------------------------------------------------------------------
+# Runs in a fresh interpreter: load the GGUF and greedily decode two tokens. argv: gguf path, mode.
+_LLAMA_PROBE = """
+import sys
+import llama_cpp
+from llama_cpp import llama as _llama
+if sys.argv[2] == "plain":
+    _default = llama_cpp.llama_model_default_params
+    def _params():
+        p = _default()
+        p.use_extra_bufts = False
+        return p
+    _llama.llama_cpp.llama_model_default_params = _params
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, n_threads_batch=1, verbose=False)
+ids = llm.tokenize(b"Hello, my name is")
+for n, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0)):
+    if n >= 1:
+        break
+"""
+LLAMA_MODES = ("extra", "plain")  # extra: llama.cpp's extra CPU buffer types (AMX, repacked weights)
+
+
+def llama_cpp_mode(gguf: Path) -> str | None:
+    """How llama.cpp runs ``gguf`` on this machine: "extra", "plain", or None (it crashes either way).
+
+    A build with ``-march=native`` can compile in AMX kernels that a sandboxed or virtualized CPU then
+    refuses (SIGILL, seen here): without the extra buffer types llama.cpp uses its plain CPU kernels.
+    Each mode is tried once in a subprocess; the answer is cached per llama-cpp-python version and GGUF.
+    """
+    from .source import cache_root
+
+    version = importlib.metadata.version("llama_cpp_python")
+    key = f"{version}:{gguf.resolve()}:{gguf.stat().st_size}"
+    cache = cache_root() / "peers" / "llama_cpp_modes.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if key in known:
+        return known[key]
+    mode = None
+    for candidate in LLAMA_MODES:
+        try:
+            proc = subprocess.run([sys.executable, "-c", _LLAMA_PROBE, str(gguf), candidate], check=False,
+                                  capture_output=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            continue
+        if proc.returncode == 0:
+            mode = candidate
+            break
+    known[key] = mode
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, cache)
+    return mode
+
+
+class LlamaCppRunner(Runner):
+    """llama-cpp-python greedy decoding of the bundle's source GGUF."""
+
+    @classmethod
+    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
+        gguf = _gguf_source(manifest)
+        if gguf is None:
+            return (f"skipped: the bundle was exported from '{manifest.source.path}', not a GGUF file; "
+                    "llama.cpp needs the GGUF.")
+        if llama_cpp_mode(gguf) is None:
+            return (f"skipped: llama-cpp-python crashes decoding '{gguf.name}' on this machine, with and without "
+                    "its extra CPU buffer types; rebuild it for this CPU (CMAKE_ARGS='-DGGML_NATIVE=OFF').")
+        return None
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        import llama_cpp
+
+        gguf = _gguf_source(self.manifest)
+        mode = llama_cpp_mode(gguf) if gguf is not None else None
+        if gguf is None or mode is None:
+            raise PeerError(self.unavailable(self.spec, self.manifest) or "llama.cpp cannot run here")
+        if mode == "plain":  # see llama_cpp_mode: no AMX / repacked buffers on this CPU
+            default = llama_cpp.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+
+            llama_cpp.llama.llama_cpp.llama_model_default_params = params
+        self.mode = mode
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=self.manifest.limits.max_context, n_batch=512,
+                                   n_threads=self.threads, n_threads_batch=self.threads, verbose=False)
+        self.eos = {int(e) for e in self.manifest.model.eos_token_ids} | {int(self.llm.token_eos())}
+        print(f"[llama.cpp] {gguf.name}, mode {mode}, {self.threads} threads", file=sys.stderr, flush=True)
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+        self.llm.reset()  # no KV prefix reuse from the previous prompt: every prompt pays its prefill
+        tokens: list[int] = []
+        t_first = None
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(tok))
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tokens[-1] in self.eos or len(tokens) >= max_new_tokens:
+                break
+        t1 = time.perf_counter()
+        finish = "stop" if tokens and tokens[-1] in self.eos else "length"
+        return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1), [1] * max(0, len(tokens) - 1), None, finish)
+
+
+_NUMERICS = "; other numerics than ours, so outputs may differ from ar"
+PEER_VARIANTS = (
+    VariantSpec("ort-genai-fp32", "ort-genai", "onnxruntime-genai fp32 (model builder on the fp32 source)" + _NUMERICS,
+                options=(("precision", "fp32"),), requires=("onnxruntime_genai", "transformers", "torch"),
+                install=PEERS_INSTALL),
+    VariantSpec("ort-genai-int4", "ort-genai", "onnxruntime-genai int4 (model builder, CPU defaults)" + _NUMERICS,
+                options=(("precision", "int4"),), requires=("onnxruntime_genai", "transformers", "torch"),
+                install=PEERS_INSTALL),
+    VariantSpec("llama.cpp", "llama.cpp", "llama.cpp (llama-cpp-python) greedy on the source GGUF" + _NUMERICS,
+                requires=("llama_cpp",), install=PEERS_INSTALL),
+)
+PEER_RUNNERS: dict[str, type[Runner]] = {"ort-genai": OrtGenaiRunner, "llama.cpp": LlamaCppRunner}
+RUNNERS.update(PEER_RUNNERS)
+VARIANTS.update({v.name: v for v in PEER_VARIANTS})

@@ -1,0 +1,360 @@
+"""Medusa and Cerberus heads: graphs, training, export + ORT parity, drafters, the gate, bad input.
+
+Fast tests use the tiny random llama; the last tests use the real SmolLM2 bundle and the shipped weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from specdeploy.exporter.train import (
+    HeadsTask,
+    HeadsTrainConfig,
+    LoopConfig,
+    load_draft_weights,
+    train,
+)
+from specdeploy.exporter.train_data import DataConfig, build_cache
+from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock, build_heads
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+from specdeploy.runtime.errors import DraftMismatchError, TrainingError
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
+TINY_DATA = DataConfig(max_seqs=10, max_len=96, min_assistant_tokens=8, heldout_fraction=0.3, shard_size=5)
+TINY_LOOP = LoopConfig(epochs=2, batch_size=64, lr=3e-3, warmup_steps=2, ckpt_every=3, threads=2)
+
+
+# --- graphs ---------------------------------------------------------------------------------------
+def _cfg(kind: str, heads: int = 4) -> HeadsConfig:
+    return HeadsConfig(kind, heads, hidden_size=16, vocab_size=50, base_weight_sha="x")
+
+
+def _randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def test_zero_init_resblock_is_identity():
+    x = torch.randn(3, 5, 16)
+    assert torch.equal(ResBlock(16)(x), x)
+    assert torch.equal(ResBlock(32, 16)(torch.cat([x, x], -1), residual=x), x)
+    for kind in ("medusa", "cerberus"):
+        z = build_heads(_cfg(kind))(x)  # fresh heads return h for every head
+        assert z.shape == (3, 5, 4, 16)
+        assert torch.equal(z, x.unsqueeze(-2).expand_as(z))
+
+
+@pytest.mark.parametrize("kind", ["medusa", "cerberus"])
+def test_heads_graph_shapes_and_trimmed_ids(kind):
+    heads = build_heads(_cfg(kind, heads=3))
+    _randomize(heads)
+    lm = torch.randn(50, 16)
+    ids, logp = DraftHeadsGraph(heads, lm, topk=5)(torch.randn(2, 4, 16))
+    assert ids.shape == logp.shape == (2, 4, 3, 5) and ids.dtype == torch.int64
+    assert torch.all(logp[..., :-1] >= logp[..., 1:])  # best first
+    vocab_map = torch.tensor([7, 3, 41, 12, 0, 9, 22, 30])
+    ids_t, logp_t = DraftHeadsGraph(heads, lm, topk=5, vocab_map=vocab_map)(torch.randn(2, 4, 16))
+    assert set(ids_t.unique().tolist()) <= set(vocab_map.tolist())
+    assert torch.allclose(logp_t.exp().sum(-1), logp_t.exp().sum(-1))  # finite
+    with pytest.raises(ValueError):
+        DraftHeadsGraph(heads, lm, topk=9, vocab_map=vocab_map)
+
+
+def test_cerberus_heads_depend_on_earlier_heads_only():
+    heads = build_heads(_cfg("cerberus"))
+    _randomize(heads)
+    x = torch.randn(2, 3, 16)
+    base = heads(x).detach()
+    k = 2
+    with torch.no_grad():  # change head k-1's blocks: heads >= k-1 change, heads < k-1 do not
+        heads.seq_blocks[k - 1].linear.weight.add_(0.5)
+    after = heads(x).detach()
+    assert torch.equal(after[..., : k - 1, :], base[..., : k - 1, :])
+    assert not torch.allclose(after[..., k, :], base[..., k, :])
+    with torch.no_grad():  # change head k's first block: earlier heads stay
+        heads.blocks[k].linear.bias.add_(0.5)
+    again = heads(x).detach()
+    assert torch.equal(again[..., :k, :], after[..., :k, :])
+    assert not torch.allclose(again[..., k, :], after[..., k, :])
+    medusa = build_heads(_cfg("medusa"))
+    _randomize(medusa)
+    m0 = medusa(x).detach()
+    with torch.no_grad():
+        medusa.heads[1].blocks[0].linear.bias.add_(0.5)
+    m1 = medusa(x).detach()
+    assert torch.equal(m1[..., 2, :], m0[..., 2, :])  # Medusa heads are independent
+
+
+# --- training ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_setup(tiny_model_factory, tmp_path_factory):
+    from specdeploy.exporter.source import load_model
+
+    loaded = load_model(str(tiny_model_factory("llama")))
+    cache = build_cache(loaded, tmp_path_factory.mktemp("heads_data") / "data", TINY_DATA, show_progress=False)
+    return loaded, cache
+
+
+def _task(tiny_setup, kind: str, **kw) -> HeadsTask:
+    loaded, cache = tiny_setup
+    return HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, HeadsTrainConfig(kind, **kw))
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tiny_setup, tmp_path_factory):
+    """Trained tiny medusa and cerberus weights (2 epochs each)."""
+    out = tmp_path_factory.mktemp("heads_w")
+    paths = {}
+    for kind, trim in (("medusa", 0), ("cerberus", 4096)):  # the full shared lm_head, and a trimmed one
+        paths[kind] = out / f"{kind}.safetensors"
+        train(_task(tiny_setup, kind, vocab_trim=trim), paths[kind], TINY_LOOP, show_progress=False,
+              log=lambda m: None)
+    return paths
+
+
+def test_training_lowers_the_loss_and_logs_heldout_accuracy(tiny_setup, tiny_weights):
+    task = _task(tiny_setup, "cerberus", vocab_trim=4096)
+    torch.manual_seed(0)
+    model = task.build()
+    idx = np.arange(min(256, task.num_examples()))
+    before = float(task.loss(model, idx)[0].detach())
+    w = load_draft_weights(tiny_weights["cerberus"], "cerberus")
+    from specdeploy.exporter.train import heads_from_weights
+
+    after = float(task.loss(heads_from_weights(w), idx)[0].detach())
+    assert after < before
+    log = json.loads(tiny_weights["cerberus"].with_name("cerberus.train.json").read_text())
+    assert len(log["history"]) == TINY_LOOP.epochs and len(log["final"]["top1"]) == 4
+    assert w.config.base_weight_sha == tiny_setup[0].weight_sha and w.config.num_heads == 4
+    assert w.meta["data"]["sequences"] == TINY_DATA.max_seqs
+    assert not tiny_weights["cerberus"].with_name("cerberus.safetensors.ckpt").exists()
+
+
+def test_resume_continues_with_identical_state(tiny_setup, tmp_path):
+    straight = tmp_path / "a.safetensors"
+    train(_task(tiny_setup, "medusa", vocab_trim=1024), straight, TINY_LOOP, show_progress=False, log=lambda m: None)
+    resumed = tmp_path / "b.safetensors"
+    train(_task(tiny_setup, "medusa", vocab_trim=1024), resumed, TINY_LOOP, show_progress=False, log=lambda m: None,
+          stop_after_steps=3)
+    assert not resumed.exists() and (tmp_path / "b.safetensors.ckpt" / "latest.json").is_file()
+    lines = []
+    train(_task(tiny_setup, "medusa", vocab_trim=1024), resumed, TINY_LOOP, show_progress=False, log=lines.append)
+    assert any("resuming from step 3" in m for m in lines)
+    a, b = load_draft_weights(straight).tensors, load_draft_weights(resumed).tensors
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_corrupt_checkpoint_and_mismatched_settings(tiny_setup, tmp_path):
+    out = tmp_path / "c.safetensors"
+    task = _task(tiny_setup, "medusa", vocab_trim=1024)
+    train(task, out, TINY_LOOP, show_progress=False, log=lambda m: None, stop_after_steps=1)
+    with pytest.raises(TrainingError, match="other settings"):
+        train(_task(tiny_setup, "medusa", num_heads=3, vocab_trim=1024), out, TINY_LOOP, show_progress=False,
+              log=lambda m: None)
+    ckpt = next((tmp_path / "c.safetensors.ckpt").glob("step-*"))
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(TrainingError, match="corrupt"):
+        train(task, out, TINY_LOOP, show_progress=False, log=lambda m: None)
+    with pytest.raises(TrainingError, match="no checkpoint"):
+        train(_task(tiny_setup, "medusa"), tmp_path / "d.safetensors", TINY_LOOP, resume="require",
+              show_progress=False, log=lambda m: None)
+
+
+def test_weights_file_errors(tiny_weights, tmp_path):
+    with pytest.raises(DraftMismatchError, match="not a cerberus draft"):
+        load_draft_weights(tiny_weights["medusa"], "cerberus")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not safetensors at all")
+    with pytest.raises(DraftMismatchError, match="corrupt"):
+        load_draft_weights(bad)
+    with pytest.raises(DraftMismatchError, match="does not exist"):
+        load_draft_weights(tmp_path / "missing.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "foreign.safetensors"))
+    with pytest.raises(DraftMismatchError, match="not a specdeploy draft"):
+        load_draft_weights(tmp_path / "foreign.safetensors")
+
+
+# --- export, parity, drafters -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def heads_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
+    """A copy of the tiny bundle with both drafts; Cerberus gets a hand-made calibration."""
+    from specdeploy.exporter.export_draft import calibration_path, export_draft
+    from specdeploy.runtime.bundle import hash_files
+
+    bundle = tmp_path_factory.mktemp("heads_bundle") / "b"
+    shutil.copytree(tiny_bundle_factory("llama"), bundle)
+    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
+    cal = calibration_path(tiny_weights["cerberus"])
+    cal.write_text(json.dumps({"kind": "cerberus", "weights_sha": hash_files([tiny_weights["cerberus"]]),
+                               "default_tree": "tree16", "gate": {"kind": "entropy", "threshold": 6.0}}))
+    export_draft(bundle, "cerberus", tiny_weights["cerberus"], progress=lambda m: None)
+    return bundle
+
+
+def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
+    from specdeploy.exporter.validate import compare_drafts
+    from specdeploy.runtime.bundle import read_manifest
+
+    manifest = read_manifest(heads_bundle)
+    kinds = {d.kind: d for d in manifest.drafts}
+    assert set(kinds) == {"medusa", "cerberus"}
+    assert [g.role for g in kinds["cerberus"].graphs] == ["cerberus", "cerberus-gate"]
+    assert kinds["cerberus"].setting("gate_kind") == "entropy" and kinds["cerberus"].setting("default_tree") == "tree16"
+    assert all(d.base_weight_sha == manifest.source.weight_sha for d in manifest.drafts)
+    spec = {s.name: s for s in kinds["medusa"].graphs[0].outputs}
+    assert spec["topk_ids"].dtype == "int64" and len(spec["topk_ids"].shape) == 4
+    loaded, _ = tiny_setup
+    checks = compare_drafts(heads_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
+    assert len(checks) == 4 and all(c.passed for c in checks), checks
+
+
+@pytest.mark.parametrize("draft,tree", [("medusa", None), ("medusa", "chain4"), ("cerberus-nogate", "dynamic:12"),
+                                        ("cerberus", None)])
+def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
+    from specdeploy.exporter.calibrate_draft import record_traces
+    from specdeploy.runtime.drafters.heads import GateSpec
+
+    prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
+    with load(heads_bundle) as plain, load(heads_bundle, draft=draft, tree=tree) as spec:
+        if draft == "cerberus":  # a threshold at the median entropy, so both paths are taken
+            traces = record_traces(plain, [plain.encode(p) for p in prompts], 40, progress=False)
+            median = float(np.median(np.concatenate([t.entropy for t in traces])))
+            spec.decoder.drafter.gate = GateSpec("entropy", median, plain.manifest.model.vocab_size)
+        gate = [0, 0]
+        for p in prompts:
+            ids = plain.encode(p)
+            ref = plain.generate_ids(ids, GenerationConfig(40))
+            st = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(40), st) == ref
+            gate[0] += st.gate_parallel
+            gate[1] += st.gate_ar
+            assert st.gate_parallel + st.gate_ar == st.steps
+    if draft == "cerberus":
+        assert gate[0] > 0 and gate[1] > 0
+    else:
+        assert gate[1] == 0
+
+
+def test_gate_threshold_range_and_missing_calibration(heads_bundle, tiny_weights, tmp_path):
+    from specdeploy.runtime.bundle import config_pairs, read_manifest, write_manifest
+    from specdeploy.runtime.drafters.heads import GateConfigError, GateSpec
+
+    with pytest.raises(GateConfigError, match="between 0 and ln"):
+        GateSpec("entropy", 11.5, 49152)
+    with pytest.raises(GateConfigError, match="probability between 0 and 1"):
+        GateSpec("learned", 1.5, 49152)
+    with pytest.raises(GateConfigError, match="Unknown gate"):
+        GateSpec("coin", 0.5, 49152)
+    bundle = tmp_path / "b"
+    shutil.copytree(heads_bundle, bundle)
+    manifest = read_manifest(bundle)
+    entry = manifest.draft("cerberus")
+    settings = dict(entry.config)
+    settings["gate_threshold"] = -1.0
+    bad = entry.__class__(entry.kind, entry.base_weight_sha, entry.weights_sha, entry.graphs, config_pairs(settings))
+    write_manifest(bundle, manifest.replace(drafts=tuple(d if d.kind != "cerberus" else bad for d in manifest.drafts)))
+    with pytest.raises(GateConfigError, match="between 0 and ln"):
+        load(bundle, draft="cerberus")
+    # no calibration: cerberus refuses in one sentence, cerberus-nogate works
+    settings = {k: v for k, v in entry.config if k not in ("gate_kind", "gate_threshold")}
+    bare = entry.__class__(entry.kind, entry.base_weight_sha, entry.weights_sha, entry.graphs, config_pairs(settings))
+    write_manifest(bundle, manifest.replace(drafts=tuple(d if d.kind != "cerberus" else bare for d in manifest.drafts)))
+    with pytest.raises(GateConfigError, match="no gate calibration"):
+        load(bundle, draft="cerberus")
+    load(bundle, draft="cerberus-nogate").close()
+
+
+def test_wrong_kind_and_wrong_base_get_one_sentence(heads_bundle, tiny_weights, tmp_path):
+    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest, write_manifest
+
+    with pytest.raises(DraftMismatchError, match="not a cerberus draft"):
+        export_draft(heads_bundle, "cerberus", tiny_weights["medusa"], progress=lambda m: None)
+    # a bundle of another base model (its weight hash differs): refused at export and at load
+    bundle = tmp_path / "b"
+    shutil.copytree(heads_bundle, bundle)
+    m = read_manifest(bundle)
+    write_manifest(bundle, m.replace(source=m.source.__class__(m.source.path, m.source.format, "f" * 64)))
+    with pytest.raises(DraftMismatchError, match="another base model"):
+        export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
+    with pytest.raises(DraftMismatchError, match="another base model"):
+        load(bundle, draft="medusa")
+    write_manifest(bundle, m.replace(drafts=tuple(d for d in m.drafts if d.kind == "medusa")))
+    with pytest.raises(DraftMismatchError, match="no 'cerberus' draft"):
+        load(bundle, draft="cerberus")
+    with pytest.raises(DraftMismatchError, match="Unknown draft"):
+        load(bundle, draft="hydra")
+
+
+def test_calibration_picks_tree_and_gate_on_the_tiny_bundle(heads_bundle, tiny_weights, tmp_path):
+    from specdeploy.exporter.calibrate_draft import calibrate
+
+    bundle = tmp_path / "b"
+    shutil.copytree(heads_bundle, bundle)
+    draft = tmp_path / "cerberus.safetensors"
+    shutil.copy(tiny_weights["cerberus"], draft)
+    calib = calibrate(bundle, "cerberus", draft, prompts=2, max_new_tokens=12, confirm_prompts=1,
+                      trees=("chain4", "tree8"), trims=(4096,), progress=lambda m: None, show_progress=False)
+    assert calib["default_tree"] in ("chain4", "tree8") and calib["gate"]["kind"] in ("entropy", "learned")
+    best = calib["gate"]["sim_tok_s"]
+    assert best >= max(calib["gate"]["gate_off_sim_tok_s"], calib["gate"]["always_ar_sim_tok_s"]) - 1e-6
+    assert load_draft_weights(draft).prefixed("gate.")  # the learned gate was stored
+    assert calib["confirm"]["cerberus"]["identical"] == "1/1"
+    with load(bundle, draft="cerberus") as eng:
+        eng.generate_ids(eng.encode("Hi"), GenerationConfig(4))
+
+
+def test_runtime_drafter_module_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, specdeploy.runtime.drafters.heads as h, specdeploy.runtime.drafters as d; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the real model with the shipped weights -------------------------------------------------------
+def _mtbench(n: int) -> list[str]:
+    from specdeploy.exporter.bench import default_prompts_file
+
+    lines = default_prompts_file().read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines[:n]]
+
+
+@pytest.mark.slow
+def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
+    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
+    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.exporter.validate import validate_bundle
+
+    bundle = tmp_path / "real"
+    shutil.copytree(real_bundle, bundle)
+    for kind in ("medusa", "cerberus"):
+        export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
+    checks = validate_bundle(bundle, progress=lambda m: None)
+    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "cerberus", "cerberus-gate"}
+    prompts = _mtbench(3)
+    with load(bundle) as plain:
+        refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
+                for ids in (plain.encode(p, chat=True) for p in prompts)]
+    # The calibrated defaults (tree, vocabulary, gate) and a 16-node tree, whose tau shows the heads learned.
+    for draft, tree in (("medusa", None), ("cerberus", None), ("medusa", "tree16"), ("cerberus-nogate", "tree16")):
+        with load(bundle, draft=draft, tree=tree) as eng:
+            tokens = steps = 0
+            for ids, ref in refs:
+                st = DecodeStats()
+                assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, (draft, tree)
+                tokens += st.new_tokens - 1
+                steps += st.steps
+            if tree == "tree16":
+                assert tokens / steps > 1.3, (draft, tokens / steps)
