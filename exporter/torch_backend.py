@@ -98,11 +98,7 @@ class TorchBackend(Backend):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
-        allocate = self._allocator()
-        shape = (batch, m.num_kv_heads, capacity, m.head_dim)
-        keys = [allocate(shape) for _ in range(m.num_layers)]
-        values = [allocate(shape) for _ in range(m.num_layers)]
-        return KVCache(keys, values, 0, allocate)
+        return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity, self._allocator())
 
     # --- the step ----------------------------------------------------------------------------------
     def _forward(self, ids, pos, mask, widx, lidx, past: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

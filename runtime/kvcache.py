@@ -48,6 +48,15 @@ class KVCache:
     length: int  # committed tokens
     allocate: Callable[[tuple[int, ...]], Any]  # backend allocator of a zeroed buffer
 
+    @classmethod
+    def allocate_for(cls, num_layers: int, num_kv_heads: int, head_dim: int, batch: int, capacity: int,
+                     allocate: Callable[[tuple[int, ...]], Any]) -> KVCache:
+        """A zeroed cache of ``capacity`` slots built with a backend's allocator."""
+        shape = (batch, num_kv_heads, capacity, head_dim)
+        keys = [allocate(shape) for _ in range(num_layers)]
+        values = [allocate(shape) for _ in range(num_layers)]
+        return cls(keys, values, 0, allocate)
+
     @property
     def capacity(self) -> int:
         return int(self.keys[0].shape[2])

@@ -97,14 +97,11 @@ class OrtBackend(Backend):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
-        shape = (batch, m.num_kv_heads, capacity, m.head_dim)
 
         def alloc(s: tuple[int, ...]) -> np.ndarray:
             return np.zeros(s, dtype=self._kv_dtype)
 
-        keys = [alloc(shape) for _ in range(m.num_layers)]
-        values = [alloc(shape) for _ in range(m.num_layers)]
-        return KVCache(keys, values, 0, alloc)
+        return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity, alloc)
 
     def _ortvalue(self, buf: np.ndarray):
         import onnxruntime as ort
@@ -224,11 +221,8 @@ class OrtCudaBackend(OrtBackend):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
-        allocate = self.pool.allocator()
-        shape = (batch, m.num_kv_heads, capacity, m.head_dim)
-        keys = [allocate(shape) for _ in range(m.num_layers)]
-        values = [allocate(shape) for _ in range(m.num_layers)]
-        return KVCache(keys, values, 0, allocate)
+        return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity,
+                                    self.pool.allocator())
 
     def _bind(self, feed: StepInputs, past: list, graph_id: int) -> _Binding:
         from .trt import DeviceArray

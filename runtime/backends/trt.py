@@ -496,11 +496,8 @@ class TrtBackend(Backend):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
-        allocate = self.pool.allocator()
-        shape = (batch, m.num_kv_heads, capacity, m.head_dim)
-        keys = [allocate(shape) for _ in range(m.num_layers)]
-        values = [allocate(shape) for _ in range(m.num_layers)]
-        return KVCache(keys, values, 0, allocate)
+        return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity,
+                                    self.pool.allocator())
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         padded = prepare_captured_step(inputs, cache, self.t_buckets, self.cap_buckets) if self.cuda_graphs else None
