@@ -18,11 +18,10 @@ from .heads import HeadsConfig, HeadsModule, ResBlock
 
 
 class CerberusHeads(HeadsModule):
+    kind = "cerberus"
+
     def __init__(self, config: HeadsConfig):
-        super().__init__()
-        if config.kind != "cerberus":
-            raise ValueError(f"CerberusHeads needs a cerberus config, got {config.kind!r}")
-        self.config = config
+        super().__init__(config)
         h = config.hidden_size
         self.blocks = nn.ModuleList(ResBlock(h) for _ in range(config.num_heads))  # RB_k
         self.seq_blocks = nn.ModuleList(ResBlock(2 * h, h) for _ in range(config.num_heads))  # RB'_k

@@ -67,6 +67,13 @@ class HeadsModule(nn.Module):
     """Base class: ``forward(h [..., H]) -> z [..., K, H]``, all heads in one pass."""
 
     config: HeadsConfig
+    kind: str = ""
+
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        if config.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} needs a {self.kind} config, got {config.kind!r}")
+        self.config = config
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -24,11 +24,10 @@ class MedusaHead(nn.Module):
 
 
 class MedusaHeads(HeadsModule):
+    kind = "medusa"
+
     def __init__(self, config: HeadsConfig):
-        super().__init__()
-        if config.kind != "medusa":
-            raise ValueError(f"MedusaHeads needs a medusa config, got {config.kind!r}")
-        self.config = config
+        super().__init__(config)
         # One module per head (a list comprehension, never ``[m] * n``, which would share weights).
         self.heads = nn.ModuleList(MedusaHead(config.hidden_size, config.layers) for _ in range(config.num_heads))
 

@@ -84,3 +84,14 @@ def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
             out = list(Decoder(engine.backend, engine.manifest, Oracle()).generate(ids, GenerationConfig(48), stats))
             assert out == ref
             assert stats.mean_accepted > 1.0
+
+
+def test_sampling_and_typical_acceptance_on_real_model(real_bundle):
+    """Seeded speculative sampling is reproducible and uses only real tokens; typical mode is flagged lossy."""
+    with load(real_bundle, draft="prompt-lookup") as engine:
+        prompt = _mtbench_prompts(1)[0]
+        a = engine.generate(prompt, chat=True, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=7)
+        b = engine.generate(prompt, chat=True, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=7)
+        assert a.token_ids == b.token_ids and a.text and not a.stats.lossy
+        t = engine.generate(prompt, chat=True, max_new_tokens=40, temperature=0.8, typical=True, seed=7)
+        assert t.stats.lossy and len(t.token_ids) > 0
