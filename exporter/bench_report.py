@@ -16,7 +16,9 @@ JSON schema (stable; CI and other tools read it)::
       tokens_per_s, decode_tokens_per_s, speedup_vs_ar, mean_accepted_tokens (tau),
       identical_to_ar (every prompt's ids equal ar's), identical_prompts (how many),
       loop_overhead (fraction of decode time outside backend.step; ours only, else null),
-      acceptance_histogram {"<tokens per step>": steps}, steps, new_tokens, seconds,
+      acceptance_histogram {"<tokens per step>": steps},
+      depth_acceptance [per draft depth d = 1, 2, ...: fraction of steps that accepted the depth-d token],
+      steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
                  first token that differs from ar, else null), token_ids,
@@ -55,6 +57,18 @@ class _Decoder(Protocol):
 def acceptance_histogram(accepted: list[int]) -> dict[str, int]:
     """Counts of decode steps by tokens emitted in the step, keyed "1", "2", ... (JSON object keys)."""
     return {str(k): v for k, v in sorted(Counter(accepted).items())}
+
+
+def depth_acceptance(accepted: list[int]) -> list[float]:
+    """Per draft depth d = 1, 2, ...: the fraction of decode steps that accepted the depth-d draft token.
+
+    A step that emits n tokens accepted draft depths 1..n-1 (the last token is the base's bonus), so
+    this is ``P(n > d)``; for a heads draft it is each head's acceptance rate along the accepted path.
+    """
+    if not accepted:
+        return []
+    top = max(accepted)
+    return [round(sum(a > d for a in accepted) / len(accepted), 4) for d in range(1, top)]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -105,7 +119,7 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
     same = sum(p["identical_to_ar"] for p in per)
     note = None
     if same < len(per):
-        why = ("a different backend: fp32 torch kernels can flip near-tied argmaxes" if spec.runner != "ours"
+        why = ("another runtime or precision, whose kernels can flip near-tied argmaxes" if spec.runner != "ours"
                else "greedy speculative decoding must match it exactly, so this is a bug")
         note = f"differs from ar on {len(per) - same}/{len(per)} prompts ({why})"
     return {
@@ -122,6 +136,7 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
         "loop_overhead": (1.0 - sum(r.backend_seconds or 0.0 for r in runs) / decode_s
                           if ours and decode_s > 0 else None),
         "acceptance_histogram": acceptance_histogram(accepted) if have_steps else None,
+        "depth_acceptance": depth_acceptance(accepted) if have_steps else None,
         "steps": len(accepted) if have_steps else None,
         "new_tokens": sum(len(r.tokens) for r in runs),
         "seconds": sum(r.seconds for r in runs),
@@ -133,7 +148,8 @@ def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
     return {"name": spec.name, "description": spec.description, "skipped": True, "note": note,
             "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None,
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
-            "loop_overhead": None, "acceptance_histogram": None, "steps": None, "new_tokens": None,
+            "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None, "steps": None,
+            "new_tokens": None,
             "seconds": None, "prompts": []}
 
 
@@ -190,8 +206,9 @@ def markdown_table(report: dict[str, Any]) -> str:
         (f"specdeploy bench: {Path(c['model']).name}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
          f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']})"),
         "",
-        "| variant | tok/s | decode tok/s | speed-up vs ar | τ | identical to ar | loop overhead | note |",
-        "|---|---:|---:|---:|---:|:---:|---:|---|",
+        "| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | identical to ar "
+        "| loop overhead | note |",
+        "|---|---:|---:|---:|---:|---|:---:|---:|---|",
     ]
     for v in report["variants"]:
         if v["skipped"]:
@@ -201,9 +218,10 @@ def markdown_table(report: dict[str, Any]) -> str:
         else:
             ident = f"no ({v['identical_prompts']}/{len(v['prompts'])} same)"
         overhead = None if v["loop_overhead"] is None else 100 * v["loop_overhead"]
+        depths = " ".join(f"{x:.2f}" for x in (v.get("depth_acceptance") or [])[:6]) or "–"
         lines.append(
             f"| {v['name']} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
-            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {ident} | "
+            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | {ident} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"

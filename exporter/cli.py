@@ -82,7 +82,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 
 @export.command("draft")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(["medusa", "cerberus"]), help="Draft kind.")
+@click.option("--kind", required=True, type=click.Choice(["chimera", "medusa", "cerberus"]), help="Draft kind.")
 @click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
 @click.option("--calibration", default=None, type=click.Path(path_type=Path),
               help="Calibration JSON (default: <weights>.calibration.json next to the weights, if present).")
@@ -91,13 +91,15 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 @click.option("--model", default=None, help="Source model, if it moved since export.")
 def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
                      model: str | None) -> None:
-    """Add trained Medusa or Cerberus heads (and Cerberus' gate) to a bundle.
+    """Add a trained Chimera draft, or Medusa or Cerberus heads (and Cerberus' gate), to a bundle.
 
-    The heads graph returns each head's top-k ids and log-probs, so the shared lm_head projection runs
-    inside ONNX Runtime. The draft must have been trained for the bundle's base model.
+    The draft graphs return top-k ids and log-probs, so the shared lm_head projection runs inside ONNX
+    Runtime. Chimera's graph is one draft step over its own small KV cache. The draft must have been
+    trained for the bundle's base model.
 
     \b
-    Example:
+    Examples:
+      specdeploy export draft --kind chimera --draft graphs/weights/chimera.safetensors bundles/smollm2
       specdeploy export draft --kind cerberus --draft graphs/weights/cerberus.safetensors bundles/smollm2
     """
     from .export_draft import export_draft
@@ -181,6 +183,43 @@ def train_cerberus(**kw) -> None:
       specdeploy train cerberus --out cerberus.safetensors --epochs 3
     """
     _train_heads("cerberus", **kw)
+
+
+@train.command("chimera")
+@click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write.")
+@click.option("--heads", default=4, show_default=True, type=int, help="Draft depth: residual heads.")
+@click.option("--epochs", default=1, show_default=True, type=int)
+@click.option("--batch-size", default=8, show_default=True, type=int, help="ShareGPT sequences per step.")
+@click.option("--lr", default=5e-4, show_default=True, type=float)
+@click.option("--max-seqs", default=2048, show_default=True, type=int, help="ShareGPT sequences to cache.")
+@click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
+@click.option("--vocab-trim", default=8192, show_default=True, type=int,
+              help="Train (and export by default) on the N most useful ids; 0 = the full shared lm_head.")
+@click.option("--feature-weight", default=0.1, show_default=True, type=float,
+              help="Weight of the hidden-state regression term (0 turns it off).")
+@click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
+              help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
+@click.option("--threads", default=2, show_default=True, type=int, help="torch threads.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint.")
+@click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
+def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_size: int, lr: float, max_seqs: int,
+                  max_len: int, vocab_trim: int, feature_weight: float, data_dir: Path | None, threads: int, seed: int,
+                  resume: str | None) -> None:
+    """Train a Chimera draft (trigram encoder + one decoder layer + residual heads), base frozen.
+
+    The base model's hidden states over ShareGPT are cached once (fp16); an interrupted run resumes
+    from its last checkpoint when rerun with the same settings.
+
+    \b
+    Example:
+      specdeploy train chimera --out chimera.safetensors
+    """
+    from .train_chimera import run_chimera_training
+
+    run_chimera_training(model, out, heads, epochs, batch_size, lr, max_seqs, max_len, vocab_trim, feature_weight,
+                         data_dir, threads, seed, resume or "auto")
 
 
 @train.command("calibrate")

@@ -29,6 +29,7 @@ from specdeploy.runtime.errors import DraftMismatchError
 from .train import DraftWeights, check_draft_base, heads_from_weights, load_draft_weights
 
 HEADS_KINDS = ("medusa", "cerberus")
+DRAFT_KINDS = ("chimera", "medusa", "cerberus")
 DEFAULT_TOPK = 10  # enough for the largest static tree (ranks 0..9) and the dynamic tree's width
 
 
@@ -106,8 +107,10 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
     from .export import export_graph, graph_entry, updated_bundle
     from .source import load_model
 
+    if kind == "chimera":
+        return export_chimera(bundle, draft, vocab_trim=vocab_trim, topk=topk, model=model, progress=progress)
     if kind not in HEADS_KINDS:
-        raise DraftMismatchError(f"Unknown heads draft kind '{kind}'; choose one of {', '.join(HEADS_KINDS)}.")
+        raise DraftMismatchError(f"Unknown draft kind '{kind}'; choose one of {', '.join(DRAFT_KINDS)}.")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     weights = load_draft_weights(draft, kind)
@@ -167,8 +170,81 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
     return entry
 
 
-def torch_draft_modules(entry: DraftEntry, lm_weight) -> dict[str, Any]:
-    """Torch references of a heads draft's graphs, by role, from the weights the manifest names."""
+def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: int = DEFAULT_TOPK,
+                         vocab_trim: int | None = None):
+    """The traced torch module of a Chimera draft step: trigram + layer + one residual head + TopK."""
+    from specdeploy.graphs.chimera import ChimeraStepGraph
+
+    from .train_chimera import chimera_from_weights
+
+    trim = weights.vocab_trim if vocab_trim is None else int(vocab_trim)
+    order = weights.tensors.get("vocab_order")
+    if trim and (order is None or trim > order.numel()):
+        raise DraftMismatchError(
+            f"The draft weights keep {0 if order is None else order.numel()} frequency-ordered ids; "
+            f"cannot trim the vocabulary to {trim}."
+        )
+    vocab_map = order[:trim] if trim else None
+    return ChimeraStepGraph(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
+
+
+def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None = None, topk: int = DEFAULT_TOPK,
+                   model: str | None = None, progress: Callable[[str], None] = _stderr) -> DraftEntry:
+    """Add a trained Chimera draft (``chimera.onnx``, one draft step with its own KV) to ``bundle``."""
+    import torch
+    from specdeploy.graphs.chimera import example_step_inputs
+    from torch.export import Dim
+
+    from .export import export_graph, graph_entry, updated_bundle
+    from .source import load_model
+
+    bundle = Path(bundle)
+    manifest = read_manifest(bundle)
+    weights = load_draft_weights(draft, "chimera")
+    m = manifest.model
+    check_draft_base(weights.config, manifest.source.weight_sha, m.hidden_size, m.vocab_size, "the bundle's base model")
+    progress(f"[1/3] loading the base model's embedding and lm_head ({manifest.source.path}) ...")
+    loaded = load_model(model or manifest.source.path)
+    if loaded.weight_sha != manifest.source.weight_sha:
+        raise DraftMismatchError("The model given is not the bundle's base model (weight hash differs).")
+    embed = loaded.model.model.embed_tokens.weight.detach()
+    lm_weight = loaded.model.lm_head.weight.detach()
+    trim = weights.vocab_trim if vocab_trim is None else int(vocab_trim)
+    graph = chimera_graph_module(weights, embed, lm_weight, topk, trim)
+    cfg = weights.config
+    settings: dict[str, Any] = {
+        "kind": "chimera", "num_heads": cfg.num_heads, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "topk": topk, "vocab_trim": int(trim or 0),
+        "weights_path": str(Path(draft).resolve()),
+    }
+    for key in ("default_tree", "accept"):
+        if weights.meta.get(key) is not None:
+            settings[key] = weights.meta[key]
+    old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
+    with updated_bundle(bundle) as tmp:
+        if old is not None:  # the staged copy hard-links the old files: unlink before writing new ones
+            for g in old.graphs:
+                for p in graph_paths(tmp, g):
+                    p.unlink(missing_ok=True)
+        progress(f"[2/3] tracing the Chimera draft step ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
+        batch, rows, cap = Dim("batch"), Dim("rows"), Dim("capacity")
+        names = ["hidden", "trigram_ids", "position_ids", "attention_mask", "write_indices", "base_hidden",
+                 "head_index", "past_key", "past_value"]
+        dims = {"hidden": {0: batch, 1: rows}, "trigram_ids": {0: batch, 1: rows}, "position_ids": {0: batch, 1: rows},
+                "attention_mask": {0: batch, 2: rows, 3: cap}, "write_indices": {0: rows}, "base_hidden": {0: batch},
+                "head_index": None, "past_key": {0: batch, 2: cap}, "past_value": {0: batch, 2: cap}}
+        with torch.no_grad():
+            export_graph(graph, example_step_inputs(cfg), tmp / "chimera.onnx", names,
+                         ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
+        graphs = (graph_entry(tmp, "chimera", "chimera.onnx"),)
+        entry = DraftEntry("chimera", cfg.base_weight_sha, hash_files([weights.path]), graphs, config_pairs(settings))
+        drafts = tuple(d for d in manifest.drafts if d.kind != "chimera") + (entry,)
+        write_manifest(tmp, manifest.replace(drafts=drafts))
+        progress(f"[3/3] added chimera.onnx to {bundle}")
+    return entry
+
+
+def _entry_weights(entry: DraftEntry) -> DraftWeights:
     path = entry.setting("weights_path")
     if not path or not Path(path).is_file():
         raise DraftMismatchError(
@@ -177,6 +253,17 @@ def torch_draft_modules(entry: DraftEntry, lm_weight) -> dict[str, Any]:
     weights = load_draft_weights(path, entry.kind)
     if hash_files([weights.path]) != entry.weights_sha:
         raise DraftMismatchError(f"'{path}' changed since the {entry.kind} draft was exported; re-export it.")
+    return weights
+
+
+def torch_draft_modules(entry: DraftEntry, lm_weight, embed_weight=None) -> dict[str, Any]:
+    """Torch references of a draft's graphs, by role, from the weights the manifest names."""
+    weights = _entry_weights(entry)
+    if entry.kind == "chimera":
+        if embed_weight is None:
+            raise ValueError("the Chimera reference needs the base embedding")
+        return {"chimera": chimera_graph_module(weights, embed_weight, lm_weight, int(entry.setting("topk")),
+                                                int(entry.setting("vocab_trim", 0)))}
     mods = {entry.kind: draft_graph_module(weights, lm_weight, int(entry.setting("topk")),
                                            int(entry.setting("vocab_trim", 0)))}
     if entry.kind == "cerberus":

@@ -100,7 +100,12 @@ def load_draft_weights(path: str | os.PathLike, kind: str | None = None) -> Draf
     try:
         raw = json.loads(header["config"])
         meta = json.loads(header.get("meta", "{}"))
-        config = HeadsConfig(**raw)
+        if raw.get("kind") == "chimera":
+            from specdeploy.graphs.chimera import ChimeraConfig
+
+            config = ChimeraConfig(**raw)
+        else:
+            config = HeadsConfig(**raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise DraftMismatchError(f"Draft weights file '{path}' has malformed metadata ({exc}).") from None
     if kind is not None and config.kind != kind:

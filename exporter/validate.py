@@ -255,6 +255,10 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
     lm_weight = loaded.model.lm_head.weight.detach()
     checks: list[OutputCheck] = []
     for entry in manifest.drafts:
+        if entry.kind == "chimera":
+            progress("running torch and ONNX Runtime on the chimera draft step ...")
+            checks += _compare_chimera(bundle_dir, entry, loaded, prompt_ids, feeds["hidden_states"])
+            continue
         if entry.kind not in HEADS_KINDS:
             progress(f"draft '{entry.kind}': no parity check registered here, skipped")
             continue
@@ -276,4 +280,53 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
             else:
                 for name, a, b in zip([o.name for o in g.outputs], ref, got):
                     checks.append(OutputCheck(g.role, name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))
+    return checks
+
+
+def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hidden: np.ndarray) -> list[OutputCheck]:
+    """One catch-up step over the prompt's real base states (head 2 on the last row), torch vs ORT."""
+    import torch
+    from specdeploy.graphs.chimera import trigram_ids
+    from specdeploy.runtime.backends.ort import make_session
+
+    from .export_draft import torch_draft_modules
+
+    module = torch_draft_modules(entry, loaded.model.lm_head.weight.detach(),
+                                 loaded.model.model.embed_tokens.weight.detach())["chimera"]
+    n = len(prompt_ids) - 1  # slots 0..n-1; slot j's trigram ends at token j+1
+    cap = n + 4
+    mask = np.full((1, 1, n, cap), np.finfo(np.float32).min, dtype=np.float32)
+    mask[0, 0, :, :n] = np.where(np.tril(np.ones((n, n), dtype=bool)), 0.0, mask[0, 0, :, :n])
+    kv = (1, int(entry.setting("num_kv_heads")), cap, int(entry.setting("head_dim")))
+    rng = np.random.default_rng(0)
+    feeds = {
+        "hidden": hidden[:, :n].astype(np.float32),
+        "trigram_ids": np.asarray([trigram_ids(prompt_ids, range(n))], dtype=np.int64),
+        "position_ids": np.arange(n, dtype=np.int64)[None],
+        "attention_mask": mask,
+        "write_indices": np.arange(n, dtype=np.int64),
+        "base_hidden": hidden[:, n - 1].astype(np.float32),
+        "head_index": np.array([min(1, int(entry.setting("num_heads")) - 1)], dtype=np.int64),
+        "past_key": rng.standard_normal(kv).astype(np.float32),
+        "past_value": rng.standard_normal(kv).astype(np.float32),
+    }
+    graph = entry.graphs[0]
+    session = make_session(bundle_dir / graph.file, "cpu")
+    names = [i.name for i in graph.inputs]
+    got = session.run(None, {k: feeds[k] for k in names})
+    with torch.no_grad():
+        ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[k].copy()) for k in names))]
+    out_names = [o.name for o in graph.outputs]
+    checks = []
+    for name, a, b in zip(out_names, ref, got):
+        if name == "topk_ids":
+            continue
+        if name == "topk_logprobs":
+            gap = a[..., 0] - a[..., 1]
+            clear = gap > DRAFT_LOGPROB_ATOL * 10
+            ids_ref, ids_got = ref[out_names.index("topk_ids")], got[out_names.index("topk_ids")]
+            agree = bool((ids_ref[..., 0] == ids_got[..., 0])[clear].all())
+            checks.append(OutputCheck("chimera", name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, agree))
+        else:
+            checks.append(OutputCheck("chimera", name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))
     return checks

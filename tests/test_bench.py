@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
-    "steps", "new_tokens", "seconds", "prompts",
+    "depth_acceptance", "steps", "new_tokens", "seconds", "prompts",
 }
 PROMPT_KEYS = {
     "index", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "steps",
@@ -75,7 +75,10 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file):
         assert sum(hist.values()) == v["steps"]
         assert sum(int(k) * c for k, c in hist.items()) == v["new_tokens"] - 2  # first token per prompt: prefill
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["mean_accepted_tokens"] == pytest.approx(1.0)
-    assert set(ar["acceptance_histogram"]) == {"1"}
+    assert set(ar["acceptance_histogram"]) == {"1"} and ar["depth_acceptance"] == []
+    hist = {int(k): c for k, c in pl["acceptance_histogram"].items()}
+    for d, rate in enumerate(pl["depth_acceptance"], start=1):  # P(a step emits more than d tokens)
+        assert rate == pytest.approx(sum(c for k, c in hist.items() if k > d) / pl["steps"], abs=1e-4)
     assert pl["identical_to_ar"] is True and pl["note"] is None  # greedy speculative decoding is lossless
     assert pl["mean_accepted_tokens"] >= 1.0
     # outputs next to the JSON; the table is printed too

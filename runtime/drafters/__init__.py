@@ -10,7 +10,7 @@ from ..tree import TreeSpec, parse_tree_arg
 from .base import DraftContext, Drafter
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTS = ("none", "prompt-lookup", "medusa", "cerberus", "cerberus-nogate")
+DRAFTS = ("none", "prompt-lookup", "chimera", "medusa", "cerberus", "cerberus-nogate")
 MAX_LOOKUP_DEPTH = 16
 
 
@@ -32,6 +32,10 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         # A static tree bounds the lookup: branches at depth 1, tokens per branch, total nodes.
         branches = max(1, sum(1 for c in spec.choices if len(c) == 1))
         return PromptLookupDrafter(num_tokens=max(1, spec.depth), branches=branches, max_nodes=spec.num_nodes)
+    if name == "chimera":
+        from .chimera import make_chimera_drafter
+
+        return make_chimera_drafter(bundle_dir, manifest, tree=tree, threads=threads)
     if name in ("medusa", "cerberus", "cerberus-nogate"):
         from .heads import make_heads_drafter
 

@@ -15,6 +15,7 @@ numpy and onnxruntime only: this is part of the lean runtime.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
 from ..tree import (
     CPU_COST_CURVE,
     DEFAULT_ACCEPT,
+    STATIC_TREES,
     DraftTree,
     TreeSpec,
     choose_default_tree,
@@ -181,7 +183,11 @@ def default_tree(entry: DraftEntry) -> str:
         return str(name)
     accept = entry.setting("accept")
     accept = np.asarray(accept, dtype=np.float64) if accept else DEFAULT_ACCEPT
-    return choose_default_tree(CPU_COST_CURVE, accept)
+    depth = int(entry.setting("num_heads", 0) or 0)
+    fits = {k: v for k, v in STATIC_TREES.items() if not depth or v.depth <= depth}
+    if not fits:  # fewer heads than any registered tree is deep: a chain over all of them
+        return json.dumps([[0] * d for d in range(1, depth + 1)])
+    return choose_default_tree(CPU_COST_CURVE, accept, fits)
 
 
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,

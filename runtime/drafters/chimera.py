@@ -1,0 +1,158 @@
+"""Chimera drafter: the bundle's draft-step graph over its own small KV cache, then a tree from the heads.
+
+Per step (see ``graphs/chimera.py`` for the model):
+
+1. **Catch up.** The base hidden states of the nodes accepted last step (``ctx.hidden``, A rows)
+   become A real draft slots, each with the trigram ending at the token after it. Their K/V are
+   written into the draft cache for good; the call also returns head 1's top-k from the last slot.
+2. **Chain.** For depth d = 2..K the previous depth's feature and the trigram ending at the previous
+   head's argmax go through the same layer as one scratch slot (written after the real slots and
+   overwritten next step), giving head d's top-k.
+3. **Tree.** A static tree (a :class:`TreeSpec`) or a dynamic one is filled from the per-depth top-k,
+   as for the Medusa heads; verification by the base model keeps the output lossless.
+
+The draft cache holds ``[1, Hkv, C, D]`` per K and V, bound in place with IOBinding (present aliases
+past), and grows by doubling. numpy and onnxruntime only: this is part of the lean runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..bundle import BundleManifest, DraftEntry
+from ..errors import DraftMismatchError, TreeSpecError
+from ..tree import DraftTree, TreeSpec, parse_tree_arg
+from .base import DraftContext, Drafter
+from .heads import DYNAMIC_DEFAULT_NODES, check_entry, default_tree, draft_graph, dynamic_tree
+
+MIN_CAPACITY = 256
+
+
+class ChimeraDrafter(Drafter):
+    kind = "chimera"
+
+    def __init__(self, session, num_heads: int, num_kv_heads: int, head_dim: int, topk: int,
+                 tree: TreeSpec | None = None, dynamic_nodes: int | None = None, depth: int | None = None):
+        if (tree is None) == (dynamic_nodes is None):
+            raise TreeSpecError("The Chimera drafter needs either a static tree or a dynamic node budget.")
+        if tree is not None and (tree.depth > num_heads or tree.topk > topk):
+            raise TreeSpecError(
+                f"The tree needs {tree.depth} heads with top-{tree.topk}; the Chimera draft has {num_heads} "
+                f"heads with top-{topk}."
+            )
+        self.session = session
+        self.num_heads, self.topk = num_heads, topk
+        self.tree, self.dynamic_nodes = tree, dynamic_nodes
+        self.depth = tree.depth if tree is not None else min(depth or num_heads, num_heads)
+        self._kv_shape = (1, num_kv_heads, 0, head_dim)
+        self._neg = np.finfo(np.float32).min
+        self.reset()
+
+    def reset(self) -> None:
+        self.length = 0  # committed real draft slots
+        self._k = self._v = None
+        self._ov: tuple = ()
+
+    # --- the draft cache ----------------------------------------------------------------------------
+    def _ensure(self, needed: int) -> None:
+        cap = 0 if self._k is None else self._k.shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(MIN_CAPACITY, cap)
+        while new_cap < needed:
+            new_cap *= 2
+        shape = (self._kv_shape[0], self._kv_shape[1], new_cap, self._kv_shape[3])
+        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        if self._k is not None:
+            k[:, :, :cap] = self._k
+            v[:, :, :cap] = self._v
+        import onnxruntime as ort
+
+        self._k, self._v = k, v
+        self._ov = (ort.OrtValue.ortvalue_from_numpy(k), ort.OrtValue.ortvalue_from_numpy(v))
+
+    def _run(self, hidden: np.ndarray, trigrams: np.ndarray, start: int, base_hidden: np.ndarray, head: int):
+        """Write ``T`` slots at ``start..start+T`` (seeing ``[0, start)`` and each other causally)."""
+        t = hidden.shape[0]
+        self._ensure(start + t)
+        cap = self._k.shape[2]
+        mask = np.full((1, 1, t, cap), self._neg, dtype=np.float32)
+        mask[..., :start] = 0.0
+        mask[0, 0, :, start : start + t] = np.where(np.tril(np.ones((t, t), dtype=bool)), 0.0, self._neg)
+        b = self.session.io_binding()
+        b.bind_cpu_input("hidden", np.ascontiguousarray(hidden, dtype=np.float32)[None])
+        b.bind_cpu_input("trigram_ids", np.ascontiguousarray(trigrams, dtype=np.int64)[None])
+        b.bind_cpu_input("position_ids", np.arange(start, start + t, dtype=np.int64)[None])
+        b.bind_cpu_input("attention_mask", mask)
+        b.bind_cpu_input("write_indices", np.arange(start, start + t, dtype=np.int64))
+        b.bind_cpu_input("base_hidden", np.ascontiguousarray(base_hidden, dtype=np.float32)[None])
+        b.bind_cpu_input("head_index", np.array([head], dtype=np.int64))
+        b.bind_ortvalue_input("past_key", self._ov[0])
+        b.bind_ortvalue_input("past_value", self._ov[1])
+        for name in ("feature", "topk_ids", "topk_logprobs"):
+            b.bind_output(name)
+        b.bind_ortvalue_output("present_key", self._ov[0])  # in place
+        b.bind_ortvalue_output("present_value", self._ov[1])
+        self.session.run_with_iobinding(b)
+        feat, ids, logp = (o.numpy() for o in b.get_outputs()[:3])
+        return feat[0], ids[0], logp[0]
+
+    # --- drafting -----------------------------------------------------------------------------------
+    def head_topk(self, tokens: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Catch up on ``hidden`` (the newly accepted base states) and chain ``depth`` heads.
+
+        ``tokens [L]`` ends with the root; ``hidden [A, H]`` are the base states of tokens
+        ``L-1-A .. L-2``. Returns ids and log-probs ``[depth, k]``.
+        """
+        n_tok, a = len(tokens), hidden.shape[0]
+        start = n_tok - 1 - a
+        if start != self.length:
+            raise DraftMismatchError(
+                f"The Chimera drafter lost track of the context ({self.length} draft slots, {start} expected)."
+            )
+        seq = [int(x) for x in tokens]
+        slots = range(start, start + a)
+        tri = np.array([[seq[max(j - 1, 0)], seq[j], seq[j + 1]] for j in slots], dtype=np.int64)
+        base_h = hidden[-1]
+        feat, ids, logp = self._run(hidden, tri, start, base_h, 0)
+        self.length = start + a
+        all_ids, all_logp = [ids], [logp]
+        for d in range(2, self.depth + 1):
+            seq.append(int(ids[0]))  # the previous head's argmax extends the chain
+            j = self.length + d - 2  # scratch slot; its trigram ends at the new chain token
+            tri = np.array([[seq[j - 1], seq[j], seq[j + 1]]], dtype=np.int64)
+            feat, ids, logp = self._run(feat[None], tri, j, base_h, d - 1)
+            all_ids.append(ids)
+            all_logp.append(logp)
+        return np.stack(all_ids), np.stack(all_logp)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        root = int(ctx.tokens[-1])
+        ids, logp = self.head_topk(ctx.tokens, ctx.hidden)
+        if self.tree is not None:
+            tree = DraftTree.from_static(self.tree, root, ids)
+            n = min(ctx.max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
+            return tree if n == tree.num_nodes else DraftTree(tree.tokens[:n], tree.parents[:n])
+        return dynamic_tree(ids, logp, root, min(ctx.max_nodes, self.dynamic_nodes or ctx.max_nodes))
+
+
+def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
+                         threads: int | None = None) -> ChimeraDrafter:
+    from ..backends.ort import make_session
+
+    entry: DraftEntry = manifest.draft("chimera")
+    check_entry(entry, manifest)
+    num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
+    tree = tree if tree not in (None, "", "auto") else default_tree(entry)
+    spec, dynamic = None, None
+    if tree == "dynamic" or tree.startswith("dynamic:"):
+        dynamic = int(tree.split(":", 1)[1]) if ":" in tree else DYNAMIC_DEFAULT_NODES
+        if not (2 <= dynamic <= manifest.limits.max_tree):
+            raise TreeSpecError(f"A dynamic tree needs 2 to {manifest.limits.max_tree} nodes, got {dynamic}.")
+    else:
+        spec = parse_tree_arg(tree).validate(manifest.limits.max_tree, num_heads)
+    session = make_session(Path(bundle_dir) / draft_graph(entry, "chimera").file, "cpu", threads)
+    return ChimeraDrafter(session, num_heads, int(entry.setting("num_kv_heads")), int(entry.setting("head_dim")),
+                          topk, spec, dynamic)

@@ -1,0 +1,250 @@
+"""Chimera draft: the graph, the unrolled training forward, training, export + ORT parity, the drafter.
+
+Fast tests use tiny random configs; the real-model tests use the SmolLM2 bundle and the shipped weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from specdeploy.graphs.chimera import ChimeraConfig, ChimeraDraft, ChimeraStepGraph, trigram_ids
+
+TINY = ChimeraConfig("chimera", num_heads=3, hidden_size=16, vocab_size=50, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=4, intermediate_size=24, base_weight_sha="x")
+
+
+def _randomize(module: torch.nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _step(graph, hidden, tri, pos, length, t, cache_k, cache_v, base_hidden, head):
+    """One draft step writing ``t`` rows at ``length..length+t`` of the cache (causal among them)."""
+    cap = cache_k.shape[2]
+    mask = torch.full((1, 1, t, cap), torch.finfo(torch.float32).min)
+    mask[..., :length] = 0.0
+    for j in range(t):
+        mask[0, 0, j, length : length + j + 1] = 0.0
+    feat, ids, logp, k, v = graph(hidden, tri, pos, mask, torch.arange(length, length + t), base_hidden,
+                                  torch.tensor([head]), cache_k, cache_v)
+    return feat, ids, logp, k, v
+
+
+def test_fresh_trigram_encoder_returns_newest_embedding():
+    draft = ChimeraDraft(TINY)
+    emb3 = torch.randn(2, 5, 3, 16)
+    assert torch.allclose(draft.trigram(emb3), emb3[:, :, 2])
+    z = draft.head(torch.randn(2, 16), f := torch.randn(2, 16), 1)  # zero-initialised residual head
+    assert torch.equal(z, f)
+
+
+def test_trigram_ids_repeat_the_earliest_token():
+    toks = [5, 6, 7, 8]
+    assert trigram_ids(toks, [0, 1, 2]) == [[5, 5, 6], [5, 6, 7], [6, 7, 8]]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_unrolled_training_forward_matches_step_by_step_drafting(depth):
+    """The parallel training forward computes exactly what the exported step computes while drafting."""
+    torch.manual_seed(0)
+    draft = ChimeraDraft(TINY).eval()
+    _randomize(draft)
+    embed = torch.randn(50, 16)
+    lm = torch.randn(50, 16)
+    graph = ChimeraStepGraph(draft, embed, lm, topk=5).eval()
+    length = 9
+    tokens = torch.randint(0, 50, (length,))
+    hidden = torch.randn(1, length, 16)
+    with torch.no_grad():
+        feats = draft.unrolled(embed[tokens][None], hidden, depth)
+        for origin in (0, 3, length - depth - 1):
+            cap = 16
+            ck = torch.zeros(1, 2, cap, 4)
+            cv = torch.zeros(1, 2, cap, 4)
+            n = origin + 1  # real slots 0..origin
+            tri = torch.tensor(trigram_ids(tokens.tolist(), range(n)))[None]
+            feat, _, _, ck, cv = _step(graph, hidden[:, :n], tri, torch.arange(n)[None], 0, n, ck, cv,
+                                       hidden[:, origin], 0)
+            torch.testing.assert_close(feat[0], feats[0][0, origin], atol=1e-5, rtol=1e-4)
+            for d in range(2, depth + 1):  # chain slot at position origin+d-1, trigram ending at x_{origin+d}
+                slot = origin + d - 1
+                tri = torch.tensor(trigram_ids(tokens.tolist(), [slot]))[None]
+                feat, _, _, ck, cv = _step(graph, feat[:, None], tri, torch.tensor([[slot]]), slot, 1, ck, cv,
+                                           hidden[:, origin], d - 1)
+                torch.testing.assert_close(feat[0], feats[d - 1][0, origin], atol=1e-5, rtol=1e-4)
+
+
+# --- training on a tiny model ---------------------------------------------------------------------------
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from specdeploy.exporter.train import LoopConfig, load_draft_weights, train  # noqa: E402
+from specdeploy.exporter.train_chimera import ChimeraTask, ChimeraTrainConfig, chimera_from_weights  # noqa: E402
+from specdeploy.exporter.train_data import DataConfig, build_cache  # noqa: E402
+from specdeploy.runtime import load  # noqa: E402
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig  # noqa: E402
+from specdeploy.runtime.errors import DraftMismatchError, TrainingError, TreeSpecError  # noqa: E402
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
+TINY_DATA = DataConfig(max_seqs=10, max_len=96, min_assistant_tokens=8, heldout_fraction=0.3, shard_size=5)
+TINY_LOOP = LoopConfig(epochs=3, batch_size=2, lr=3e-3, warmup_steps=2, ckpt_every=2, threads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tiny_model_factory, tmp_path_factory):
+    from specdeploy.exporter.source import load_model
+
+    loaded = load_model(str(tiny_model_factory("llama")))
+    cache = build_cache(loaded, tmp_path_factory.mktemp("chimera_data") / "data", TINY_DATA, show_progress=False)
+    return loaded, cache
+
+
+def _task(tiny_setup, **kw) -> ChimeraTask:
+    loaded, cache = tiny_setup
+    m = loaded.model
+    order = np.lexsort((np.arange(m.config.vocab_size), -cache.label_counts(m.config.vocab_size)))
+    cfg = ChimeraTrainConfig(**{"num_heads": 4, "vocab_trim": 2048, **kw})
+    return ChimeraTask(cache, m.model.embed_tokens.weight, m.lm_head.weight, m.model.norm.weight, m.config,
+                       loaded.weight_sha, cfg, order)
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tiny_setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("chimera_w") / "chimera.safetensors"
+    train(_task(tiny_setup), out, TINY_LOOP, show_progress=False, log=lambda m: None)
+    return out
+
+
+def test_training_lowers_the_loss_and_logs_chain_accuracy(tiny_setup, tiny_weights):
+    task = _task(tiny_setup)
+    torch.manual_seed(0)
+    fresh = task.build()
+    idx = np.arange(task.num_examples())
+    before = float(task.loss(fresh, idx)[0].detach())
+    w = load_draft_weights(tiny_weights, "chimera")
+    after = float(task.loss(chimera_from_weights(w), idx)[0].detach())
+    assert after < before
+    log = json.loads(tiny_weights.with_name("chimera.train.json").read_text())
+    final = log["final"]
+    assert len(final["top1"]) == 4 and len(final["chain"]) == 4 and final["chain_tau"] >= 1.0
+    assert all(a >= b for a, b in zip(final["chain"], final["chain"][1:]))  # a chain only gets rarer
+    assert w.config.kind == "chimera" and w.config.base_weight_sha == tiny_setup[0].weight_sha
+    assert all(v.dtype == torch.float16 for k, v in w.tensors.items() if k.startswith("chimera."))
+    assert not tiny_weights.with_name("chimera.safetensors.ckpt").exists()
+
+
+def test_feature_regression_term_is_part_of_the_loss(tiny_setup):
+    torch.manual_seed(0)
+    with_f = _task(tiny_setup, feature_weight=1.0)
+    without = _task(tiny_setup, feature_weight=0.0)
+    model = with_f.build()
+    idx = np.arange(4)
+    assert float(with_f.loss(model, idx)[0]) > float(without.loss(model, idx)[0])
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tiny_setup, tmp_path):
+    straight = tmp_path / "a.safetensors"
+    train(_task(tiny_setup), straight, TINY_LOOP, show_progress=False, log=lambda m: None)
+    resumed = tmp_path / "b.safetensors"
+    train(_task(tiny_setup), resumed, TINY_LOOP, show_progress=False, log=lambda m: None, stop_after_steps=2)
+    assert not resumed.exists()
+    lines: list[str] = []
+    train(_task(tiny_setup), resumed, TINY_LOOP, show_progress=False, log=lines.append)
+    assert any("resuming from step 2" in m for m in lines)
+    a, b = load_draft_weights(straight).tensors, load_draft_weights(resumed).tensors
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_training_settings_get_one_sentence():
+    with pytest.raises(TrainingError, match="head count"):
+        ChimeraTrainConfig(num_heads=0)
+    with pytest.raises(TrainingError, match="vocab-trim"):
+        ChimeraTrainConfig(vocab_trim=10**6)
+
+
+# --- export, parity, drafter -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chimera_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
+    from specdeploy.exporter.export_draft import export_draft
+
+    bundle = tmp_path_factory.mktemp("chimera_bundle") / "b"
+    shutil.copytree(tiny_bundle_factory("llama"), bundle)
+    export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None)
+    return bundle
+
+
+def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_setup):
+    from specdeploy.exporter.validate import compare_drafts
+    from specdeploy.runtime.bundle import read_manifest
+
+    manifest = read_manifest(chimera_bundle)
+    entry = manifest.draft("chimera")
+    assert entry.base_weight_sha == manifest.source.weight_sha and entry.setting("num_heads") == 4
+    assert [g.role for g in entry.graphs] == ["chimera"]
+    loaded, _ = tiny_setup
+    checks = compare_drafts(chimera_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
+    names = {c.output for c in checks}
+    assert names == {"feature", "topk_logprobs", "present_key", "present_value"}
+    assert all(c.passed for c in checks), checks
+
+
+@pytest.mark.parametrize("tree", [None, "chain4", "tree8", "dynamic:12"])
+def test_chimera_drafter_matches_plain_greedy(chimera_bundle, tree):
+    prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
+    with pytest.raises(TreeSpecError, match="5 deep but the drafter proposes at most 4"):
+        load(chimera_bundle, draft="chimera", tree="[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]")
+    with load(chimera_bundle) as plain, load(chimera_bundle, draft="chimera", tree=tree) as spec:
+        for p in prompts:
+            ids = plain.encode(p)
+            ref = plain.generate_ids(ids, GenerationConfig(40))
+            st = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(40), st) == ref
+            assert st.steps >= 1 and sum(st.accepted) == st.new_tokens - 1
+
+
+def test_drafter_state_matches_a_fresh_catch_up(chimera_bundle):
+    """After several steps the incremental draft cache gives the same heads as re-encoding everything."""
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters.chimera import make_chimera_drafter
+
+    manifest = read_manifest(chimera_bundle)
+    with load(chimera_bundle) as plain:
+        ids = plain.encode("The quick brown fox jumps over the lazy dog and")
+        out = plain.generate_ids(ids, GenerationConfig(12))
+        full = ids + out
+        # base hidden states of every position, from one prefill over the whole text
+        state, _ = plain.decoder.prefill(full[:-1])
+        hidden = state.hidden
+    inc = make_chimera_drafter(chimera_bundle, manifest, tree="chain4")
+    fresh = make_chimera_drafter(chimera_bundle, manifest, tree="chain4")
+    n0 = len(ids)
+    a = inc.head_topk(np.asarray(full[: n0 + 1]), hidden[:n0])
+    for cut in (n0 + 3, n0 + 4, n0 + 8):  # accept 3, 1, then 4 nodes
+        a = inc.head_topk(np.asarray(full[: cut + 1]), hidden[inc.length : cut])
+    b = fresh.head_topk(np.asarray(full[: n0 + 9]), hidden[: n0 + 8])
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_allclose(a[1], b[1], atol=1e-4)
+
+
+def test_wrong_kind_wrong_base_and_corrupt_weights(chimera_bundle, tiny_weights, tmp_path):
+    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest, write_manifest
+
+    with pytest.raises(DraftMismatchError, match="not a medusa draft"):
+        export_draft(chimera_bundle, "medusa", tiny_weights, progress=lambda m: None)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(tiny_weights.read_bytes()[:1000])
+    with pytest.raises(DraftMismatchError, match="corrupt"):
+        export_draft(chimera_bundle, "chimera", bad, progress=lambda m: None)
+    bundle = tmp_path / "b"
+    shutil.copytree(chimera_bundle, bundle)
+    m = read_manifest(bundle)
+    write_manifest(bundle, m.replace(source=m.source.__class__(m.source.path, m.source.format, "f" * 64)))
+    with pytest.raises(DraftMismatchError, match="another base model"):
+        export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None)
+    with pytest.raises(DraftMismatchError, match="another base model"):
+        load(bundle, draft="chimera")
