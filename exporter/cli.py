@@ -89,8 +89,10 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 @click.option("--vocab-trim", type=int, default=None,
               help="Draft vocabulary: the N most frequent ids, 0 = full lm_head (default: the calibrated choice).")
 @click.option("--model", default=None, help="Source model, if it moved since export.")
+@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True,
+              help="Chimera only: also write an int8-weight draft graph, which the CPU drafter prefers.")
 def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
-                     model: str | None) -> None:
+                     model: str | None, precision: str) -> None:
     """Add a trained Chimera draft, or Medusa or Cerberus heads (and Cerberus' gate), to a bundle.
 
     The draft graphs return top-k ids and log-probs, so the shared lm_head projection runs inside ONNX
@@ -104,7 +106,7 @@ def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | N
     """
     from .export_draft import export_draft
 
-    export_draft(bundle, kind, draft, calibration=calibration, vocab_trim=vocab_trim, model=model)
+    export_draft(bundle, kind, draft, calibration=calibration, vocab_trim=vocab_trim, model=model, precision=precision)
     click.echo(f"Added the {kind} draft to {bundle}")
 
 
@@ -189,10 +191,10 @@ def train_cerberus(**kw) -> None:
 @click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write.")
 @click.option("--heads", default=4, show_default=True, type=int, help="Draft depth: residual heads.")
-@click.option("--epochs", default=1, show_default=True, type=int)
+@click.option("--epochs", default=2, show_default=True, type=int)
 @click.option("--batch-size", default=8, show_default=True, type=int, help="ShareGPT sequences per step.")
-@click.option("--lr", default=5e-4, show_default=True, type=float)
-@click.option("--max-seqs", default=2048, show_default=True, type=int, help="ShareGPT sequences to cache.")
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--max-seqs", default=1280, show_default=True, type=int, help="ShareGPT sequences to cache.")
 @click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
 @click.option("--vocab-trim", default=8192, show_default=True, type=int,
               help="Train (and export by default) on the N most useful ids; 0 = the full shared lm_head.")
@@ -224,20 +226,32 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 
 @train.command("calibrate")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(["medusa", "cerberus"]))
+@click.option("--kind", required=True, type=click.Choice(["chimera", "medusa", "cerberus"]))
 @click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
-@click.option("--prompts", default=24, show_default=True, type=int, help="Held-in ShareGPT prompts to trace.")
-@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--prompts", default=None, type=int,
+              help="Held-in ShareGPT prompts (default: 24 to trace for heads, 6 to time for chimera).")
+@click.option("--max-new-tokens", default=None, type=int, help="Tokens per prompt (default: 128 heads, 96 chimera).")
 @click.option("--threads", default=2, show_default=True, type=int)
-def train_calibrate(bundle: Path, kind: str, draft: Path, prompts: int, max_new_tokens: int, threads: int) -> None:
+def train_calibrate(bundle: Path, kind: str, draft: Path, prompts: int | None, max_new_tokens: int | None,
+                    threads: int) -> None:
     """Re-calibrate a draft's default tree (and Cerberus' gate) for this machine; updates the bundle.
 
     Writes <weights>.calibration.json (and, for Cerberus, the learned gate into the weights file).
+    Chimera's trees are timed in the real decode loop against plain decoding.
 
     \b
-    Example:
+    Examples:
       specdeploy train calibrate bundles/smollm2 --kind cerberus --draft cerberus.safetensors
+      specdeploy train calibrate bundles/smollm2 --kind chimera --draft graphs/weights/chimera.safetensors
     """
+    if kind == "chimera":
+        from .calibrate_chimera import calibrate_chimera
+
+        calib = calibrate_chimera(bundle, draft, prompts=prompts or 6, max_new_tokens=max_new_tokens or 96,
+                                  threads=threads)
+        click.echo(f"Calibrated chimera: tree {calib['default_tree']} ({calib['speedup']}x plain on held-in prompts)")
+        return
+    prompts, max_new_tokens = prompts or 24, max_new_tokens or 128
     from .calibrate_draft import calibrate
 
     calib = calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads)

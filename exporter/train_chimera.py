@@ -254,8 +254,8 @@ def chimera_from_weights(weights: DraftWeights):
     return module.eval()
 
 
-def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 1, batch_size: int = 8,
-                         lr: float = 5e-4, max_seqs: int = 2048, max_len: int = 512, vocab_trim: int = 8192,
+def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 2, batch_size: int = 8,
+                         lr: float = 1e-3, max_seqs: int = 1280, max_len: int = 512, vocab_trim: int = 8192,
                          feature_weight: float = 0.1, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                          resume: str = "auto", show_progress: bool = True,
                          log: Callable[[str], None] | None = None) -> TrainResult:

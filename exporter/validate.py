@@ -232,6 +232,7 @@ def quality_failures(bundle_dir: Path, manifest: BundleManifest, step, tokenizer
 
 # --- drafts ----------------------------------------------------------------------------------------
 DRAFT_LOGPROB_ATOL = 1e-3
+INT8_DRAFT_ATOL = 0.5  # int8-weight draft graphs against the fp32 torch reference
 
 
 def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_ids: list[int],
@@ -310,23 +311,27 @@ def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hid
         "past_key": rng.standard_normal(kv).astype(np.float32),
         "past_value": rng.standard_normal(kv).astype(np.float32),
     }
-    graph = entry.graphs[0]
-    session = make_session(bundle_dir / graph.file, "cpu")
-    names = [i.name for i in graph.inputs]
-    got = session.run(None, {k: feeds[k] for k in names})
-    with torch.no_grad():
-        ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[k].copy()) for k in names))]
-    out_names = [o.name for o in graph.outputs]
     checks = []
-    for name, a, b in zip(out_names, ref, got):
-        if name == "topk_ids":
-            continue
-        if name == "topk_logprobs":
-            gap = a[..., 0] - a[..., 1]
-            clear = gap > DRAFT_LOGPROB_ATOL * 10
-            ids_ref, ids_got = ref[out_names.index("topk_ids")], got[out_names.index("topk_ids")]
-            agree = bool((ids_ref[..., 0] == ids_got[..., 0])[clear].all())
-            checks.append(OutputCheck("chimera", name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, agree))
-        else:
-            checks.append(OutputCheck("chimera", name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))
+    ref = None
+    for graph in entry.graphs:
+        session = make_session(bundle_dir / graph.file, "cpu")
+        names = [i.name for i in graph.inputs]
+        got = session.run(None, {k: feeds[k] for k in names})
+        if ref is None:
+            with torch.no_grad():
+                ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[k].copy()) for k in names))]
+        # int8 weights: a looser bound that still catches a broken graph (the draft's rounding only
+        # changes which tokens are proposed; verification keeps the output exact)
+        atol = DRAFT_LOGPROB_ATOL if graph.precision == "fp32" else INT8_DRAFT_ATOL
+        out_names = [o.name for o in graph.outputs]
+        for name, a, b in zip(out_names, ref, got):
+            if name == "topk_ids":
+                continue
+            agree = None
+            if name == "topk_logprobs":
+                gap = a[..., 0] - a[..., 1]
+                clear = gap > atol * 10
+                ids_ref, ids_got = ref[out_names.index("topk_ids")], got[out_names.index("topk_ids")]
+                agree = bool((ids_ref[..., 0] == ids_got[..., 0])[clear].all())
+            checks.append(OutputCheck(graph.role, name, float(np.max(np.abs(a - b))), atol, agree))
     return checks

@@ -267,6 +267,11 @@ class ChimeraStepGraph(nn.Module):
             self.register_buffer("lm_weight", lm_weight.detach(), persistent=False)
         if self.topk > self.lm_weight.shape[0]:
             raise ValueError(f"topk {topk} exceeds the draft vocabulary ({self.lm_weight.shape[0]})")
+        # Every head's 2H -> H matrix side by side, [2H, K*H]: a constant MatMul weight, which weight-only
+        # quantization can compress (a Gather of one head's slice would copy it in fp32 every call).
+        k, two_h, h = draft.head_weight.shape
+        self.register_buffer("head_w_all", draft.head_weight.detach().permute(1, 0, 2).reshape(two_h, k * h)
+                             .contiguous(), persistent=False)
 
     def forward(self, hidden, trigram_ids, position_ids, attention_mask, write_indices, base_hidden, head_index,
                 past_key, past_value):
@@ -287,9 +292,9 @@ class ChimeraStepGraph(nn.Module):
         probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * t, -1)
         ctx = torch.matmul(probs, v_all).view(bsz, hq, t, dh)
         feat = draft.feature(layer.finish(x, ctx))[:, -1]  # [B, H]
-        w = draft.head_weight.index_select(0, head_index)[0]  # [2H, H]
-        b = draft.head_bias.index_select(0, head_index)  # [1, H]
-        z = feat + nn.functional.silu(torch.matmul(torch.cat([base_hidden, feat], dim=-1), w) + b)
+        mixed = torch.matmul(torch.cat([base_hidden, feat], dim=-1), self.head_w_all)  # [B, K*H]
+        mixed = mixed.view(bsz, -1, feat.shape[-1]).index_select(1, head_index)[:, 0]  # [B, H]
+        z = feat + nn.functional.silu(mixed + draft.head_bias.index_select(0, head_index))
         logp = torch.log_softmax(torch.matmul(z, self.lm_weight.t()), dim=-1)  # [B, V']
         values, idx = torch.topk(logp, self.topk, dim=-1)
         if self.vocab_map is not None:

@@ -184,12 +184,34 @@ def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_set
     manifest = read_manifest(chimera_bundle)
     entry = manifest.draft("chimera")
     assert entry.base_weight_sha == manifest.source.weight_sha and entry.setting("num_heads") == 4
-    assert [g.role for g in entry.graphs] == ["chimera"]
+    assert [g.role for g in entry.graphs] == ["chimera", "chimera-int8"]
+    assert entry.graphs[1].precision == "int8" and entry.graphs[1].target == "ort"
     loaded, _ = tiny_setup
     checks = compare_drafts(chimera_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
     names = {c.output for c in checks}
     assert names == {"feature", "topk_logprobs", "present_key", "present_value"}
+    assert {c.case for c in checks} == {"chimera", "chimera-int8"}
     assert all(c.passed for c in checks), checks
+    fp32 = [c for c in checks if c.case == "chimera"]
+    assert all(c.atol == 1e-3 for c in fp32)
+
+
+def test_fp32_only_export_and_explicit_precision(chimera_bundle, tiny_weights, tmp_path):
+    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters.chimera import make_chimera_drafter
+
+    bundle = tmp_path / "b"
+    shutil.copytree(chimera_bundle, bundle)
+    export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None, precision="fp32")
+    manifest = read_manifest(bundle)
+    assert [g.role for g in manifest.draft("chimera").graphs] == ["chimera"]
+    assert not (bundle / "chimera-int8.onnx").exists()  # the replaced draft's files are gone
+    make_chimera_drafter(bundle, manifest, precision="fp32")
+    with pytest.raises(DraftMismatchError, match="no int8 graph"):
+        make_chimera_drafter(bundle, manifest, precision="int8")
+    with pytest.raises(DraftMismatchError, match="Unknown draft precision"):
+        export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None, precision="int2")
 
 
 @pytest.mark.parametrize("tree", [None, "chain4", "tree8", "dynamic:12"])
@@ -248,3 +270,58 @@ def test_wrong_kind_wrong_base_and_corrupt_weights(chimera_bundle, tiny_weights,
         export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None)
     with pytest.raises(DraftMismatchError, match="another base model"):
         load(bundle, draft="chimera")
+
+
+def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_weights, tmp_path):
+    from specdeploy.exporter.calibrate_chimera import calibrate_chimera
+    from specdeploy.runtime.bundle import read_manifest
+
+    bundle = tmp_path / "b"
+    shutil.copytree(chimera_bundle, bundle)
+    draft = tmp_path / "chimera.safetensors"
+    shutil.copy(tiny_weights, draft)
+    calib = calibrate_chimera(bundle, draft, prompts=1, max_new_tokens=8, trees=("chain4", "tree8"),
+                              progress=lambda m: None)
+    assert calib["default_tree"] in ("chain4", "tree8") and set(calib["sweep"]) == {"ar", "chain4", "tree8"}
+    assert all(v["identical"] == "1/1" for v in calib["sweep"].values())
+    assert json.loads(draft.with_name("chimera.calibration.json").read_text())["default_tree"] == calib["default_tree"]
+    assert read_manifest(bundle).draft("chimera").setting("default_tree") == calib["default_tree"]
+    with load(bundle, draft="chimera") as eng:
+        assert eng.decoder.drafter.tree is not None
+
+
+# --- the real model with the shipped weights -------------------------------------------------------------
+def _mtbench(n: int) -> list[str]:
+    from specdeploy.exporter.bench import default_prompts_file
+
+    lines = default_prompts_file().read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines[:n]]
+
+
+@pytest.mark.slow
+def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
+    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
+    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.exporter.validate import validate_bundle
+
+    bundle = tmp_path / "real"
+    shutil.copytree(real_bundle, bundle)
+    w = load_draft_weights(WEIGHTS / "chimera.safetensors", "chimera")
+    assert (WEIGHTS / "chimera.safetensors").stat().st_size <= 30 * 2**20
+    assert w.config.num_heads == 4 and w.meta["data"]["tokens"] > 500_000
+    export_draft(bundle, "chimera", WEIGHTS / "chimera.safetensors", progress=lambda m: None)
+    checks = validate_bundle(bundle, progress=lambda m: None)
+    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int8"}
+    prompts = _mtbench(3)
+    with load(bundle) as plain:
+        refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
+                for ids in (plain.encode(p, chat=True) for p in prompts)]
+    for tree in (None, "tree16", "dynamic:16"):
+        with load(bundle, draft="chimera", tree=tree) as eng:
+            tokens = steps = 0
+            for ids, ref in refs:
+                st = DecodeStats()
+                assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, tree
+                tokens += st.new_tokens - 1
+                steps += st.steps
+            assert tokens / steps > 1.6, (tree, tokens / steps)  # the draft learned something real
