@@ -24,10 +24,11 @@ from specdeploy.runtime.bundle import hash_files
 
 from .train import load_draft_weights
 
-# The registered trees are 4 deep; the 3-deep one saves a draft call per step, which pays when the
-# fourth head is rarely accepted.
+# The registered trees are 4 deep; shallower ones save one draft call per level they drop, which pays
+# when the deeper heads are rarely accepted.
 TREE8_DEPTH3 = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"
-CHIMERA_TREES = ("chain4", "tree8", "tree16", "tree32", "dynamic:16", "dynamic:32", TREE8_DEPTH3)
+TREE7_DEPTH2 = "[[0],[1],[2],[0,0],[0,1],[1,0]]"
+CHIMERA_TREES = ("chain4", "tree8", "tree16", "dynamic:16", "dynamic:32", TREE8_DEPTH3, TREE7_DEPTH2)
 
 
 def _stderr(msg: str) -> None:

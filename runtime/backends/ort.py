@@ -41,8 +41,12 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def make_session(path: Path, provider: str = "cpu", threads: int | None = None, provider_options: dict | None = None):
-    """An InferenceSession on the named execution provider, with one clear error when it is absent."""
+def make_session(path: Path, provider: str = "cpu", threads: int | None = None, provider_options: dict | None = None,
+                 spin: bool = True):
+    """An InferenceSession on the named execution provider, with one clear error when it is absent.
+
+    ``spin`` False stops the intra-op threads from busy-waiting after a run (see :func:`make_draft_session`).
+    """
     import onnxruntime as ort
 
     if provider not in PROVIDERS:
@@ -59,6 +63,8 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None, 
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers: list[Any] = [(ep, provider_options or {})]
     if ep != "CPUExecutionProvider":
         providers.append("CPUExecutionProvider")
@@ -70,6 +76,18 @@ def make_session(path: Path, provider: str = "cpu", threads: int | None = None, 
         return ort.InferenceSession(str(path), sess_options=so, providers=providers)
     except load_errors as exc:
         raise BundleError(f"ONNX Runtime cannot load '{path.name}' ({str(exc).splitlines()[0][:200]}).") from None
+
+
+def make_draft_session(path: Path):
+    """A CPU session for a draft graph: one intra-op thread (the caller's), no spinning.
+
+    A draft graph runs between base steps on the same cores. Measured on 2 cores with the Chimera
+    draft: with its own 2-thread pool, each session's threads busy-wait after a run and steal the
+    cores from the other session (base tree step 84 ms instead of 43, draft 16 ms instead of 9;
+    Chimera at 0.56x plain decoding instead of 0.80x). The draft graphs are small enough that one
+    thread loses little.
+    """
+    return make_session(path, "cpu", threads=1, spin=False)
 
 
 class OrtBackend(Backend):

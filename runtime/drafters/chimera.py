@@ -141,7 +141,7 @@ class ChimeraDrafter(Drafter):
 def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
                          threads: int | None = None, precision: str = "auto") -> ChimeraDrafter:
     """The bundle's Chimera drafter; ``precision`` "auto" takes the int8 draft graph when there is one."""
-    from ..backends.ort import make_session
+    from ..backends.ort import make_draft_session
 
     entry: DraftEntry = manifest.draft("chimera")
     check_entry(entry, manifest)
@@ -158,6 +158,6 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     role = "chimera-int8" if precision in ("auto", "int8") and "chimera-int8" in roles else "chimera"
     if precision == "int8" and role != "chimera-int8":
         raise DraftMismatchError("The bundle's Chimera draft has no int8 graph; re-export it with --precision int8.")
-    session = make_session(Path(bundle_dir) / draft_graph(entry, role).file, "cpu", threads)
+    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, role).file)
     return ChimeraDrafter(session, num_heads, int(entry.setting("num_kv_heads")), int(entry.setting("head_dim")),
                           topk, spec, dynamic)

@@ -193,7 +193,7 @@ def default_tree(entry: DraftEntry) -> str:
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
                        threads: int | None = None) -> HeadsDrafter:
     """``medusa``, ``cerberus`` (with its calibrated gate) or ``cerberus-nogate`` from the bundle."""
-    from ..backends.ort import make_session
+    from ..backends.ort import make_draft_session
 
     if name not in HEADS_DRAFTS:
         raise DraftMismatchError(f"Unknown heads draft '{name}'; choose one of {', '.join(HEADS_DRAFTS)}.")
@@ -212,9 +212,9 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
     else:
         spec = parse_tree_arg(tree).validate(manifest.limits.max_tree, num_heads)
 
-    session = make_session(Path(bundle_dir) / draft_graph(entry, kind).file, "cpu", threads)
+    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, kind).file)
     gate_session = None
     if gate is not None:
-        gate_session = make_session(Path(bundle_dir) / draft_graph(entry, f"{kind}-gate").file, "cpu", threads)
+        gate_session = make_draft_session(Path(bundle_dir) / draft_graph(entry, f"{kind}-gate").file)
     return HeadsDrafter(kind, session, num_heads, topk, spec, dynamic, gate, gate_session)
 
