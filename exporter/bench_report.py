@@ -206,8 +206,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         (f"specdeploy bench: {Path(c['model']).name}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
          f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']})"),
         "",
-        "| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | identical to ar "
-        "| loop overhead | note |",
+        ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | identical to ar "
+         "| loop overhead | note |"),
         "|---|---:|---:|---:|---:|---|:---:|---:|---|",
     ]
     for v in report["variants"]:

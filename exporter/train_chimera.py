@@ -29,7 +29,15 @@ from typing import Any
 import numpy as np
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 
-from .train import VOCAB_ORDER_SIZE, DraftTask, DraftWeights, LoopConfig, TrainResult, save_draft_weights, train
+from .train import (
+    VOCAB_ORDER_SIZE,
+    DraftTask,
+    DraftWeights,
+    LoopConfig,
+    TrainResult,
+    save_draft_weights,
+    train,
+)
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ class ChimeraTask(DraftTask):
         """Rows valid at depth d (1-based): origin i needs token i+d+1 inside the sequence and in a reply."""
         import torch
 
-        bsz, length = labels.shape
+        length = labels.shape[1]
         i = torch.arange(length)
         tgt = (i + d + 1).clamp(max=length - 1)
         valid = ((i + d + 1)[None, :] < lengths[:, None]) & assistant[:, tgt]
