@@ -59,10 +59,8 @@ def read_calibration(path: Path, weights: DraftWeights) -> dict[str, Any]:
     return calib
 
 
-def draft_graph_module(weights: DraftWeights, lm_weight, topk: int = DEFAULT_TOPK, vocab_trim: int | None = None):
-    """The traced torch module of a heads draft: heads + shared (maybe trimmed) lm_head + TopK."""
-    from specdeploy.graphs.heads import DraftHeadsGraph
-
+def vocab_map_for(weights: DraftWeights, vocab_trim: int | None):
+    """The draft vocabulary's full ids (the N most useful, from the weights), or None for the full lm_head."""
     trim = weights.vocab_trim if vocab_trim is None else int(vocab_trim)
     order = weights.tensors.get("vocab_order")
     if trim and (order is None or trim > order.numel()):
@@ -70,7 +68,14 @@ def draft_graph_module(weights: DraftWeights, lm_weight, topk: int = DEFAULT_TOP
             f"The draft weights keep {0 if order is None else order.numel()} frequency-ordered ids; "
             f"cannot trim the vocabulary to {trim}."
         )
-    vocab_map = order[:trim] if trim else None
+    return order[:trim] if trim else None
+
+
+def draft_graph_module(weights: DraftWeights, lm_weight, topk: int = DEFAULT_TOPK, vocab_trim: int | None = None):
+    """The traced torch module of a heads draft: heads + shared (maybe trimmed) lm_head + TopK."""
+    from specdeploy.graphs.heads import DraftHeadsGraph
+
+    vocab_map = vocab_map_for(weights, vocab_trim)
     return DraftHeadsGraph(heads_from_weights(weights), lm_weight, topk, vocab_map).eval()
 
 
@@ -179,14 +184,7 @@ def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: i
 
     from .train_chimera import chimera_from_weights
 
-    trim = weights.vocab_trim if vocab_trim is None else int(vocab_trim)
-    order = weights.tensors.get("vocab_order")
-    if trim and (order is None or trim > order.numel()):
-        raise DraftMismatchError(
-            f"The draft weights keep {0 if order is None else order.numel()} frequency-ordered ids; "
-            f"cannot trim the vocabulary to {trim}."
-        )
-    vocab_map = order[:trim] if trim else None
+    vocab_map = vocab_map_for(weights, vocab_trim)
     return ChimeraStepGraph(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
 
 

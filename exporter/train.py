@@ -380,6 +380,25 @@ def _load_checkpoint(path: Path, model, opt, fingerprint: dict[str, Any]) -> dic
     return state
 
 
+def training_vocab(lm_weight, vocab_order: np.ndarray, trim: int, bf16: bool):
+    """``(vocab_order [<=32768], remap [V] or None, train_weight)`` for a loss over the ``trim`` most useful ids.
+
+    ``remap`` maps a full id to its row of ``train_weight`` (-1: outside the draft vocabulary, skipped
+    by the loss); ``trim`` 0 keeps the full shared lm_head. ``bf16`` stores the projection for AMX.
+    """
+    import torch
+
+    vocab = int(lm_weight.shape[0])
+    order = torch.from_numpy(np.asarray(vocab_order)[: min(vocab, VOCAB_ORDER_SIZE)].astype(np.int64))
+    remap, weight = None, lm_weight
+    if trim:
+        keep = order[:trim]
+        remap = torch.full((vocab,), -1, dtype=torch.int64)
+        remap[keep] = torch.arange(keep.numel())
+        weight = lm_weight[keep]
+    return order, remap, weight.to(torch.bfloat16) if bf16 else weight
+
+
 # --- Medusa / Cerberus heads ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class HeadsTrainConfig:
@@ -417,16 +436,8 @@ class HeadsTask(DraftTask):
         self.lm_weight = lm_weight.detach().float()  # [V, H] frozen, shared with the base
         if vocab_order is None:  # most frequent training label first, ties by id
             vocab_order = np.lexsort((np.arange(vocab), -cache.label_counts(vocab)))
-        self.vocab_order = torch.from_numpy(np.asarray(vocab_order)[: min(vocab, VOCAB_ORDER_SIZE)].astype(np.int64))
-        if config.vocab_trim:
-            keep = self.vocab_order[: config.vocab_trim]
-            self.remap = torch.full((vocab,), -1, dtype=torch.int64)
-            self.remap[keep] = torch.arange(keep.numel())
-            self.train_weight = self.lm_weight[keep]
-        else:
-            self.remap, self.train_weight = None, self.lm_weight
-        if config.bf16:
-            self.train_weight = self.train_weight.to(torch.bfloat16)
+        self.vocab_order, self.remap, self.train_weight = training_vocab(self.lm_weight, vocab_order, config.vocab_trim,
+                                                                         config.bf16)
         self.train_pos = cache.positions("train", config.assistant_only)
         self.heldout_pos = cache.positions("heldout", config.assistant_only)
         if self.train_pos.size == 0 or self.heldout_pos.size == 0:
@@ -521,20 +532,23 @@ class HeadsTask(DraftTask):
         save_draft_weights(out, self.heads_config, tensors, meta)
 
 
+def load_checked_state(module, state: dict[str, Any], weights: DraftWeights, what: str):
+    """Load ``state`` into ``module`` after checking every key and shape; a mismatch gets one sentence."""
+    expected = module.state_dict()
+    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+        raise DraftMismatchError(
+            f"Draft weights file '{weights.path}' does not match {what} (keys or shapes differ)."
+        )
+    module.load_state_dict(state, strict=True)
+    return module.eval()
+
+
 def heads_from_weights(weights: DraftWeights):
     """Rebuild the heads module from a weights file, every key and shape checked."""
     from specdeploy.graphs.heads import build_heads
 
-    module = build_heads(weights.config)
-    state = weights.prefixed("heads.")
-    expected = module.state_dict()
-    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
-        raise DraftMismatchError(
-            f"Draft weights file '{weights.path}' does not match a {weights.config.kind} draft with "
-            f"{weights.config.num_heads} heads (keys or shapes differ)."
-        )
-    module.load_state_dict(state, strict=True)
-    return module.eval()
+    return load_checked_state(build_heads(weights.config), weights.prefixed("heads."), weights,
+                              f"a {weights.config.kind} draft with {weights.config.num_heads} heads")
 
 
 def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, layers: int = 1, epochs: int = 3,

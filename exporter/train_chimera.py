@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.runtime.errors import DraftMismatchError, TrainingError
+from specdeploy.runtime.errors import TrainingError
 
 from .train import (
     VOCAB_ORDER_SIZE,
@@ -35,8 +35,10 @@ from .train import (
     DraftWeights,
     LoopConfig,
     TrainResult,
+    load_checked_state,
     save_draft_weights,
     train,
+    training_vocab,
 )
 
 
@@ -64,7 +66,6 @@ class ChimeraTask(DraftTask):
 
     def __init__(self, cache, embed_weight, lm_weight, final_norm_weight, base_config, base_weight_sha: str,
                  config: ChimeraTrainConfig, vocab_order: np.ndarray):
-        import torch
         from specdeploy.graphs.chimera import ChimeraConfig
 
         vocab, hidden = int(lm_weight.shape[0]), int(lm_weight.shape[1])
@@ -74,16 +75,8 @@ class ChimeraTask(DraftTask):
         self.embed = embed_weight.detach().float()
         self.lm_weight = lm_weight.detach().float()
         self.final_norm = final_norm_weight.detach().float()
-        self.vocab_order = torch.from_numpy(np.asarray(vocab_order)[: min(vocab, VOCAB_ORDER_SIZE)].astype(np.int64))
-        if config.vocab_trim:
-            keep = self.vocab_order[: config.vocab_trim]
-            self.remap = torch.full((vocab,), -1, dtype=torch.int64)
-            self.remap[keep] = torch.arange(keep.numel())
-            self.train_weight = self.lm_weight[keep]
-        else:
-            self.remap, self.train_weight = None, self.lm_weight
-        if config.bf16:
-            self.train_weight = self.train_weight.to(torch.bfloat16)
+        self.vocab_order, self.remap, self.train_weight = training_vocab(self.lm_weight, vocab_order, config.vocab_trim,
+                                                                         config.bf16)
         lengths = np.diff(cache.offsets)
         ok = lengths >= config.min_len
         self.train_seqs = np.flatnonzero(~cache.heldout & ok)
@@ -250,16 +243,9 @@ def chimera_from_weights(weights: DraftWeights):
     import torch
     from specdeploy.graphs.chimera import ChimeraDraft
 
-    module = ChimeraDraft(weights.config)
     state = {k: v.to(torch.float32) for k, v in weights.prefixed("chimera.").items()}
-    expected = module.state_dict()
-    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
-        raise DraftMismatchError(
-            f"Draft weights file '{weights.path}' does not match a Chimera draft with {weights.config.num_heads} "
-            "heads (keys or shapes differ)."
-        )
-    module.load_state_dict(state, strict=True)
-    return module.eval()
+    return load_checked_state(ChimeraDraft(weights.config), state, weights,
+                              f"a Chimera draft with {weights.config.num_heads} heads")
 
 
 def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 2, batch_size: int = 8,

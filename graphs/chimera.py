@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .base_step import rms_norm
+from .heads import attach_draft_vocab, draft_topk
 
 
 @dataclass(frozen=True)
@@ -256,17 +257,8 @@ class ChimeraStepGraph(nn.Module):
                  vocab_map: torch.Tensor | None = None):
         super().__init__()
         self.draft = draft
-        self.topk = int(topk)
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        if vocab_map is not None:
-            vocab_map = vocab_map.to(torch.int64)
-            self.register_buffer("vocab_map", vocab_map, persistent=False)
-            self.register_buffer("lm_weight", lm_weight.detach()[vocab_map].contiguous(), persistent=False)
-        else:
-            self.vocab_map = None
-            self.register_buffer("lm_weight", lm_weight.detach(), persistent=False)
-        if self.topk > self.lm_weight.shape[0]:
-            raise ValueError(f"topk {topk} exceeds the draft vocabulary ({self.lm_weight.shape[0]})")
+        attach_draft_vocab(self, lm_weight, vocab_map, topk)
         # Every head's 2H -> H matrix side by side, [2H, K*H]: a constant MatMul weight, which weight-only
         # quantization can compress (a Gather of one head's slice would copy it in fp32 every call).
         k, two_h, h = draft.head_weight.shape
@@ -295,10 +287,7 @@ class ChimeraStepGraph(nn.Module):
         mixed = torch.matmul(torch.cat([base_hidden, feat], dim=-1), self.head_w_all)  # [B, K*H]
         mixed = mixed.view(bsz, -1, feat.shape[-1]).index_select(1, head_index)[:, 0]  # [B, H]
         z = feat + nn.functional.silu(mixed + draft.head_bias.index_select(0, head_index))
-        logp = torch.log_softmax(torch.matmul(z, self.lm_weight.t()), dim=-1)  # [B, V']
-        values, idx = torch.topk(logp, self.topk, dim=-1)
-        if self.vocab_map is not None:
-            idx = self.vocab_map[idx]
+        idx, values = draft_topk(self, z)  # [B, k] each
         return feat, idx, values, k_all, v_all
 
 

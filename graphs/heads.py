@@ -90,25 +90,37 @@ class DraftHeadsGraph(nn.Module):
                  vocab_map: torch.Tensor | None = None):
         super().__init__()
         self.heads = heads
-        self.topk = int(topk)
-        if vocab_map is not None:
-            vocab_map = vocab_map.to(torch.int64)
-            self.register_buffer("vocab_map", vocab_map, persistent=False)
-            self.register_buffer("lm_weight", lm_weight.detach()[vocab_map].contiguous(), persistent=False)
-        else:
-            self.vocab_map = None
-            self.register_buffer("lm_weight", lm_weight.detach(), persistent=False)
-        if self.topk > self.lm_weight.shape[0]:
-            raise ValueError(f"topk {topk} exceeds the draft vocabulary ({self.lm_weight.shape[0]})")
+        attach_draft_vocab(self, lm_weight, vocab_map, topk)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.heads(hidden_states)  # [B, N, K, H]
-        logits = torch.matmul(z, self.lm_weight.t())  # [B, N, K, V']
-        logp = torch.log_softmax(logits, dim=-1)
-        values, idx = torch.topk(logp, self.topk, dim=-1)  # [B, N, K, k] each, best first
-        if self.vocab_map is not None:
-            idx = self.vocab_map[idx]  # back to full-vocabulary ids
-        return idx, values
+        return draft_topk(self, z)  # [B, N, K, k] each, best first
+
+
+def attach_draft_vocab(module: nn.Module, lm_weight: torch.Tensor, vocab_map: torch.Tensor | None, topk: int) -> None:
+    """Give ``module`` the shared lm_head rows it projects onto (all, or ``vocab_map``'s) and its top-k size.
+
+    Buffers are not persistent: the base model's weight is shared, never saved with a draft.
+    """
+    module.topk = int(topk)
+    if vocab_map is not None:
+        vocab_map = vocab_map.to(torch.int64)
+        module.register_buffer("vocab_map", vocab_map, persistent=False)
+        module.register_buffer("lm_weight", lm_weight.detach()[vocab_map].contiguous(), persistent=False)
+    else:
+        module.vocab_map = None
+        module.register_buffer("lm_weight", lm_weight.detach(), persistent=False)
+    if module.topk > module.lm_weight.shape[0]:
+        raise ValueError(f"topk {topk} exceeds the draft vocabulary ({module.lm_weight.shape[0]})")
+
+
+def draft_topk(module: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Project ``z [..., H]`` on ``module``'s draft vocabulary: (full-vocabulary ids, log-probs), ``[..., k]``."""
+    logp = torch.log_softmax(torch.matmul(z, module.lm_weight.t()), dim=-1)
+    values, idx = torch.topk(logp, module.topk, dim=-1)
+    if module.vocab_map is not None:
+        idx = module.vocab_map[idx]  # back to full-vocabulary ids
+    return idx, values
 
 
 def head_logits(z: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:

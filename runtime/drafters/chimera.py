@@ -23,9 +23,9 @@ import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry
 from ..errors import DraftMismatchError, TreeSpecError
-from ..tree import DraftTree, TreeSpec, parse_tree_arg
+from ..tree import DraftTree, TreeSpec
 from .base import DraftContext, Drafter
-from .heads import DYNAMIC_DEFAULT_NODES, check_entry, default_tree, draft_graph, dynamic_tree
+from .heads import check_entry, draft_graph, dynamic_tree, resolve_tree
 
 MIN_CAPACITY = 256
 
@@ -146,14 +146,7 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     entry: DraftEntry = manifest.draft("chimera")
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
-    tree = tree if tree not in (None, "", "auto") else default_tree(entry)
-    spec, dynamic = None, None
-    if tree == "dynamic" or tree.startswith("dynamic:"):
-        dynamic = int(tree.split(":", 1)[1]) if ":" in tree else DYNAMIC_DEFAULT_NODES
-        if not (2 <= dynamic <= manifest.limits.max_tree):
-            raise TreeSpecError(f"A dynamic tree needs 2 to {manifest.limits.max_tree} nodes, got {dynamic}.")
-    else:
-        spec = parse_tree_arg(tree).validate(manifest.limits.max_tree, num_heads)
+    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads)
     roles = {g.role for g in entry.graphs}
     role = "chimera-int8" if precision in ("auto", "int8") and "chimera-int8" in roles else "chimera"
     if precision == "int8" and role != "chimera-int8":

@@ -190,6 +190,18 @@ def default_tree(entry: DraftEntry) -> str:
     return choose_default_tree(CPU_COST_CURVE, accept, fits)
 
 
+def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, num_heads: int
+                 ) -> tuple[TreeSpec | None, int | None]:
+    """``--tree`` (or the draft's default) as a static spec or a dynamic node budget, checked against limits."""
+    tree = tree if tree not in (None, "", "auto") else default_tree(entry)
+    if tree == "dynamic" or tree.startswith("dynamic:"):
+        dynamic = int(tree.split(":", 1)[1]) if ":" in tree else DYNAMIC_DEFAULT_NODES
+        if not (2 <= dynamic <= manifest.limits.max_tree):
+            raise TreeSpecError(f"A dynamic tree needs 2 to {manifest.limits.max_tree} nodes, got {dynamic}.")
+        return None, dynamic
+    return parse_tree_arg(tree).validate(manifest.limits.max_tree, num_heads), None
+
+
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
                        threads: int | None = None) -> HeadsDrafter:
     """``medusa``, ``cerberus`` (with its calibrated gate) or ``cerberus-nogate`` from the bundle."""
@@ -203,14 +215,7 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
     gate = gate_from_entry(entry, manifest.model.vocab_size) if name == "cerberus" else None
 
-    tree = tree if tree not in (None, "", "auto") else default_tree(entry)
-    spec, dynamic = None, None
-    if tree == "dynamic" or tree.startswith("dynamic:"):
-        dynamic = int(tree.split(":", 1)[1]) if ":" in tree else DYNAMIC_DEFAULT_NODES
-        if not (2 <= dynamic <= manifest.limits.max_tree):
-            raise TreeSpecError(f"A dynamic tree needs 2 to {manifest.limits.max_tree} nodes, got {dynamic}.")
-    else:
-        spec = parse_tree_arg(tree).validate(manifest.limits.max_tree, num_heads)
+    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads)
 
     session = make_draft_session(Path(bundle_dir) / draft_graph(entry, kind).file)
     gate_session = None
