@@ -42,6 +42,14 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _staging_dir(dest: Path) -> Path:
+    """A private temporary directory next to ``dest``, made world-readable like a normal directory
+    (mkdtemp creates it 0700, and the rename would carry that mode over to the bundle)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp.chmod(0o755)
+    return tmp
+
+
 @contextmanager
 def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it atomically becomes ``out``."""
@@ -49,7 +57,7 @@ def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
     if out.exists() and not force:
         raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = _staging_dir(out)
     try:
         yield tmp
         if out.exists():
@@ -68,7 +76,7 @@ def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
 def updated_bundle(bundle: Path) -> Iterator[Path]:
     """Stage a copy of an existing bundle (hard links for big files) to add graphs to it atomically."""
     bundle = Path(bundle)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{bundle.name}.tmp-", dir=bundle.parent))
+    tmp = _staging_dir(bundle)
     try:
         for src in bundle.rglob("*"):
             dst = tmp / src.relative_to(bundle)

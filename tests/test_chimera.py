@@ -184,6 +184,7 @@ def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_set
     entry = manifest.draft("chimera")
     assert entry.base_weight_sha == manifest.source.weight_sha and entry.setting("num_heads") == 4
     assert [g.role for g in entry.graphs] == ["chimera", "chimera-int8"]
+    assert chimera_bundle.stat().st_mode & 0o777 == 0o755  # the staged copy is not left private
     assert entry.graphs[1].precision == "int8" and entry.graphs[1].target == "ort"
     loaded, _ = tiny_setup
     checks = compare_drafts(chimera_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
