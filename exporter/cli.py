@@ -151,7 +151,7 @@ def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: in
                  lr: float, max_seqs: int, max_len: int, vocab_trim: int, data_dir: Path | None, threads: int,
                  seed: int, resume: str | None, calibrate: bool, bundle: Path | None, calib_prompts: int,
                  calib_tokens: int) -> None:
-    from .train import run_heads_training
+    from .train_heads import run_heads_training
 
     run_heads_training(kind, model, out, heads, layers, epochs, batch_size, lr, max_seqs, max_len, vocab_trim,
                        data_dir, threads, seed, resume or "auto", calibrate, bundle, calib_prompts, calib_tokens)

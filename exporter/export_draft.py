@@ -26,7 +26,8 @@ from specdeploy.runtime.bundle import (
 )
 from specdeploy.runtime.errors import DraftMismatchError
 
-from .train import DraftWeights, check_draft_base, heads_from_weights, load_draft_weights
+from .train import DraftWeights, check_draft_base, load_draft_weights
+from .train_heads import heads_from_weights
 
 HEADS_KINDS = ("medusa", "cerberus")
 DRAFT_KINDS = ("chimera", "medusa", "cerberus")
@@ -96,6 +97,13 @@ def gate_module(weights: DraftWeights):
     return gate.eval(), bool(state)
 
 
+def _drop_graph_files(staged: Path, old: DraftEntry | None) -> None:
+    """Unlink a replaced draft's files from the staged copy (they are hard links to the live bundle's)."""
+    for g in old.graphs if old is not None else ():
+        for p in graph_paths(staged, g):
+            p.unlink(missing_ok=True)
+
+
 def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
                  vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
                  progress: Callable[[str], None] = _stderr, use_calibration: bool = True,
@@ -150,10 +158,7 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
 
     old = next((d for d in manifest.drafts if d.kind == kind), None)
     with updated_bundle(bundle) as tmp:
-        if old is not None:  # the staged copy hard-links the old files: unlink before writing new ones
-            for g in old.graphs:
-                for p in graph_paths(tmp, g):
-                    p.unlink(missing_ok=True)
+        _drop_graph_files(tmp, old)
         progress(f"[2/3] tracing the {kind} heads ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
         batch, rows = Dim("batch"), Dim("rows")
         with torch.no_grad():
@@ -249,10 +254,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         progress(f"the Chimera draft in {bundle} is already these weights with these settings; nothing to do")
         return old
     with updated_bundle(bundle) as tmp:
-        if old is not None:  # the staged copy hard-links the old files: unlink before writing new ones
-            for g in old.graphs:
-                for p in graph_paths(tmp, g):
-                    p.unlink(missing_ok=True)
+        _drop_graph_files(tmp, old)
         progress(f"[2/3] tracing the Chimera draft step ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
         batch, rows, cap = Dim("batch"), Dim("rows"), Dim("capacity")
         names = ["hidden", "trigram_ids", "position_ids", "attention_mask", "write_indices", "base_hidden",

@@ -12,14 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.train import (
-    HeadsTask,
-    HeadsTrainConfig,
-    LoopConfig,
-    load_draft_weights,
-    train,
-)
+from specdeploy.exporter.train import LoopConfig, load_draft_weights, train
 from specdeploy.exporter.train_data import DataConfig, build_cache
+from specdeploy.exporter.train_heads import HeadsTask, HeadsTrainConfig
 from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock, build_heads
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
@@ -127,7 +122,7 @@ def test_training_lowers_the_loss_and_logs_heldout_accuracy(tiny_setup, tiny_wei
     idx = np.arange(min(256, task.num_examples()))
     before = float(task.loss(model, idx)[0].detach())
     w = load_draft_weights(tiny_weights["cerberus"], "cerberus")
-    from specdeploy.exporter.train import heads_from_weights
+    from specdeploy.exporter.train_heads import heads_from_weights
 
     after = float(task.loss(heads_from_weights(w), idx)[0].detach())
     assert after < before

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry
-from ..errors import DraftMismatchError, TreeSpecError
+from ..errors import DraftMismatchError
 from ..tree import DraftTree, TreeSpec
 from .base import DraftContext, Drafter
-from .heads import check_entry, draft_graph, dynamic_tree, resolve_tree
+from .heads import check_entry, check_tree_choice, draft_graph, resolve_tree, tree_from_topk
 
 MIN_CAPACITY = 256
 
@@ -35,13 +35,7 @@ class ChimeraDrafter(Drafter):
 
     def __init__(self, session, num_heads: int, num_kv_heads: int, head_dim: int, topk: int,
                  tree: TreeSpec | None = None, dynamic_nodes: int | None = None, depth: int | None = None):
-        if (tree is None) == (dynamic_nodes is None):
-            raise TreeSpecError("The Chimera drafter needs either a static tree or a dynamic node budget.")
-        if tree is not None and (tree.depth > num_heads or tree.topk > topk):
-            raise TreeSpecError(
-                f"The tree needs {tree.depth} heads with top-{tree.topk}; the Chimera draft has {num_heads} "
-                f"heads with top-{topk}."
-            )
+        check_tree_choice(tree, dynamic_nodes, "Chimera", num_heads, topk)
         self.session = session
         self.num_heads, self.topk = num_heads, topk
         self.tree, self.dynamic_nodes = tree, dynamic_nodes
@@ -112,18 +106,22 @@ class ChimeraDrafter(Drafter):
             raise DraftMismatchError(
                 f"The Chimera drafter lost track of the context ({self.length} draft slots, {start} expected)."
             )
-        seq = [int(x) for x in tokens]
-        slots = range(start, start + a)
-        tri = np.array([[seq[max(j - 1, 0)], seq[j], seq[j + 1]] for j in slots], dtype=np.int64)
+        # Real slot j's trigram is (x_{j-1}, x_j, x_{j+1}), the earliest token repeated at the start.
+        idx = np.arange(start, start + a)
+        tokens = np.asarray(tokens, dtype=np.int64)
+        tri = np.stack([tokens[np.maximum(idx - 1, 0)], tokens[idx], tokens[idx + 1]], axis=-1)
+        off = n_tok - 2  # the chain's trigrams only reach back to x_{L-2} (L >= 2: prompt + root)
+        seq = [int(x) for x in tokens[off:]]
         base_h = hidden[-1]
         feat, ids, logp = self._run(hidden, tri, start, base_h, 0)
         self.length = start + a
         all_ids, all_logp = [ids], [logp]
         for d in range(2, self.depth + 1):
             seq.append(int(ids[0]))  # the previous head's argmax extends the chain
-            j = self.length + d - 2  # scratch slot; its trigram ends at the new chain token
-            tri = np.array([[seq[j - 1], seq[j], seq[j + 1]]], dtype=np.int64)
-            feat, ids, logp = self._run(feat[None], tri, j, base_h, d - 1)
+            slot = self.length + d - 2  # scratch slot; its trigram ends at the new chain token
+            k = slot - off
+            tri = np.array([[seq[k - 1], seq[k], seq[k + 1]]], dtype=np.int64)
+            feat, ids, logp = self._run(feat[None], tri, slot, base_h, d - 1)
             all_ids.append(ids)
             all_logp.append(logp)
         return np.stack(all_ids), np.stack(all_logp)
@@ -131,11 +129,7 @@ class ChimeraDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = int(ctx.tokens[-1])
         ids, logp = self.head_topk(ctx.tokens, ctx.hidden)
-        if self.tree is not None:
-            tree = DraftTree.from_static(self.tree, root, ids)
-            n = min(ctx.max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
-            return tree if n == tree.num_nodes else DraftTree(tree.tokens[:n], tree.parents[:n])
-        return dynamic_tree(ids, logp, root, min(ctx.max_nodes, self.dynamic_nodes or ctx.max_nodes))
+        return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
 
 
 def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,

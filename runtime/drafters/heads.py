@@ -76,13 +76,7 @@ class HeadsDrafter(Drafter):
 
     def __init__(self, kind: str, session, num_heads: int, topk: int, tree: TreeSpec | None = None,
                  dynamic_nodes: int | None = None, gate: GateSpec | None = None, gate_session=None):
-        if (tree is None) == (dynamic_nodes is None):
-            raise TreeSpecError("A heads drafter needs either a static tree or a dynamic node budget.")
-        if tree is not None and (tree.depth > num_heads or tree.topk > topk):
-            raise TreeSpecError(
-                f"The tree needs {tree.depth} heads with top-{tree.topk}; the {kind} draft has {num_heads} "
-                f"heads with top-{topk}."
-            )
+        check_tree_choice(tree, dynamic_nodes, kind, num_heads, topk)
         if gate is not None and gate_session is None:
             raise GateConfigError(f"The {kind} gate needs the bundle's '{kind}-gate' graph.")
         self.kind = kind
@@ -107,11 +101,29 @@ class HeadsDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = int(ctx.tokens[-1])
         ids, logp = self.head_topk(ctx.hidden[-1])
-        if self.tree is not None:
-            tree = DraftTree.from_static(self.tree, root, ids)
-            n = min(ctx.max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
-            return tree if n == tree.num_nodes else DraftTree(tree.tokens[:n], tree.parents[:n])
-        return dynamic_tree(ids, logp, root, min(ctx.max_nodes, self.dynamic_nodes or ctx.max_nodes))
+        return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
+
+
+def check_tree_choice(tree: TreeSpec | None, dynamic_nodes: int | None, kind: str, num_heads: int,
+                      topk: int) -> None:
+    """Exactly one of a static tree and a dynamic budget; a static tree within the draft's heads and top-k."""
+    if (tree is None) == (dynamic_nodes is None):
+        raise TreeSpecError(f"The {kind} drafter needs either a static tree or a dynamic node budget.")
+    if tree is not None and (tree.depth > num_heads or tree.topk > topk):
+        raise TreeSpecError(
+            f"The tree needs {tree.depth} heads with top-{tree.topk}; the {kind} draft has {num_heads} "
+            f"heads with top-{topk}."
+        )
+
+
+def tree_from_topk(spec: TreeSpec | None, dynamic_nodes: int | None, root: int, ids: np.ndarray,
+                   logp: np.ndarray, max_nodes: int) -> DraftTree:
+    """Fill a static tree with per-depth top-k ``ids [D, k]`` (cut to ``max_nodes``), or grow a dynamic one."""
+    if spec is not None:
+        tree = DraftTree.from_static(spec, root, ids)
+        n = min(max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
+        return tree if n == tree.num_nodes else DraftTree(tree.tokens[:n], tree.parents[:n])
+    return dynamic_tree(ids, logp, root, min(max_nodes, dynamic_nodes or max_nodes))
 
 
 def dynamic_tree(ids: np.ndarray, logp: np.ndarray, root: int, max_nodes: int, width: int = 10) -> DraftTree:

@@ -1,0 +1,227 @@
+"""Medusa and Cerberus heads: the training task, rebuilding heads from weights, and the train command.
+
+Plugs into the generic loop of :mod:`.train`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from specdeploy.runtime.errors import TrainingError
+
+from .train import (
+    TRIM_EVAL_SIZES,
+    VOCAB_ORDER_SIZE,
+    DraftTask,
+    DraftWeights,
+    LoopConfig,
+    TrainResult,
+    load_checked_state,
+    save_draft_weights,
+    train,
+    training_vocab,
+)
+
+
+# --- Medusa / Cerberus heads ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadsTrainConfig:
+    kind: str  # "medusa" | "cerberus"
+    num_heads: int = 4
+    layers: int = 1
+    head_decay: float = 0.8  # loss weight of head k is head_decay**k (Medusa-1)
+    vocab_trim: int = 0  # > 0: the loss (and the exported graph) use only the N most frequent label ids
+    bf16: bool = True  # the lm_head matmuls in bf16 (AMX on this CPU, ~4x); softmax and loss stay fp32
+    assistant_only: bool = True  # train on positions inside assistant replies
+    eval_positions: int = 4096  # held-out positions per epoch (all of them in the final evaluation)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("medusa", "cerberus"):
+            raise TrainingError(f"Unknown heads kind '{self.kind}'; choose medusa or cerberus.")
+        if self.num_heads < 1 or self.num_heads > 8:
+            raise TrainingError("The head count must be between 1 and 8.")
+        if self.vocab_trim < 0 or self.vocab_trim > VOCAB_ORDER_SIZE:
+            raise TrainingError(f"--vocab-trim must be 0 (full vocabulary) or at most {VOCAB_ORDER_SIZE}.")
+
+
+class HeadsTask(DraftTask):
+    """Self-distillation of K heads: head k at position t learns the base argmax ``labels[t+1+k]``."""
+
+    def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig,
+                 vocab_order: np.ndarray | None = None):
+        import torch
+        from specdeploy.graphs.heads import HeadsConfig
+
+        self.kind = config.kind
+        self.cache, self.cfg = cache, config
+        vocab, hidden = int(lm_weight.shape[0]), int(lm_weight.shape[1])
+        cache.check_base(base_weight_sha, hidden, vocab)
+        self.heads_config = HeadsConfig(config.kind, config.num_heads, hidden, vocab, config.layers, base_weight_sha)
+        self.lm_weight = lm_weight.detach().float()  # [V, H] frozen, shared with the base
+        if vocab_order is None:  # most frequent training label first, ties by id
+            vocab_order = np.lexsort((np.arange(vocab), -cache.label_counts(vocab)))
+        self.vocab_order, self.remap, self.train_weight = training_vocab(self.lm_weight, vocab_order, config.vocab_trim,
+                                                                         config.bf16)
+        self.train_pos = cache.positions("train", config.assistant_only)
+        self.heldout_pos = cache.positions("heldout", config.assistant_only)
+        if self.train_pos.size == 0 or self.heldout_pos.size == 0:
+            raise TrainingError("The training-data cache has no usable train or held-out positions.")
+        self.weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])
+
+    def build(self):
+        from specdeploy.graphs.heads import build_heads
+
+        return build_heads(self.heads_config)
+
+    def num_examples(self) -> int:
+        return int(self.train_pos.size)
+
+    def _batch(self, positions: np.ndarray):
+        import torch
+
+        hidden = torch.from_numpy(np.asarray(self.cache.hidden[positions], dtype=np.float32))  # [B, H]
+        labels, valid = self.cache.head_targets(positions, self.cfg.num_heads)  # [B, K] each
+        return hidden, torch.from_numpy(labels), torch.from_numpy(valid)
+
+    def loss(self, model, index: np.ndarray):
+        import torch
+        import torch.nn.functional as F
+
+        hidden, labels, valid = self._batch(np.sort(self.train_pos[index]))
+        if self.remap is not None:
+            labels = self.remap[labels]
+            valid = valid & (labels >= 0)
+        z = model(hidden)  # [B, K, H]
+        logits = torch.matmul(z.to(self.train_weight.dtype), self.train_weight.t()).float()  # [B, K, V']
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+        ce = ce.view_as(labels) * valid  # [B, K]
+        per_head = ce.sum(0) / valid.sum(0).clamp(min=1)  # [K]
+        loss = (per_head * self.weights).sum()
+        with torch.no_grad():
+            top1 = ((logits.argmax(-1) == labels) & valid).sum(0) / valid.sum(0).clamp(min=1)
+        return loss, {"acc0": float(top1[0]), f"acc{self.cfg.num_heads - 1}": float(top1[-1])}
+
+    def evaluate(self, model, final: bool = False) -> dict[str, Any]:
+        """Held-out per-head top-1 (full lm_head), top-5/top-10, and top-1 with trimmed vocabularies."""
+        import torch
+
+        pos = self.heldout_pos
+        if not final and pos.size > self.cfg.eval_positions:
+            pos = np.sort(np.random.default_rng(0).choice(pos, self.cfg.eval_positions, replace=False))
+        k = self.cfg.num_heads
+        hits = {"top1": np.zeros(k), "top5": np.zeros(k), "top10": np.zeros(k)}
+        trims = [t for t in TRIM_EVAL_SIZES if t < self.heads_config.vocab_size]
+        trim_hits = {t: np.zeros(k) for t in trims}
+        in_trim = {}
+        for t in trims:
+            mask = torch.zeros(self.heads_config.vocab_size, dtype=torch.bool)
+            mask[self.vocab_order[:t]] = True
+            in_trim[t] = mask
+        count = np.zeros(k)
+        weight = self.lm_weight if final else self.lm_weight.to(torch.bfloat16)
+        with torch.no_grad():
+            for a in range(0, pos.size, 512):
+                hidden, labels, valid = self._batch(pos[a : a + 512])
+                logits = torch.matmul(model(hidden).to(weight.dtype), weight.t()).float()  # [B, K, V]
+                label_logit = logits.gather(-1, labels.unsqueeze(-1))  # [B, K, 1]
+                rank = (logits > label_logit).sum(-1)  # [B, K]: 0 means top-1
+                v = valid.numpy()
+                count += v.sum(0)
+                for name, r in (("top1", 1), ("top5", 5), ("top10", 10)):
+                    hits[name] += ((rank < r).numpy() & v).sum(0)
+                for t in trims:
+                    masked = logits.masked_fill(~in_trim[t], float("-inf"))
+                    hits_t = (masked.argmax(-1) == labels).numpy() & v
+                    trim_hits[t] += hits_t.sum(0)
+        out: dict[str, Any] = {name: (h / np.maximum(count, 1)).round(4).tolist() for name, h in hits.items()}
+        for t in trims:
+            out[f"top1_trim{t}"] = (trim_hits[t] / np.maximum(count, 1)).round(4).tolist()
+        out["heldout_positions"] = int(count[0])
+        return out
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"heads": asdict(self.heads_config), "train": asdict(self.cfg), "data": self.cache.meta["config"],
+                "data_tokens": self.cache.num_tokens}
+
+    def save(self, model, out: Path, summary: dict[str, Any]) -> None:
+        tensors = {f"heads.{k}": v for k, v in model.state_dict().items()}
+        tensors["vocab_order"] = self.vocab_order.to(dtype=self.vocab_order.dtype)
+        meta = {
+            "vocab_trim": self.cfg.vocab_trim,
+            "train": {**summary, "config": asdict(self.cfg)},
+            "data": {"sequences": self.cache.num_sequences, "tokens": self.cache.num_tokens,
+                     "train_positions": int(self.train_pos.size), "heldout_positions": int(self.heldout_pos.size),
+                     "config": self.cache.meta["config"], "build_seconds": self.cache.meta.get("build_seconds")},
+        }
+        save_draft_weights(out, self.heads_config, tensors, meta)
+
+
+def heads_from_weights(weights: DraftWeights):
+    """Rebuild the heads module from a weights file, every key and shape checked."""
+    from specdeploy.graphs.heads import build_heads
+
+    return load_checked_state(build_heads(weights.config), weights.prefixed("heads."), weights,
+                              f"a {weights.config.kind} draft with {weights.config.num_heads} heads")
+
+
+def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, layers: int = 1, epochs: int = 3,
+                       batch_size: int = 256, lr: float = 1e-3, max_seqs: int = 256, max_len: int = 512,
+                       vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
+                       resume: str = "auto", calibrate: bool = True, bundle: Path | None = None,
+                       calib_prompts: int = 24, calib_tokens: int = 128, show_progress: bool = True,
+                       log: Callable[[str], None] | None = None) -> TrainResult:
+    """``specdeploy train medusa|cerberus``: cache the data, train, then calibrate tree (and gate)."""
+    import torch
+
+    from .source import load_model
+    from .train_data import DataConfig, ensure_cache, vocab_order
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
+    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads)
+    torch.set_num_threads(max(1, threads))
+    log("loading the base model ...")
+    loaded = load_model(model)
+    data_cfg = DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed)
+    t0 = time.time()
+    cache = ensure_cache(loaded, data_cfg, data_dir, threads=threads, show_progress=show_progress)
+    log(f"training data: {cache.num_sequences} ShareGPT sequences, {cache.num_tokens} tokens "
+        f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
+        f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")
+    order = vocab_order(cache, loaded.tokenizer)
+    task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg, order)
+    result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)
+    log(f"wrote {out} ({result.steps} steps, {result.seconds:.0f} s)")
+    if calibrate:
+        calibrate_with_bundle(kind, out, model, bundle, calib_prompts, calib_tokens, threads, log)
+    return result
+
+
+def calibrate_with_bundle(kind: str, draft: Path, model: str | None, bundle: Path | None, prompts: int,
+                          max_new_tokens: int, threads: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Calibrate against ``bundle`` (the draft is added to it), or a temporary base export."""
+    from .calibrate_draft import calibrate
+    from .export import export_base
+    from .export_draft import export_draft
+
+    scratch = None
+    try:
+        if bundle is None:
+            scratch = Path(tempfile.mkdtemp(prefix="specdeploy-calib-"))
+            bundle = scratch / "bundle"
+            log("exporting a temporary base bundle for calibration ...")
+            export_base(model, bundle, max_context=2048, progress=lambda m: None)
+        export_draft(bundle, kind, draft, model=model, progress=lambda m: None, use_calibration=False)
+        return calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads,
+                         progress=log)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
