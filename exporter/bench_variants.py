@@ -59,6 +59,10 @@ _HF_INSTALL = "pip install torch transformers"
 VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
     VariantSpec("ar", "ours", "specdeploy ORT CPU, plain autoregressive (the baseline)",
                 requires=("onnxruntime",)),
+    VariantSpec("ar-fp32", "ours", "specdeploy ORT CPU, plain autoregressive on the fused fp32 graph "
+                "(the graph speculative variants run)", options=(("backend", "ort-cpu-fp32"),), requires=("onnxruntime",)),
+    VariantSpec("ar-traced", "ours", "specdeploy ORT CPU, plain autoregressive on the traced standard-op graph",
+                options=(("backend", "ort-cpu-traced"),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
                 draft="prompt-lookup", requires=("onnxruntime",)),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
@@ -116,12 +120,20 @@ class Runner(ABC):
 class OursRunner(Runner):
     """The specdeploy runtime (``specdeploy.runtime.load``), plain or with a drafter."""
 
+    @classmethod
+    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
+        if dict(spec.options).get("backend") == "ort-cpu-traced" and not any(
+                g.role == "base" and g.target == "trt" for g in manifest.graphs):
+            return "skipped: the bundle has no traced (target trt) base graph; export with --target all."
+        return None
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         from specdeploy.runtime import load
 
         tree = self.tree if self.spec.draft else None
-        self.engine = load(self.bundle, draft=self.spec.draft, threads=self.threads, tree=tree)
+        backend = dict(self.spec.options).get("backend", "ort-cpu")
+        self.engine = load(self.bundle, backend=backend, draft=self.spec.draft, threads=self.threads, tree=tree)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         from specdeploy.runtime.decode import DecodeStats, GenerationConfig, SamplingParams

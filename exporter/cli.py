@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import click
+from specdeploy.runtime.backends import BACKENDS
 from specdeploy.runtime.errors import SpecDeployError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-BACKEND_CHOICE = click.Choice(["ort-cpu", "ort-cuda", "ort-trt", "trt", "torch"])
+BACKEND_CHOICE = click.Choice(list(BACKENDS))
 
 
 class _Group(click.Group):
@@ -53,12 +54,22 @@ def export() -> None:
               help="Weight precision. int8/int4: weight-only MatMulNBits quantization (ONNX Runtime only).")
 @click.option("--block-size", type=int, default=None,
               help="int8/int4: weights per quantization block (power of two >= 16; default 32).")
-@click.option("--target", type=click.Choice(["ort", "trt"]), default=None,
-              help="Graph target: trt (standard ops, TensorRT-parseable; default for fp32) or ort "
-                   "(ONNX Runtime; required by int8/int4).")
+@click.option("--target", type=click.Choice(["all", "ort", "trt"]), default=None,
+              help="Graph targets: trt (dynamo trace in standard ops, TensorRT-parseable), ort (ONNX Runtime's "
+                   "fused kernels, what the CPU runtime runs; the only target of int8/int4), or all "
+                   "(both; the default for fp32).")
+@click.option("--gguf-blocks/--no-gguf-blocks", default=True, show_default=True,
+              help="From a Q4_1 GGUF (the default model), also write base-q4.onnx, the ort graph with the file's "
+                   "own 4-bit blocks (the same weights, ~2x fewer bytes per step), which plain CPU decoding runs.")
 def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int | None, max_tree: int,
-                    precision: str, block_size: int | None, target: str | None) -> None:
-    """Trace the base decoder step (tree attention, in-place KV) to ONNX.
+                    precision: str, block_size: int | None, target: str | None, gguf_blocks: bool) -> None:
+    """Export the base decoder step (tree attention, in-place KV) to ONNX.
+
+    \b
+    Two graphs of the same step: base.onnx (target trt), a dynamo trace in standard ops for TensorRT
+    and the GPU providers; base-ort.onnx (target ort), written op by op with ONNX Runtime's fused
+    GroupQueryAttention, RotaryEmbedding and SkipSimplifiedLayerNormalization kernels, which the CPU
+    runtime prefers. 'specdeploy validate' checks both against torch.
 
     \b
     int8/int4 quantize the MatMul weights blockwise with ONNX Runtime's MatMulNBitsQuantizer
@@ -76,7 +87,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     if block_size is not None and precision not in ("int8", "int4"):
         raise click.UsageError("--block-size applies to --precision int8 or int4 only.")
     export_base(model, out, force=force, max_context=max_context, max_tree=max_tree, precision=precision,
-                target=target, block_size=block_size)
+                target=target, block_size=block_size, gguf_blocks=gguf_blocks)
     click.echo(f"Wrote bundle {out}")
 
 

@@ -128,7 +128,7 @@ def ort_logits_fn(bundle_dir: Path, manifest: BundleManifest, threads: int | Non
     """Teacher-forced logits [N, V] of the bundle's base graph in ONNX Runtime on the CPU."""
     from specdeploy.runtime.backends.ort import make_session
 
-    entry = manifest.graph("base")
+    entry = manifest.base_graph("ort")
     session = make_session(Path(bundle_dir) / entry.file, "cpu", threads)
     kv = np.dtype(next(s.dtype for s in entry.inputs if s.name == "past_key_0"))
 
@@ -172,7 +172,7 @@ def measure(ref: Callable[[Sequence[int]], np.ndarray], got: Callable[[Sequence[
 def quality_report(bundle_dir: Path, manifest: BundleManifest, step, tokenizer,
                    texts: Sequence[str] = HELD_IN_TEXTS, threads: int | None = None) -> QualityReport:
     """Top-1 agreement and perplexity of the bundle's base graph against the torch fp32 ``step``."""
-    precision = manifest.graph("base").precision
+    precision = manifest.base_graph("ort").precision
     ids = [list(tokenizer(t)["input_ids"]) for t in texts]
     ref = torch_logits_fn(step, manifest)
     got = ort_logits_fn(bundle_dir, manifest, threads)

@@ -67,7 +67,7 @@ from specdeploy.runtime.errors import SpecDeployError
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 QUANTIZED = {"int8": 8, "int4": 4}
-TARGETS = ("trt", "ort")
+TARGETS = ("trt", "ort", "all")
 CONTRIB_DOMAIN = "com.microsoft"
 
 
@@ -103,7 +103,7 @@ QUANT_DEFAULTS = {"int8": QuantConfig(8, accuracy_level=4), "int4": QuantConfig(
 
 
 def resolve_target(precision: str, target: str | None) -> str:
-    """The graph target for ``precision``: quantized graphs are ONNX Runtime only."""
+    """The graph target(s) for ``precision``: both for fp32 by default; quantized graphs are ONNX Runtime only."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"Unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}.")
     if target is not None and target not in TARGETS:
@@ -116,13 +116,13 @@ def resolve_target(precision: str, target: str | None) -> str:
             "engines with 'specdeploy build --precision fp16'."
         )
     if precision in QUANTIZED:
-        if target == "trt":
+        if target in ("trt", "all"):
             raise PrecisionError(
                 f"--precision {precision} uses ONNX Runtime's MatMulNBits contrib op, which TensorRT cannot parse; "
                 "use --target ort, or export fp32 for TensorRT and pick its precision with 'specdeploy build'."
             )
         return "ort"
-    return target or "trt"
+    return target or "all"
 
 
 def quant_config(precision: str, block_size: int | None = None, **overrides) -> QuantConfig:
@@ -167,6 +167,9 @@ def untie_lm_head(model) -> str | None:
         graph.node.remove(node)
         if weight.shape[0] > weight.shape[1]:  # V > H: the vocabulary projection
             lm_matmul = users[0].name
+    if lm_matmul is None:  # an untied (or op-by-op written) lm_head: the MatMul producing the logits
+        lm_matmul = next((n.name for n in graph.node
+                          if n.op_type == "MatMul" and "logits" in n.output and n.input[1] in inits), None)
     return lm_matmul
 
 
@@ -246,8 +249,9 @@ def quantize_bundle(src: Path, out: Path, precision: str, config: QuantConfig | 
                     force: bool = False) -> None:
     """Write a copy of the fp32 bundle ``src`` whose base graph is quantized to ``precision``.
 
-    The same graph ``export base --precision`` writes, without tracing again; draft graphs and the
-    tokenizer are copied unchanged.
+    The same graph ``export base --precision`` writes, without exporting again: the ``ort`` base graph
+    when the bundle has one, else its traced graph. The quantized bundle holds that one base graph
+    (target ``ort``); draft graphs and the tokenizer are copied unchanged.
     """
     import shutil
 
@@ -257,12 +261,13 @@ def quantize_bundle(src: Path, out: Path, precision: str, config: QuantConfig | 
 
     src, out = Path(src), Path(out)
     manifest = read_manifest(src)
-    base = manifest.graph("base")
+    fp32 = [g for g in manifest.graphs if g.role == "base" and g.precision == "fp32"]
+    base = next((g for g in fp32 if g.target == "ort"), fp32[0] if fp32 else manifest.base_graph("ort"))
     if base.precision != "fp32":
         raise PrecisionError(f"'{src}' is already quantized ({base.precision}); quantize an fp32 bundle.")
     config = config or quant_config(precision)
     target = resolve_target(precision, "ort")
-    skip = {p.name for p in graph_paths(src, base)} | {"manifest.json"}
+    skip = {p.name for g in manifest.graphs if g.role == "base" for p in graph_paths(src, g)} | {"manifest.json"}
     with staged_bundle(out, force) as tmp:
         for f in src.rglob("*"):
             rel = f.relative_to(src)
@@ -271,5 +276,5 @@ def quantize_bundle(src: Path, out: Path, precision: str, config: QuantConfig | 
                 shutil.copy2(f, tmp / rel)
         quantize_file(src / base.file, tmp / base.file, config)
         entry = graph_entry(tmp, base.role, base.file, target=target, precision=precision)
-        graphs = tuple(entry if g.role == base.role else g for g in manifest.graphs)
+        graphs = (entry, *(g for g in manifest.graphs if g.role != "base"))
         write_manifest(tmp, manifest.replace(graphs=graphs))

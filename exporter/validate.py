@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from specdeploy.runtime.bundle import BundleManifest, read_manifest
+from specdeploy.runtime.bundle import BundleManifest, GraphEntry, read_manifest
 from specdeploy.runtime.errors import ValidationFailed
 
 # Weight-quantized graphs are judged by their quality report (quality.py): per case their argmax may
@@ -141,7 +141,8 @@ def base_cases(manifest: BundleManifest, step_fn: Callable, prompt_ids: list[int
 
 
 def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: list[int],
-                 precision: str = "fp32", progress: Callable[[str], None] = print) -> list[OutputCheck]:
+                 precision: str = "fp32", progress: Callable[[str], None] = print,
+                 entry: GraphEntry | None = None) -> list[OutputCheck]:
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
@@ -151,24 +152,28 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
     flat = _FlatStep(step)
     out_names = ["logits", "hidden_states", *step.present_names()]
     cases = base_cases(manifest, flat, prompt_ids)
-    entry = manifest.graph("base")
+    entry = entry or manifest.graph("base")
     ort_runner = OnnxrtRunner(SessionFromOnnx(str(bundle_dir / entry.file), providers=["CPUExecutionProvider"]),
                               name="onnxruntime")
     torch_runner = _torch_runner(flat, out_names, "torch", cases[0][1])
-    progress("running torch and ONNX Runtime on prefill, step and tree cases ...")
+    progress(f"running torch and ONNX Runtime ({entry.file}, target {entry.target}) on prefill, step and tree cases ...")
     results = Comparator.run([torch_runner, ort_runner], data_loader=[f for _, f in cases])
     ref, got = results[0][1], results[1][1]
     atol_logits = LOGITS_ATOL.get(precision, 1e-3)
     checks: list[OutputCheck] = []
-    for (case, _), a, b in zip(cases, ref, got):
+    tag = "" if entry.target == "trt" else f"[{entry.target}]"
+    for (case, feed), a, b in zip(cases, ref, got):
+        valid = int(feed["write_indices"][-1]) + 1  # cache slots past+T; the rest is scratch the mask hides
         for name in ("logits", "hidden_states", "present_key_0", f"present_value_{manifest.model.num_layers - 1}"):
             x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
+            if name.startswith("present"):
+                x, y = x[:, :, :valid], y[:, :, :valid]
             delta = float(np.max(np.abs(x - y)))
             same = (x.argmax(-1) == y.argmax(-1)) if name == "logits" else None
             agree = bool(same.all()) if same is not None and precision not in QUANTIZED_PRECISIONS else None
             rate = float(same.mean()) if same is not None else None
             atol = atol_logits if name == "logits" else STATE_ATOL.get(precision, max(atol_logits, 1e-3) * 10)
-            checks.append(OutputCheck(case, name, delta, atol, agree, rate))
+            checks.append(OutputCheck(case + tag, name, delta, atol, agree, rate))
     return checks
 
 
@@ -200,7 +205,9 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
         )
     step = BaseStep(loaded.model).eval()
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
-    checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], manifest.graph("base").precision, progress)
+    checks = []
+    for entry in (g for g in manifest.graphs if g.role == "base"):
+        checks += compare_base(bundle_dir, manifest, step, list(ids)[:16], entry.precision, progress, entry)
     if manifest.drafts:
         checks += compare_drafts(bundle_dir, manifest, loaded, list(ids)[:16], progress)
     report(checks, progress)
@@ -214,7 +221,7 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
 def quality_failures(bundle_dir: Path, manifest: BundleManifest, step, tokenizer,
                      progress: Callable[[str], None] = print) -> list[str]:
     """For a weight-quantized base graph: print its quality report; return why it fails, if it does."""
-    precision = manifest.graph("base").precision
+    precision = manifest.base_graph("ort").precision
     if precision not in QUANTIZED_PRECISIONS:
         return []
     from .quality import quality_report

@@ -54,7 +54,7 @@ def reference_feeds(bundle_dir: Path, manifest: BundleManifest, capacity: int) -
     import onnxruntime as ort
     import torch
 
-    sess = ort.InferenceSession(str(bundle_dir / manifest.graph("base").file), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(bundle_dir / manifest.graph("base", "trt").file), providers=["CPUExecutionProvider"])
 
     def step_fn(**kw: torch.Tensor) -> list[torch.Tensor]:
         return [torch.from_numpy(o) for o in sess.run(None, {k: v.numpy() for k, v in kw.items()})]
@@ -138,7 +138,7 @@ def validate_backend(bundle_dir: str | Path, backend: str, progress: Callable[[s
         raise BackendUnavailableError(f"validate compares {', '.join(GPU_BACKENDS)} with ONNX Runtime, not '{backend}'.")
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
-    onnx_path = bundle_dir / manifest.graph("base").file
+    onnx_path = bundle_dir / manifest.graph("base", "trt").file
     names = output_names(manifest)
     if backend == "trt":
         require_tensorrt()  # fail with one sentence before any work

@@ -18,6 +18,7 @@ from typing import Any
 from .errors import BundleError, DraftMismatchError
 
 SCHEMA_VERSION = 1
+GGUF_Q4_1 = "gguf-q4_1"  # precision of a base graph holding the source GGUF's own Q4_1 blocks
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 22
 
@@ -130,11 +131,45 @@ class BundleManifest:
     default_tree: str = "auto"
     schema_version: int = SCHEMA_VERSION
 
-    def graph(self, role: str) -> GraphEntry:
+    def graph(self, role: str, target: str | None = None) -> GraphEntry:
+        """The graph of ``role``; with ``target``, the one built for that target ("trt" or "ort")."""
         for g in self.graphs:
-            if g.role == role:
+            if g.role == role and target in (None, g.target):
                 return g
+        if target is not None and any(g.role == role for g in self.graphs):
+            have = ", ".join(g.target for g in self.graphs if g.role == role)
+            raise BundleError(
+                f"The bundle has no '{role}' graph for target '{target}' (it has: {have}); re-export it with "
+                f"'specdeploy export base --target {target}' or '--target all'."
+            )
         raise BundleError(f"The bundle has no '{role}' graph; it has: {', '.join(g.role for g in self.graphs)}.")
+
+    def cpu_base(self, speculative: bool = False) -> GraphEntry:
+        """The base graph ONNX Runtime's CPU provider runs, for plain or for speculative decoding.
+
+        Among the ``ort`` graphs, plain decoding takes the GGUF-block graph (``gguf-q4_1``): its
+        1-token step reads half the bytes. Speculative decoding takes the other one (fp32 or a
+        quantized precision): ONNX Runtime's 4-bit kernel dequantizes every weight for a step of more
+        than one row, which makes the GGUF-block tree step ~3x a plain step. Either way one engine
+        runs one graph, so speculative output equals plain output on that graph. Without an ``ort``
+        graph, the traced standard-op graph.
+        """
+        ort = [g for g in self.graphs if g.role == "base" and g.target == "ort"]
+        if not ort:
+            return self.graph("base")
+        wanted = [g for g in ort if (g.precision == GGUF_Q4_1) != speculative]
+        return (wanted or ort)[0]
+
+    def base_graph(self, prefer: str) -> GraphEntry:
+        """The base graph of target ``prefer`` when the bundle has one, else its other base graph.
+
+        ONNX Runtime's CPU provider prefers the ``ort`` graph (fused contrib kernels) and also runs the
+        standard-op ``trt`` graph; the GPU providers prefer the standard-op graph.
+        """
+        try:
+            return self.graph("base", prefer)
+        except BundleError:
+            return self.graph("base")
 
     def draft(self, kind: str) -> DraftEntry:
         for d in self.drafts:
@@ -268,6 +303,7 @@ def config_pairs(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 __all__ = [
+    "GGUF_Q4_1",
     "SCHEMA_VERSION",
     "BundleManifest",
     "DraftEntry",

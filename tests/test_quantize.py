@@ -58,12 +58,14 @@ def tiny_source(tiny_model_factory):
 
 # --- precision and target ------------------------------------------------------------------------
 def test_targets_and_precisions():
-    assert resolve_target("fp32", None) == "trt"
+    assert resolve_target("fp32", None) == "all"
     assert resolve_target("fp32", "ort") == "ort"
+    assert resolve_target("fp32", "trt") == "trt"
     assert resolve_target("int4", None) == "ort"
     assert resolve_target("int8", "ort") == "ort"
-    with pytest.raises(PrecisionError, match="TensorRT cannot parse"):
-        resolve_target("int4", "trt")
+    for target in ("trt", "all"):
+        with pytest.raises(PrecisionError, match="TensorRT cannot parse"):
+            resolve_target("int4", target)
     with pytest.raises(PrecisionError, match="fp16"):
         resolve_target("fp16", None)
     with pytest.raises(PrecisionError, match="power of two"):
@@ -109,7 +111,7 @@ def test_quantized_bundle_manifest_and_graph(quant_bundles, tiny_bundle, precisi
         if node.op_type == "Gather" and node.input[0] in inits:  # the embedding table stays float
             assert inits[node.input[0]].data_type == onnx.TensorProto.FLOAT
     files = sorted(p.name for p in bundle.iterdir())
-    assert "fp32" not in files and files.count("base.onnx.data") == 1
+    assert "fp32" not in files and files.count("base-ort.onnx.data") == 1 and "base.onnx" not in files
     readme = (bundle / "README.txt").read_text()
     assert json.loads(readme[readme.index("{"):])["quantization"]["bits"] == bits
 
@@ -129,9 +131,9 @@ def test_untie_lm_head_folds_the_transpose(tiny_bundle):
 
 def test_lint_flags_matmulnbits_under_trt_rules(quant_bundles):
     bundle = quant_bundles["int4"]
-    issues = lint_graph(bundle / "base.onnx")
+    issues = lint_graph(bundle / "base-ort.onnx")
     flagged = {i.op_type for i in issues if i.rule == RULE_DOMAIN}
-    assert flagged == {"MatMulNBits"}
+    assert {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= flagged
     assert all("com.microsoft" in i.detail for i in issues if i.rule == RULE_DOMAIN)
     # In the bundle the graph is target 'ort', so `specdeploy lint` skips it and says why.
     [result] = lint_bundle(bundle)

@@ -26,6 +26,24 @@ def test_validate_real_bundle(real_bundle):
     assert all(c.passed for c in checks)
     worst = max(c.max_abs for c in checks if c.output == "logits")
     assert worst < 1e-3
+    assert {c.case for c in checks} >= {"prefill", "tree", "prefill[ort]", "tree[ort]"}  # both graphs checked
+
+
+def test_ort_graph_keeps_the_gguf_blocks(real_bundle):
+    """The default model is a Q4_1 GGUF: the CPU graph holds its 4-bit blocks, not fp32 copies."""
+    import onnx
+    from specdeploy.runtime.bundle import read_manifest
+
+    manifest = read_manifest(real_bundle)
+    ort_graph = manifest.cpu_base(speculative=False)
+    assert (ort_graph.file, ort_graph.precision) == ("base-q4.onnx", "gguf-q4_1")
+    assert manifest.cpu_base(speculative=True).file == "base-ort.onnx"  # tree steps: the fused fp32 graph
+    model = onnx.load(str(real_bundle / ort_graph.file), load_external_data=False)
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 4 * 30  # qkv, o_proj, gate_up, down_proj in each of the 30 layers
+    assert all(a.i == 0 for n in nbits for a in n.attribute if a.name == "accuracy_level")  # fp32 compute
+    data = sum((real_bundle / f).stat().st_size for f in ort_graph.data_files)
+    assert data < 0.6 * sum((real_bundle / f).stat().st_size for f in read_manifest(real_bundle).graph("base", "trt").data_files)
 
 
 def test_32_greedy_tokens_match_transformers(real_bundle):
@@ -33,6 +51,7 @@ def test_32_greedy_tokens_match_transformers(real_bundle):
     from specdeploy.exporter.source import load_model
 
     with load(real_bundle) as engine:
+        assert engine.backend.graph.file == "base-q4.onnx"  # the GGUF-block graph plain CPU decoding runs
         ids = engine.encode("What is the capital of France? Answer in one sentence.", chat=True)
         ours = engine.generate_ids(ids, GenerationConfig(32))
     hf = load_model(None).model

@@ -14,7 +14,7 @@ from ..bundle import BundleManifest
 from ..errors import BackendUnavailableError
 from .base import Backend, StepInputs, StepOutputs
 
-BACKENDS = ("ort-cpu", "ort-cuda", "ort-trt", "trt", "torch")
+BACKENDS = ("ort-cpu", "ort-cpu-fp32", "ort-cpu-traced", "ort-cuda", "ort-trt", "trt", "torch")
 
 BackendFactory = Callable[..., Backend]  # (bundle_dir, manifest, threads=None) -> Backend
 _REGISTRY: dict[str, BackendFactory] = {}
@@ -25,13 +25,23 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _REGISTRY[name] = factory
 
 
-def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> Backend:
+def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None,
+                 speculative: bool = False) -> Backend:
+    """``speculative``: the backend will run tree steps (``ort-cpu`` then picks the graph that suits them)."""
     if name in _REGISTRY:
         return _REGISTRY[name](bundle_dir, manifest, threads=threads)
-    if name == "ort-cpu":
+    if name in ("ort-cpu", "ort-cpu-fp32", "ort-cpu-traced"):
         from .ort import OrtBackend
 
-        return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads)
+        graph = None  # ort-cpu: the bundle's CPU graph for plain or speculative decoding (cpu_base)
+        if name == "ort-cpu-fp32":  # the fused graph with fp32 weights, whatever the decoding
+            graph = manifest.cpu_base(speculative=True)
+        elif name == "ort-cpu-traced":  # the standard-op traced graph, to compare with the fused ones
+            graph = manifest.graph("base", "trt")
+        backend = OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph,
+                             speculative=speculative)
+        backend.name = name
+        return backend
     if name in ("ort-cuda", "ort-trt"):
         from .ort import OrtCudaBackend
 

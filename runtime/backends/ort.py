@@ -94,12 +94,14 @@ class OrtBackend(Backend):
     """Runs the bundle's base step graph with ONNX Runtime."""
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cpu",
-                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None):
+                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None,
+                 speculative: bool = False):
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
         self.provider = provider
         self.name = f"ort-{provider}"
-        entry = graph or manifest.graph("base")
+        entry = graph or (manifest.cpu_base(speculative) if provider == "cpu" else manifest.base_graph("trt"))
+        self.graph = entry  # the base graph this backend runs
         self.session = make_session(self.bundle_dir / entry.file, provider, threads, provider_options)
         m = manifest.model
         self._past = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
@@ -171,7 +173,7 @@ def trt_ep_options(bundle_dir: Path, manifest: BundleManifest, precision: str = 
     from .trt import optimization_profiles
 
     profiles = optimization_profiles(manifest.limits)
-    entry = manifest.graph("base")
+    entry = manifest.base_graph("trt")
     shapes: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
     for p in profiles:
         for spec in entry.inputs:
@@ -232,7 +234,7 @@ class OrtCudaBackend(OrtBackend):
         self.t_buckets = tree_buckets(manifest.limits.max_tree)
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
-        entry = manifest.graph("base")
+        entry = manifest.base_graph("trt")
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
         self._bindings: dict[tuple[int, int, int], _Binding] = {}

@@ -1,16 +1,25 @@
-"""Measure the in-place KV form (ScatterElements into a capacity-C cache, present aliased to past)
-against the plain concatenating form (past [B,H,P,D] -> present [B,H,P+T,D]) on ONNX Runtime CPU.
+"""Measure the forms of the base step graph against each other on ONNX Runtime CPU.
 
-    python scripts/measure_kv_forms.py [--model M] [--past 256] [--threads 2]
+    python scripts/measure_graph_forms.py [--model M] [--past 256] [--threads 2] [--json OUT]
 
-Exports both forms of the same model into a temporary folder (~80 s each for SmolLM2) and times a
-1-token step and a 16-node tree step, interleaved, reporting the median of several rounds.
+Forms (all of the same model, same inputs and outputs):
+
+- ``inplace``: the traced ``trt`` target, ScatterElements into a capacity-C cache, present aliased to past;
+- ``concat``: the traced plain concatenating form, past [B,H,P,D] -> present [B,H,P+T,D];
+- ``contrib``: the ``ort`` target (``exporter/ort_graph.py``) with ONNX Runtime's fused contrib ops;
+- ``std``: the same op-by-op graph in standard opset-24 ops (Attention, RotaryEmbedding, TensorScatter);
+- ``gguf``: ``contrib`` with the source GGUF's own Q4_1 blocks as weights (``exporter/gguf_blocks.py``).
+
+The traced forms take ~80 s each to export for SmolLM2, the op-by-op ones a few seconds. Each timing
+runs in its own process (a 1-token step and a 16-node tree step), interleaved over rounds; the
+median of the rounds' medians is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,19 +69,46 @@ def main() -> None:
     ap.add_argument("--past", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--forms", default="inplace,concat,contrib,std,gguf")
+    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    forms = args.forms.split(",")
 
+    from specdeploy.exporter.source import load_model
+
+    hf = load_model(args.model).model
+    tmp = Path(tempfile.mkdtemp(prefix="graphforms-"))
+    try:
+        measure(hf, tmp, forms, args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure(hf, tmp: Path, forms: list[str], args: argparse.Namespace) -> None:
     import torch
     from specdeploy.exporter.export import export_graph
-    from specdeploy.exporter.source import load_model
+    from specdeploy.exporter.ort_graph import export_ort_graph
     from specdeploy.graphs.base_step import BaseStep, example_inputs
     from torch.export import Dim
 
-    hf = load_model(args.model).model
-    tmp = Path(tempfile.mkdtemp(prefix="kvforms-"))
     paths = {}
-    for form in ("inplace", "concat"):
+    for form in forms:
         print(f"exporting the {form} form ...", file=sys.stderr, flush=True)
+        if form == "gguf":
+            from specdeploy.exporter.gguf_blocks import read_q4_1_linears
+            from specdeploy.exporter.source import resolve_model_path
+
+            blocks = read_q4_1_linears(resolve_model_path(args.model), hf)
+            if blocks is None:
+                print("skipping gguf: the model is not a Q4_1 GGUF", file=sys.stderr)
+                continue
+            export_ort_graph(BaseStep(hf).eval(), tmp / "gguf.onnx", args.past + 512, "contrib", blocks=blocks)
+            paths[form] = tmp / "gguf.onnx"
+            continue
+        if form in ("contrib", "std"):
+            export_ort_graph(BaseStep(hf).eval(), tmp / f"{form}.onnx", args.past + 512, form)
+            paths[form] = tmp / f"{form}.onnx"
+            continue
         step = BaseStep(hf, kv_form=form).eval()
         ex = example_inputs(step)
         batch, tree, cap, kept = (Dim(n) for n in ("batch", "tree", "capacity", "kept"))
@@ -95,11 +131,15 @@ def main() -> None:
         for T in (1, 16):
             C = 1 << int(np.ceil(np.log2(P + 64)))  # the capacity bucket the runtime would use
             for form, path in paths.items():
-                out = subprocess.run([sys.executable, "-c", TIMER, str(path), form, str(P), str(T), str(C),
+                kv = "concat" if form == "concat" else "inplace"
+                out = subprocess.run([sys.executable, "-c", TIMER, str(path), kv, str(P), str(T), str(C),
                                       str(args.threads)], capture_output=True, text=True, check=True)
                 results.setdefault(f"T={T}", {}).setdefault(form, []).append(json.loads(out.stdout)["ms"])
     summary = {k: {f: float(np.median(v)) for f, v in d.items()} for k, d in results.items()}
-    print(json.dumps({"past": P, "threads": args.threads, "median_ms": summary}, indent=2))
+    report = {"past": P, "threads": args.threads, "rounds": args.rounds, "median_ms": summary}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

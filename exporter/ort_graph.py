@@ -1,0 +1,288 @@
+"""The ``ort`` graph target: the base step written op by op for ONNX Runtime's fused kernels.
+
+The ``trt`` target (``export.py``) is a dynamo trace in standard ops: rotary, GQA and the cache write
+come out as ~43 small nodes per layer, and ONNX Runtime's CPU provider fuses only the norms and SiLU.
+This module writes the same step directly from the model's weights with ``onnx.helper``, one fused
+node per job, and keeps the exact contract of the traced graph (same inputs, outputs, dtypes and
+dynamic dimensions), so the runtime runs either graph unchanged.
+
+Two flavours, chosen by measurement (``scripts/measure_graph_forms.py``; numbers in the README):
+
+``contrib`` (the default ``ort`` graph)
+    ``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm) and ``GroupQueryAttention`` from
+    ``com.microsoft``. GQA takes the packed q|k|v projection, applies rotary at ``position_ids``
+    itself, writes the new K/V rows into the cache buffer in place (the runtime binds ``present_*``
+    to ``past_*``, which GQA detects as a shared buffer) and attends only over the valid
+    ``past + T`` slots, not the whole capacity bucket.
+``std``
+    Standard ``ai.onnx`` opset 24 only: ``RMSNormalization``, ``RotaryEmbedding``, ``TensorScatter``
+    for the in-place cache write and ``Attention`` (GQA through ``q_num_heads``/``kv_num_heads``).
+
+Tree attention holds exactly in both. A node at row j sits at position ``past + depth_j`` (rotary
+reads ``position_ids``) and sees the past plus its ancestors through ``attention_mask``, sliced to the
+``past + T`` valid slots. GQA additionally applies a causal mask by row; that hides nothing a tree
+node needs, because the runtime orders tree nodes parents first (every ancestor has a smaller row).
+
+The graph requires what the runtime always sends: ``write_indices`` is ``past .. past+T-1``
+(contiguous), so ``past + T = write_indices[-1] + 1``; the parity tests in ``validate`` and
+``tests/test_ort_graph.py`` check every output against the torch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+FLAVOURS = ("contrib", "std")
+MS = "com.microsoft"
+
+
+_ALIGN = 4096  # external tensors start on page boundaries (ONNX Runtime can then map them)
+
+
+class _Builder:
+    """Accumulates nodes and initializers, with fresh names.
+
+    With ``data`` (an open binary file), every initializer over 1 KiB is streamed straight into it
+    and referenced as external data, so the graph never holds a second copy of the weights in
+    memory (building SmolLM2 this way peaks near the model's own size instead of three times it).
+    """
+
+    def __init__(self, data=None, location: str = ""):
+        self.nodes: list = []
+        self.inits: list = []
+        self._n = 0
+        self._data, self._location = data, location
+
+    def name(self, base: str) -> str:
+        self._n += 1
+        return f"{base}_{self._n}"
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        from onnx import TensorProto, helper, numpy_helper
+
+        array = np.asarray(array)
+        if self._data is None or array.nbytes <= 1024:
+            self.inits.append(numpy_helper.from_array(np.array(array, order="C"), name))  # keeps 0-d scalars 0-d
+            return name
+        pad = (-self._data.tell()) % _ALIGN
+        self._data.write(b"\0" * pad)
+        offset = self._data.tell()
+        self._data.write(np.ascontiguousarray(array).tobytes())
+        tensor = TensorProto(name=name, dims=array.shape,
+                             data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", self._location), ("offset", str(offset)), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self.inits.append(tensor)
+        return name
+
+    def const(self, values, dtype=np.int64) -> str:
+        return self.init(self.name("const"), np.asarray(values, dtype=dtype))
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", outputs: list[str] | None = None,
+           **attrs) -> list[str]:
+        from onnx import helper
+
+        outs = outputs or [self.name(op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=self.name(op_type), domain=domain, **attrs))
+        return outs
+
+    def one(self, op_type: str, inputs: list[str], domain: str = "", **attrs) -> str:
+        return self.op(op_type, inputs, 1, domain, **attrs)[0]
+
+
+def _np(t) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def q4_linear(g: _Builder, x: str, name: str, qb) -> str:
+    """``x [B, T, K] @ W.T`` for ``W = d * q + m`` held as 4-bit blocks (:class:`gguf_blocks.Q4Blocks`):
+    ``MatMulNBits`` with zero point 0 gives the ``d * q`` part, a small MatMul of x's block sums with
+    the block minima adds the ``m`` part."""
+    from .gguf_blocks import BLOCK
+
+    n, k = qb.shape
+    packed, scales, zero_points = qb.matmulnbits_inputs()
+    y = g.one("MatMulNBits", [x, g.init(name + ".q4", packed), g.init(name + ".scales", scales),
+                              g.init(name + ".zero_points", zero_points)], MS,
+              K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=0)
+    sums = g.one("ReduceSum", [g.one("Reshape", [x, g.const([0, 0, k // BLOCK, BLOCK])]), g.const([-1])],
+                 keepdims=0)  # [B, T, K/32]: the sum of x over each block
+    return g.one("Add", [y, g.one("MatMul", [sums, g.init(name + ".block_min", qb.m.T)])])
+
+
+def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin caches ``[max_positions, D/2]`` from the model's own rotary module (scaling included)."""
+    import torch
+
+    pos = torch.arange(max_positions).unsqueeze(0)
+    dummy = torch.zeros(1, 1, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = step.rotary_emb(dummy, pos)  # [1, P, D], halves duplicated (rotate-half form)
+    half = step.head_dim // 2
+    return _np(cos[0, :, :half]), _np(sin[0, :, :half])
+
+
+def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=None, location: str = "",
+                    blocks: dict | None = None):
+    """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`) in ``flavour``.
+
+    With ``data`` (a binary file opened for writing), the weights go there as external data named
+    ``location``; without it they are held in the proto (fine for small models). ``blocks`` (from
+    :func:`gguf_blocks.read_q4_1_linears`) keeps the decoder-layer weights as the source GGUF's own
+    4-bit blocks instead of fp32 (``contrib`` only).
+    """
+    from onnx import TensorProto, helper
+
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}, not {flavour!r}")
+    if blocks is not None and flavour != "contrib":
+        raise ValueError("GGUF blocks need ONNX Runtime's MatMulNBits: flavour 'contrib' only")
+    g = _Builder(data, location)
+    hq, hkv, d, n_layers = step.num_heads, step.num_kv_heads, step.head_dim, step.num_layers
+    hidden = step.embed_tokens.weight.shape[1]
+    vocab = step.embed_tokens.weight.shape[0]
+    std = flavour == "std"
+
+    embed = g.init("embed_tokens", _np(step.embed_tokens.weight))
+    lm_head = g.init("lm_head_t", _np(step.lm_head.weight).T)  # [H, V]; MatMulNBits-quantizable
+    cos, sin = rotary_tables(step, max_positions)
+    cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
+
+    # Shared per-step scalars: total = past + T = write_indices[-1] + 1.
+    last = g.one("Gather", ["write_indices", g.const(-1)], axis=0)  # int64 scalar
+    total = g.one("Add", [last, g.const(1)])
+    total_1d = g.one("Unsqueeze", [total, g.const([0])])  # [1]
+    mask = g.one("Slice", ["attention_mask", g.const([0]), total_1d, g.const([3])])  # [B, 1, T, past+T]
+    batch = g.one("Gather", [g.one("Shape", ["input_ids"]), g.const(0)], axis=0)
+    batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
+    if std:
+        first = g.one("Gather", ["write_indices", g.const([0])], axis=0)  # [1]
+        write_start = g.one("Expand", [first, batch_1d])  # [B] int64
+        kv_heads_shape = g.one("Concat", [batch_1d, g.const([-1, hkv, d])], axis=0)  # [B, T, Hkv, D]
+        q_heads_shape = g.one("Concat", [batch_1d, g.const([-1, hq, d])], axis=0)
+        flat_shape = g.one("Concat", [batch_1d, g.const([-1, hq * d])], axis=0)
+    else:
+        total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
+        seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
+
+    def linear(x: str, name: str, weight, parts: list[str]) -> str:
+        """x @ W.T, from fp32 weights or from the GGUF blocks of the transformers modules ``parts``."""
+        if blocks is None:
+            return g.one("MatMul", [x, g.init(name, _np(weight).T)])
+        from .gguf_blocks import Q4Blocks
+
+        return q4_linear(g, x, name, Q4Blocks.concat([blocks[p] for p in parts]))
+
+    x = g.one("Gather", [embed, "input_ids"], axis=0)  # [B, T, H]
+    residual_in = None  # the sublayer output still to be added to x
+    presents: list[str] = []
+
+    def norm(weight: str, eps: float) -> str:
+        """RMSNorm of x + residual_in; updates x to the sum (one fused kernel in ``contrib``)."""
+        nonlocal x, residual_in
+        if std:
+            if residual_in is not None:
+                x = g.one("Add", [x, residual_in])
+            residual_in = None
+            return g.one("RMSNormalization", [x, weight], axis=-1, epsilon=eps)
+        if residual_in is None:
+            return g.one("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps, stash_type=1)
+        out, _, _, summed = g.op("SkipSimplifiedLayerNormalization", [x, residual_in, weight], 4, MS, epsilon=eps)
+        x, residual_in = summed, None
+        return out
+
+    for i, blk in enumerate(step.blocks):
+        p = f"layers.{i}."
+        h = norm(g.init(p + "input_norm", _np(blk.input_norm_weight)), blk.input_norm_eps)
+        m = f"model.layers.{i}."
+        qkv = linear(h, p + "qkv_t", blk.qkv.weight, [m + "self_attn.q_proj", m + "self_attn.k_proj",
+                                                      m + "self_attn.v_proj"])
+        if blk.qkv.bias is not None:
+            qkv = g.one("Add", [qkv, g.init(p + "qkv_bias", _np(blk.qkv.bias))])
+        past_k, past_v = f"past_key_{i}", f"past_value_{i}"
+        pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
+        if not std:  # packed q|k|v in; rotary (at position_ids) and the in-place cache write inside
+            ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total_i32, cos_name, sin_name,
+                                               "position_ids", mask],
+                       outputs=[g.name("attn"), pres_k, pres_v], domain=MS, num_heads=hq, kv_num_heads=hkv,
+                       scale=float(step.scale), do_rotary=1, rotary_interleaved=0)[0]
+        else:
+            q, k, v = g.op("Split", [qkv, g.const([hq * d, hkv * d, hkv * d])], 3, axis=-1)
+            q = g.one("RotaryEmbedding", [q, cos_name, sin_name, "position_ids"], num_heads=hq, interleaved=0)
+            k = g.one("RotaryEmbedding", [k, cos_name, sin_name, "position_ids"], num_heads=hkv, interleaved=0)
+            k4 = g.one("Transpose", [g.one("Reshape", [k, kv_heads_shape])], perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+            v4 = g.one("Transpose", [g.one("Reshape", [v, kv_heads_shape])], perm=[0, 2, 1, 3])
+            g.op("TensorScatter", [past_k, k4, write_start], outputs=[pres_k], axis=2)
+            g.op("TensorScatter", [past_v, v4, write_start], outputs=[pres_v], axis=2)
+            k_all = g.one("Slice", [pres_k, g.const([0]), total_1d, g.const([2])])  # the valid past+T rows
+            v_all = g.one("Slice", [pres_v, g.const([0]), total_1d, g.const([2])])
+            q4 = g.one("Transpose", [g.one("Reshape", [q, q_heads_shape])], perm=[0, 2, 1, 3])  # [B, Hq, T, D]
+            y = g.one("Attention", [q4, k_all, v_all, mask], q_num_heads=hq, kv_num_heads=hkv,
+                      scale=float(step.scale))
+            ctx = g.one("Reshape", [g.one("Transpose", [y], perm=[0, 2, 1, 3]), flat_shape])  # [B, T, Hq*D]
+        presents += [pres_k, pres_v]
+        residual_in = linear(ctx, p + "o_proj_t", blk.o_proj.weight, [m + "self_attn.o_proj"])
+        h = norm(g.init(p + "post_norm", _np(blk.post_norm_weight)), blk.post_norm_eps)
+        gate_up = linear(h, p + "gate_up_t", blk.gate_up.weight, [m + "mlp.gate_proj", m + "mlp.up_proj"])
+        gate, up = g.op("Split", [gate_up], 2, axis=-1, num_outputs=2)
+        act = g.one("Mul", [gate, g.one("Sigmoid", [gate])])  # SiLU; ORT fuses it
+        residual_in = linear(g.one("Mul", [act, up]), p + "down_t", blk.down_proj.weight, [m + "mlp.down_proj"])
+
+    final = norm(g.init("final_norm", _np(step.norm_weight)), step.norm_eps)
+    g.op("Identity", [final], outputs=["hidden_states"])
+    kept = g.one("Gather", [final, "logits_index"], axis=1)  # [B, K, H]
+    g.op("MatMul", [kept, lm_head], outputs=["logits"])
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    kv = ["batch", hkv, "capacity", d]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", i64, ["batch", "tree"]),
+        helper.make_tensor_value_info("position_ids", i64, ["batch", "tree"]),
+        helper.make_tensor_value_info("attention_mask", f32, ["batch", 1, "tree", "capacity"]),
+        helper.make_tensor_value_info("write_indices", i64, ["tree"]),
+        helper.make_tensor_value_info("logits_index", i64, ["kept"]),
+    ]
+    inputs += [helper.make_tensor_value_info(f"past_{kind}_{i}", f32, kv)
+               for i in range(n_layers) for kind in ("key", "value")]
+    outputs = [
+        helper.make_tensor_value_info("logits", f32, ["batch", "kept", vocab]),
+        helper.make_tensor_value_info("hidden_states", f32, ["batch", "tree", hidden]),
+    ]
+    outputs += [helper.make_tensor_value_info(n, f32, kv) for n in presents]
+    graph = helper.make_graph(g.nodes, f"specdeploy_base_{flavour}", inputs, outputs, initializer=g.inits)
+    opsets = [helper.make_opsetid("", 24)] if std else [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="specdeploy")
+    model.ir_version = 10
+    return model
+
+
+def save_graph(model, path: Path) -> None:
+    """Save with all weights in ``<name>.data`` next to the graph (replacing an existing file)."""
+    import onnx
+
+    path = Path(path)
+    data = path.with_name(path.name + ".data")
+    if data.exists():  # onnx appends to an existing external-data file
+        data.unlink()
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+
+
+def export_ort_graph(step, path: Path, max_positions: int, flavour: str = "contrib",
+                     progress: Callable[[str], None] | None = None, blocks: dict | None = None) -> None:
+    """Build the ``ort``-target base graph of ``step`` at ``path``, weights streamed to ``<path>.data``."""
+    import onnx
+
+    path = Path(path)
+    data = path.with_name(path.name + ".data")
+    with open(data, "wb") as f:
+        model = build_ort_graph(step, max_positions, flavour, data=f, location=data.name, blocks=blocks)
+    if progress:
+        progress(f"      {len(model.graph.node)} nodes ({flavour}), weights {data.stat().st_size / 2**20:.0f} MiB "
+                 f"in {data.name}")
+    onnx.save_model(model, str(path))

@@ -1,0 +1,193 @@
+"""The ``ort`` graph target (``exporter/ort_graph.py``): parity with torch, bundles with two targets,
+the runtime's choice of graph, and greedy identity on it.
+
+Parity runs each flavour the way the runtime does: the cache buffers are bound as both ``past_*`` and
+``present_*`` (GroupQueryAttention and TensorScatter then write in place), and the presents are
+compared over the valid ``past + T`` slots, which is all a step may touch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from specdeploy.runtime import load
+from specdeploy.runtime.bundle import read_manifest
+from specdeploy.runtime.decode import GenerationConfig
+from specdeploy.runtime.errors import BundleError
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four one two three four one two",
+    "The cat sat on the mat. The cat sat on the",
+]
+
+
+def _run_aliased(path, feed: dict[str, np.ndarray]):
+    """One step with every present bound to its past buffer, as ``OrtBackend`` runs it."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    binding = sess.io_binding()
+    past = {k: v.copy() for k, v in feed.items() if k.startswith("past_")}
+    for k, v in feed.items():
+        if not k.startswith("past_"):
+            binding.bind_cpu_input(k, v)
+    binding.bind_output("logits")
+    binding.bind_output("hidden_states")
+    for k, v in past.items():
+        ov = ort.OrtValue.ortvalue_from_numpy(v)
+        binding.bind_ortvalue_input(k, ov)
+        binding.bind_ortvalue_output(k.replace("past_", "present_"), ov)
+    sess.run_with_iobinding(binding)
+    logits, hidden = (o.numpy() for o in binding.get_outputs()[:2])
+    return logits, hidden, past
+
+
+@pytest.mark.parametrize("flavour", ["contrib", "std"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_ort_graph_parity(arch, flavour, tiny_model_factory, tmp_path):
+    import torch
+    from specdeploy.exporter.export import model_config
+    from specdeploy.exporter.ort_graph import build_ort_graph, save_graph
+    from specdeploy.exporter.source import load_model
+    from specdeploy.exporter.validate import _FlatStep, base_cases
+    from specdeploy.graphs.base_step import BaseStep
+
+    loaded = load_model(str(tiny_model_factory(arch)))
+    step = BaseStep(loaded.model).eval()
+    model = build_ort_graph(step, max_positions=128, flavour=flavour)
+    ops = {n.op_type for n in model.graph.node}
+    if flavour == "contrib":
+        assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Split" in ops
+    else:
+        assert {"Attention", "RotaryEmbedding", "RMSNormalization", "TensorScatter"} <= ops
+        assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    save_graph(model, tmp_path / "base.onnx")
+
+    class _Manifest:  # base_cases reads only the model config
+        model = model_config(loaded.model, loaded.tokenizer, arch)
+
+    flat = _FlatStep(step)
+    ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog again")["input_ids"][:12]
+    for case, feed in base_cases(_Manifest, flat, list(ids)):
+        with torch.no_grad():
+            ref = [o.numpy() for o in flat(**{k: torch.from_numpy(v) for k, v in feed.items()})]
+        logits, hidden, past = _run_aliased(tmp_path / "base.onnx", feed)
+        valid = int(feed["write_indices"][-1]) + 1
+        assert np.abs(logits - ref[0]).max() < 1e-4, case
+        assert (logits.argmax(-1) == ref[0].argmax(-1)).all(), case
+        assert np.abs(hidden - ref[1]).max() < 1e-4, case
+        for name, want in zip(step.present_names(), ref[2:]):
+            got = past[name.replace("present_", "past_")]
+            assert np.abs(got[:, :, :valid] - want[:, :, :valid]).max() < 1e-4, (case, name)
+        if case == "tree":  # the tree case branches: a plain causal mask would fail these rows
+            assert feed["attention_mask"][0, 0, 2, valid - 6] < -1e30
+
+
+def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
+    manifest = read_manifest(tiny_bundle)
+    bases = {g.target: g for g in manifest.graphs if g.role == "base"}
+    assert set(bases) == {"trt", "ort"}
+    assert bases["trt"].file == "base.onnx" and bases["ort"].file == "base-ort.onnx"
+    fused = onnx.load(str(tiny_bundle / "base-ort.onnx"), load_external_data=False)
+    assert any(n.op_type == "GroupQueryAttention" for n in fused.graph.node)
+    assert bases["ort"].inputs == bases["trt"].inputs  # one contract, two graphs
+    assert [s.name for s in bases["ort"].outputs] == [s.name for s in bases["trt"].outputs]
+    with load(tiny_bundle) as engine:
+        assert engine.backend.graph.file == "base-ort.onnx"
+
+
+def test_greedy_and_speculative_identity_on_ort_graph(tiny_bundle):
+    """Plain greedy on the fused graph matches the traced graph, and speculative matches plain."""
+    cfg = GenerationConfig(max_new_tokens=24)
+    with load(tiny_bundle) as fused, load(tiny_bundle, backend="ort-cpu-traced") as traced, \
+            load(tiny_bundle, draft="prompt-lookup") as spec:
+        for prompt in PROMPTS:
+            ids = fused.encode(prompt)
+            plain = fused.generate_ids(ids, cfg)
+            assert traced.generate_ids(ids, cfg) == plain
+            assert spec.generate_ids(ids, cfg) == plain
+
+
+def test_ort_only_bundle(tiny_model_factory, tmp_path):
+    """--target ort skips the trace; TensorRT paths then say what is missing in one sentence."""
+    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.lint import lint_bundle
+
+    out = tmp_path / "ort-only"
+    export_base(str(tiny_model_factory("llama")), out, max_context=256, target="ort", progress=lambda m: None)
+    assert not (out / "base.onnx").exists()
+    manifest = read_manifest(out)
+    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort")]
+    with pytest.raises(BundleError, match="no 'base' graph for target 'trt'.*--target all"):
+        manifest.graph("base", "trt")
+    assert all(r.skipped for r in lint_bundle(out))
+    with load(out) as engine:
+        assert len(engine.generate_ids(engine.encode(PROMPTS[0]), GenerationConfig(8))) == 8
+
+
+# --- the GGUF's own Q4_1 blocks ------------------------------------------------------------------
+def _random_q4_1(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1 bytes of a random [n, k] matrix, quantized by gguf itself, and gguf's own dequantization."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32)
+    raw = quants.quantize(w, GGMLQuantizationType.Q4_1)
+    return raw, quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(n, k)
+
+
+def test_q4_1_blocks_decode_like_gguf():
+    from specdeploy.exporter.gguf_blocks import _parse_q4_1, _row_order
+
+    raw, want = _random_q4_1(24, 96)
+    blocks = _parse_q4_1(raw, 24, 96)
+    assert np.array_equal(blocks.dequantize(), want)  # bit for bit, as transformers loads it
+    perm = np.random.default_rng(1).permutation(24)
+    assert np.array_equal(_row_order(want, want[perm]), perm)
+    assert _row_order(want, want[perm] + 1e-3) is None  # a weight that does not decode exactly refuses
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_q4_linear_matches_the_dequantized_weights(t):
+    """MatMulNBits(d*q) plus the block-minimum term equals x @ (d*q + m).T to fp32 rounding."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from specdeploy.exporter.gguf_blocks import _parse_q4_1
+    from specdeploy.exporter.ort_graph import MS, _Builder, q4_linear
+
+    n, k = 40, 128
+    raw, w = _random_q4_1(n, k, seed=2)
+    g = _Builder()
+    y = q4_linear(g, "x", "w", _parse_q4_1(raw, n, k))
+    g.op("Identity", [y], outputs=["y"])
+    graph = helper.make_graph(g.nodes, "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "t", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "t", n])],
+                              initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    model.ir_version = 10
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(3).normal(0, 1, (1, t, k)).astype(np.float32)
+    got = sess.run(None, {"x": x})[0]
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_cpu_graph_choice_plain_and_speculative(tiny_bundle):
+    """Plain decoding takes the GGUF-block graph when there is one; tree steps take the fp32 fused one."""
+    import dataclasses
+
+    from specdeploy.runtime.bundle import GGUF_Q4_1
+
+    manifest = read_manifest(tiny_bundle)
+    fused = manifest.graph("base", "ort")
+    traced = manifest.graph("base", "trt")
+    blocks = dataclasses.replace(fused, file="base-q4.onnx", precision=GGUF_Q4_1)
+    three = manifest.replace(graphs=(traced, fused, blocks))
+    assert three.cpu_base(speculative=False) is blocks
+    assert three.cpu_base(speculative=True) is fused
+    assert manifest.cpu_base(False) is fused and manifest.cpu_base(True) is fused  # no block graph: one choice
+    traced_only = manifest.replace(graphs=(traced,))
+    assert traced_only.cpu_base(False) is traced and traced_only.cpu_base(True) is traced
