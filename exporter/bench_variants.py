@@ -59,8 +59,8 @@ _HF_INSTALL = "pip install torch transformers"
 VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
     VariantSpec("ar", "ours", "specdeploy ORT CPU, plain autoregressive (the baseline)",
                 requires=("onnxruntime",)),
-    VariantSpec("ar-fp32", "ours", "specdeploy ORT CPU, plain autoregressive on the fused fp32 graph "
-                "(the graph speculative variants run)", options=(("backend", "ort-cpu-fp32"),), requires=("onnxruntime",)),
+    VariantSpec("ar-fp32", "ours", "specdeploy ORT CPU, plain autoregressive on the fused fp32 graph only",
+                options=(("backend", "ort-cpu-fp32"),), requires=("onnxruntime",)),
     VariantSpec("ar-traced", "ours", "specdeploy ORT CPU, plain autoregressive on the traced standard-op graph",
                 options=(("backend", "ort-cpu-traced"),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",

@@ -210,6 +210,7 @@ def quantize_file(src: Path, dst: Path, config: QuantConfig) -> None:
         data.unlink()
     onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data.name, size_threshold=1024)
+    data.chmod(0o644)  # the external-data writer leaves it owner-only; bundles are shared read-only
 
 
 @dataclass(frozen=True)

@@ -144,20 +144,21 @@ class BundleManifest:
             )
         raise BundleError(f"The bundle has no '{role}' graph; it has: {', '.join(g.role for g in self.graphs)}.")
 
-    def cpu_base(self, speculative: bool = False) -> GraphEntry:
-        """The base graph ONNX Runtime's CPU provider runs, for plain or for speculative decoding.
+    def cpu_base(self, multi_row: bool = False) -> GraphEntry:
+        """The base graph ONNX Runtime's CPU provider runs for 1-row steps, or for steps of more rows.
 
-        Among the ``ort`` graphs, plain decoding takes the GGUF-block graph (``gguf-q4_1``): its
-        1-token step reads half the bytes. Speculative decoding takes the other one (fp32 or a
-        quantized precision): ONNX Runtime's 4-bit kernel dequantizes every weight for a step of more
-        than one row, which makes the GGUF-block tree step ~3x a plain step. Either way one engine
-        runs one graph, so speculative output equals plain output on that graph. Without an ``ort``
+        Among the ``ort`` graphs, 1-row steps (plain decoding) take the GGUF-block graph
+        (``gguf-q4_1``): it reads half the bytes. Steps of more rows (prefill, tree verification) take
+        the other one (fp32 or a quantized precision): ONNX Runtime's 4-bit kernel dequantizes every
+        weight for a step of more than one row, which makes a 16-node tree step on the GGUF-block
+        graph cost ~3 plain steps. Both compute the same model on the same cache layout, so one
+        backend runs each step on the graph that suits it (see ``OrtBackend``). Without an ``ort``
         graph, the traced standard-op graph.
         """
         ort = [g for g in self.graphs if g.role == "base" and g.target == "ort"]
         if not ort:
             return self.graph("base")
-        wanted = [g for g in ort if (g.precision == GGUF_Q4_1) != speculative]
+        wanted = [g for g in ort if (g.precision == GGUF_Q4_1) != multi_row]
         return (wanted or ort)[0]
 
     def base_graph(self, prefer: str) -> GraphEntry:

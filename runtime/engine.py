@@ -206,9 +206,8 @@ class Engine:
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
+        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
         self.draft_name = draft or "none"
-        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads,
-                                    speculative=self.draft_name != "none")
         drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads)
         self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree)
         self._slot = _Slot()

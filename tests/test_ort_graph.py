@@ -186,8 +186,45 @@ def test_cpu_graph_choice_plain_and_speculative(tiny_bundle):
     traced = manifest.graph("base", "trt")
     blocks = dataclasses.replace(fused, file="base-q4.onnx", precision=GGUF_Q4_1)
     three = manifest.replace(graphs=(traced, fused, blocks))
-    assert three.cpu_base(speculative=False) is blocks
-    assert three.cpu_base(speculative=True) is fused
+    assert three.cpu_base(multi_row=False) is blocks
+    assert three.cpu_base(multi_row=True) is fused
     assert manifest.cpu_base(False) is fused and manifest.cpu_base(True) is fused  # no block graph: one choice
     traced_only = manifest.replace(graphs=(traced,))
     assert traced_only.cpu_base(False) is traced and traced_only.cpu_base(True) is traced
+
+
+def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path):
+    """With a GGUF-block graph in the bundle, 1-row steps run it and prefill/tree steps the fp32 graph,
+    on the same cache buffers; outputs stay those of the single-graph backend (here both graphs are
+    the same fp32 graph under two names)."""
+    import shutil
+
+    from specdeploy.exporter.export import graph_entry
+    from specdeploy.runtime.bundle import GGUF_Q4_1, write_manifest
+
+    bundle = tmp_path / "two"
+    shutil.copytree(tiny_bundle, bundle)
+    shutil.copy(bundle / "base-ort.onnx", bundle / "base-q4.onnx")  # points at base-ort.onnx.data
+    manifest = read_manifest(bundle)
+    q4 = graph_entry(bundle, "base", "base-q4.onnx", target="ort", precision=GGUF_Q4_1)
+    write_manifest(bundle, manifest.replace(graphs=(*manifest.graphs, q4)))
+    cfg = GenerationConfig(max_new_tokens=16)
+    with load(tiny_bundle) as one, load(bundle) as two, load(bundle, draft="prompt-lookup") as spec:
+        assert (two.backend.graph.file, two.backend.tree_graph.file) == ("base-q4.onnx", "base-ort.onnx")
+        rows = {"q4": [], "fp32": []}
+        for key, attr in (("q4", "session"), ("fp32", "tree_session")):
+            sess = getattr(two.backend, attr)
+            run = sess.run_with_iobinding
+
+            def counted(binding, *a, _run=run, _key=key, **kw):
+                rows[_key].append(1)
+                return _run(binding, *a, **kw)
+
+            sess.run_with_iobinding = counted
+        for prompt in PROMPTS:
+            ids = one.encode(prompt)
+            ref = one.generate_ids(ids, cfg)
+            assert two.generate_ids(ids, cfg) == ref
+            assert spec.generate_ids(ids, cfg) == ref
+        assert len(rows["fp32"]) == len(PROMPTS)  # the prefills
+        assert len(rows["q4"]) == len(PROMPTS) * (cfg.max_new_tokens - 1)  # every 1-token step

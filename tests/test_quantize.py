@@ -112,6 +112,7 @@ def test_quantized_bundle_manifest_and_graph(quant_bundles, tiny_bundle, precisi
             assert inits[node.input[0]].data_type == onnx.TensorProto.FLOAT
     files = sorted(p.name for p in bundle.iterdir())
     assert "fp32" not in files and files.count("base-ort.onnx.data") == 1 and "base.onnx" not in files
+    assert all((bundle / f).stat().st_mode & 0o044 == 0o044 for f in files)  # readable like any bundle file
     readme = (bundle / "README.txt").read_text()
     assert json.loads(readme[readme.index("{"):])["quantization"]["bits"] == bits
 

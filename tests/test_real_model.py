@@ -35,9 +35,9 @@ def test_ort_graph_keeps_the_gguf_blocks(real_bundle):
     from specdeploy.runtime.bundle import read_manifest
 
     manifest = read_manifest(real_bundle)
-    ort_graph = manifest.cpu_base(speculative=False)
+    ort_graph = manifest.cpu_base(multi_row=False)
     assert (ort_graph.file, ort_graph.precision) == ("base-q4.onnx", "gguf-q4_1")
-    assert manifest.cpu_base(speculative=True).file == "base-ort.onnx"  # tree steps: the fused fp32 graph
+    assert manifest.cpu_base(multi_row=True).file == "base-ort.onnx"  # prefill and tree steps: fused fp32
     model = onnx.load(str(real_bundle / ort_graph.file), load_external_data=False)
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 4 * 30  # qkv, o_proj, gate_up, down_proj in each of the 30 layers
@@ -51,7 +51,8 @@ def test_32_greedy_tokens_match_transformers(real_bundle):
     from specdeploy.exporter.source import load_model
 
     with load(real_bundle) as engine:
-        assert engine.backend.graph.file == "base-q4.onnx"  # the GGUF-block graph plain CPU decoding runs
+        assert engine.backend.graph.file == "base-q4.onnx"  # 1-token steps: the GGUF-block graph
+        assert engine.backend.tree_graph.file == "base-ort.onnx"  # the prefill: the fused fp32 graph
         ids = engine.encode("What is the capital of France? Answer in one sentence.", chat=True)
         ours = engine.generate_ids(ids, GenerationConfig(32))
     hf = load_model(None).model

@@ -25,21 +25,18 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _REGISTRY[name] = factory
 
 
-def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None,
-                 speculative: bool = False) -> Backend:
-    """``speculative``: the backend will run tree steps (``ort-cpu`` then picks the graph that suits them)."""
+def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> Backend:
     if name in _REGISTRY:
         return _REGISTRY[name](bundle_dir, manifest, threads=threads)
     if name in ("ort-cpu", "ort-cpu-fp32", "ort-cpu-traced"):
         from .ort import OrtBackend
 
-        graph = None  # ort-cpu: the bundle's CPU graph for plain or speculative decoding (cpu_base)
-        if name == "ort-cpu-fp32":  # the fused graph with fp32 weights, whatever the decoding
-            graph = manifest.cpu_base(speculative=True)
-        elif name == "ort-cpu-traced":  # the standard-op traced graph, to compare with the fused ones
+        graph = None  # ort-cpu: the bundle's CPU graphs for 1-row and multi-row steps (cpu_base)
+        if name == "ort-cpu-fp32":  # only the fused graph with fp32 weights
+            graph = manifest.cpu_base(multi_row=True)
+        elif name == "ort-cpu-traced":  # only the standard-op traced graph, to compare with the fused ones
             graph = manifest.graph("base", "trt")
-        backend = OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph,
-                             speculative=speculative)
+        backend = OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph)
         backend.name = name
         return backend
     if name in ("ort-cuda", "ort-trt"):

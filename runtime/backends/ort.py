@@ -94,15 +94,25 @@ class OrtBackend(Backend):
     """Runs the bundle's base step graph with ONNX Runtime."""
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cpu",
-                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None,
-                 speculative: bool = False):
+                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None):
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
         self.provider = provider
         self.name = f"ort-{provider}"
-        entry = graph or (manifest.cpu_base(speculative) if provider == "cpu" else manifest.base_graph("trt"))
-        self.graph = entry  # the base graph this backend runs
-        self.session = make_session(self.bundle_dir / entry.file, provider, threads, provider_options)
+        tree_graph = None
+        if graph is None and provider == "cpu":
+            # One step, two graphs when the bundle has a GGUF-block graph: 1-row steps run it, steps
+            # of more rows the fp32 fused graph (BundleManifest.cpu_base); both bind the same cache.
+            graph, tree_graph = manifest.cpu_base(multi_row=False), manifest.cpu_base(multi_row=True)
+            tree_graph = None if tree_graph.file == graph.file else tree_graph
+        entry = graph or manifest.base_graph("trt")
+        self.graph, self.tree_graph = entry, tree_graph  # the graphs this backend runs
+        # Two sessions alternate on the same cores: neither may keep its threads spinning after a run
+        # (the draft/base thread fight measured in make_draft_session).
+        spin = tree_graph is None
+        self.session = make_session(self.bundle_dir / entry.file, provider, threads, provider_options, spin=spin)
+        self.tree_session = (make_session(self.bundle_dir / tree_graph.file, provider, threads, provider_options,
+                                          spin=spin) if tree_graph is not None else None)
         m = manifest.model
         self._past = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
         self._present = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
@@ -133,7 +143,10 @@ class OrtBackend(Backend):
         return ov
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
-        binding = self.session.io_binding()
+        session = self.session
+        if self.tree_session is not None and inputs.input_ids.shape[1] > 1:
+            session = self.tree_session
+        binding = session.io_binding()
         binding.bind_cpu_input("input_ids", inputs.input_ids)
         binding.bind_cpu_input("position_ids", inputs.position_ids)
         binding.bind_cpu_input("attention_mask", inputs.attention_mask)
@@ -149,13 +162,13 @@ class OrtBackend(Backend):
             ov = self._ortvalue(buf)
             binding.bind_ortvalue_input(past, ov)
             binding.bind_ortvalue_output(present, ov)  # in place: present aliases past
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         outs = binding.get_outputs()
         return StepOutputs(logits=outs[0].numpy(), hidden_states=outs[1].numpy())
 
     def close(self) -> None:
         self._ortvalues.clear()
-        self.session = None  # type: ignore[assignment]
+        self.session = self.tree_session = None  # type: ignore[assignment]
 
 
 # --- GPU execution providers (UNTESTED here: needs a GPU with onnxruntime-gpu) ----------------------
