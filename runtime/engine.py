@@ -35,8 +35,8 @@ from typing import Self
 
 from .backends import make_backend
 from .bundle import BundleManifest, read_manifest
-from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
-from .drafters import make_drafter
+from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
+from .drafters import PromptLookupDrafter, make_drafter
 from .errors import PromptError, SpecDeployError
 from .text import TextCodec
 
@@ -210,6 +210,11 @@ class Engine:
         self.draft_name = draft or "none"
         drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads)
         self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree)
+        self.cost_curve: dict[int, float] | None = None  # measured when the drafter trades length for cost
+        if isinstance(drafter, PromptLookupDrafter) and drafter.adaptive:
+            # Its draft length trades expected tokens against step cost: measure this backend's (~1 s).
+            self.cost_curve = measure_cost_curve(self.decoder)
+            drafter.use_cost_curve(self.cost_curve)
         self._slot = _Slot()
         self._mutex = threading.Lock()  # guards the totals below and the set of open streams
         self._streams: weakref.WeakSet[TextStream] = weakref.WeakSet()

@@ -228,3 +228,17 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path):
             assert spec.generate_ids(ids, cfg) == ref
         assert len(rows["fp32"]) == len(PROMPTS)  # the prefills
         assert len(rows["q4"]) == len(PROMPTS) * (cfg.max_new_tokens - 1)  # every 1-token step
+
+
+def test_prompt_lookup_uses_the_measured_cost_curve(tiny_bundle):
+    from specdeploy.runtime.decode import measure_cost_curve
+    from specdeploy.runtime.tree import step_cost
+
+    with load(tiny_bundle, draft="prompt-lookup") as spec, load(tiny_bundle) as plain:
+        curve = spec.cost_curve
+        assert curve is not None and curve[1] == 1.0 and set(curve) == {1, 2, 4, 8, 16, 32}
+        assert all(c > 0 for c in curve.values())
+        assert spec.decoder.drafter._cost[7] == pytest.approx(step_cost(curve, 8))  # noqa: SLF001
+        assert plain.cost_curve is None  # plain decoding measures nothing
+        short = measure_cost_curve(plain.decoder, sizes=(1, 2), repeats=1, past=8)
+        assert set(short) == {1, 2}

@@ -35,8 +35,12 @@ class PromptLookupDrafter(Drafter):
         self.num_tokens, self.branches = num_tokens, branches
         self.max_nodes = max_nodes
         self.adaptive = adaptive
-        self._cost = np.array([step_cost(cost_curve, n) for n in range(1, num_tokens * branches + 2)])
+        self.use_cost_curve(cost_curve)
         self.reset()
+
+    def use_cost_curve(self, cost_curve: Mapping[int, float]) -> None:
+        """Cost of a T-token step relative to a 1-token step (e.g. measured on the backend in use)."""
+        self._cost = np.array([step_cost(cost_curve, n) for n in range(1, self.num_tokens * self.branches + 2)])
 
     def reset(self) -> None:
         # Per n-gram size: [accepted drafts, rejected drafts] along the accepted branch.
