@@ -18,6 +18,8 @@ JSON schema (stable; CI and other tools read it)::
       loop_overhead (fraction of decode time outside backend.step; ours only, else null),
       acceptance_histogram {"<tokens per step>": steps},
       depth_acceptance [per draft depth d = 1, 2, ...: fraction of steps that accepted the depth-d token],
+      gate_decisions {draft, ar}: decode steps the drafter's gate sent to draft + verify and to a plain
+                     1-token step (ours with a drafter; null otherwise),
       steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
@@ -137,6 +139,8 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
                           if ours and decode_s > 0 else None),
         "acceptance_histogram": acceptance_histogram(accepted) if have_steps else None,
         "depth_acceptance": depth_acceptance(accepted) if have_steps else None,
+        "gate_decisions": ({"draft": sum(r.gate_parallel for r in runs), "ar": sum(r.gate_ar for r in runs)}
+                           if all(r.gate_parallel is not None and r.gate_ar is not None for r in runs) else None),
         "steps": len(accepted) if have_steps else None,
         "new_tokens": sum(len(r.tokens) for r in runs),
         "seconds": sum(r.seconds for r in runs),
@@ -148,7 +152,8 @@ def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
     return {"name": spec.name, "description": spec.description, "skipped": True, "note": note,
             "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None,
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
-            "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None, "steps": None,
+            "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None,
+            "gate_decisions": None, "steps": None,
             "new_tokens": None,
             "seconds": None, "prompts": []}
 
@@ -206,9 +211,9 @@ def markdown_table(report: dict[str, Any]) -> str:
         (f"specdeploy bench: {Path(c['model']).name}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
          f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']})"),
         "",
-        ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | identical to ar "
-         "| loop overhead | note |"),
-        "|---|---:|---:|---:|---:|---|:---:|---:|---|",
+        ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | gate: draft / AR "
+         "| identical to ar | loop overhead | note |"),
+        "|---|---:|---:|---:|---:|---|---:|:---:|---:|---|",
     ]
     for v in report["variants"]:
         if v["skipped"]:
@@ -219,9 +224,12 @@ def markdown_table(report: dict[str, Any]) -> str:
             ident = f"no ({v['identical_prompts']}/{len(v['prompts'])} same)"
         overhead = None if v["loop_overhead"] is None else 100 * v["loop_overhead"]
         depths = " ".join(f"{x:.2f}" for x in (v.get("depth_acceptance") or [])[:6]) or "–"
+        gate = v.get("gate_decisions")
+        gate_cell = f"{gate['draft']} / {gate['ar']}" if gate else "–"
         lines.append(
             f"| {v['name']} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
-            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | {ident} | "
+            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | "
+            f"{gate_cell} | {ident} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
         )
     return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
-    "depth_acceptance", "steps", "new_tokens", "seconds", "prompts",
+    "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts",
 }
 PROMPT_KEYS = {
     "index", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "steps",
@@ -76,6 +76,9 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file):
         assert sum(int(k) * c for k, c in hist.items()) == v["new_tokens"] - 2  # first token per prompt: prefill
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["mean_accepted_tokens"] == pytest.approx(1.0)
     assert set(ar["acceptance_histogram"]) == {"1"} and ar["depth_acceptance"] == []
+    assert ar["gate_decisions"] is None  # no drafter, no gate
+    # Prompt lookup has no gate: every decode step is a draft step (a root-only tree when nothing matched).
+    assert pl["gate_decisions"] == {"draft": pl["steps"], "ar": 0}
     hist = {int(k): c for k, c in pl["acceptance_histogram"].items()}
     for d, rate in enumerate(pl["depth_acceptance"], start=1):  # P(a step emits more than d tokens)
         assert rate == pytest.approx(sum(c for k, c in hist.items() if k > d) / pl["steps"], abs=1e-4)
