@@ -240,6 +240,25 @@ def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
         assert gate[1] == 0
 
 
+def test_gate_that_never_drafts_skips_the_gate_graph(heads_bundle):
+    """A 0-nat entropy threshold (calibration's "plain decoding is faster") decides without running the gate."""
+    from specdeploy.runtime.drafters.heads import GateSpec
+
+    with load(heads_bundle) as plain, load(heads_bundle, draft="cerberus") as spec:
+        drafter = spec.decoder.drafter
+        drafter.gate = GateSpec("entropy", 0.0, plain.manifest.model.vocab_size)
+        assert drafter.gate.never_drafts and not GateSpec("entropy", 0.5, 49152).never_drafts
+
+        def fail(*args, **kwargs):
+            raise AssertionError("the gate graph ran")
+
+        drafter.gate_session.run = fail
+        ids = plain.encode("The cat sat on the mat. The cat")
+        st = DecodeStats()
+        assert spec.generate_ids(ids, GenerationConfig(16), st) == plain.generate_ids(ids, GenerationConfig(16))
+        assert st.gate_parallel == 0 and st.gate_ar == st.steps
+
+
 def test_gate_threshold_range_and_missing_calibration(heads_bundle, tiny_weights, tmp_path):
     from specdeploy.runtime.bundle import config_pairs, read_manifest, write_manifest
     from specdeploy.runtime.drafters.heads import GateConfigError, GateSpec
