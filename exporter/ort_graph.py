@@ -271,6 +271,7 @@ def save_graph(model, path: Path) -> None:
         data.unlink()
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=data.name, size_threshold=1024)
+    data.chmod(0o644)  # the external-data writer leaves it owner-only; bundles are shared read-only
 
 
 def export_ort_graph(step, path: Path, max_positions: int, flavour: str = "contrib",

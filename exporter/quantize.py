@@ -202,15 +202,11 @@ def quantize_file(src: Path, dst: Path, config: QuantConfig) -> None:
     """Quantize the graph at ``src`` into ``dst`` (weights in ``<dst name>.data`` next to it)."""
     import onnx
 
+    from .ort_graph import save_graph
+
     src, dst = Path(src), Path(dst)
     model = onnx.load(str(src), load_external_data=True)
-    model = quantize_model(model, config)
-    data = dst.with_name(dst.name + ".data")
-    if data.exists():  # onnx appends to an existing external-data file
-        data.unlink()
-    onnx.save_model(model, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
-    data.chmod(0o644)  # the external-data writer leaves it owner-only; bundles are shared read-only
+    save_graph(quantize_model(model, config), dst)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,17 @@ class DraftWeights:
         return int(self.meta.get("vocab_trim", 0))
 
 
+def draft_weights_meta(cfg: Any, summary: dict[str, Any], cache: Any, **split: int) -> dict[str, Any]:
+    """The metadata every trained draft's weights file records: training config and summary, and the
+    data (the feature cache's size and build settings, plus the task's train/held-out ``split``)."""
+    return {
+        "vocab_trim": cfg.vocab_trim,
+        "train": {**summary, "config": asdict(cfg)},
+        "data": {"sequences": cache.num_sequences, "tokens": cache.num_tokens, **split,
+                 "config": cache.meta["config"], "build_seconds": cache.meta.get("build_seconds")},
+    }
+
+
 def save_draft_weights(path: str | os.PathLike, config: Any, tensors: dict[str, Any], meta: dict[str, Any]) -> None:
     """Write ``tensors`` (contiguous copies) and metadata atomically to ``path``."""
     from safetensors.torch import save_file

@@ -35,6 +35,7 @@ from .train import (
     DraftWeights,
     LoopConfig,
     TrainResult,
+    draft_weights_meta,
     load_checked_state,
     save_draft_weights,
     train,
@@ -228,13 +229,8 @@ class ChimeraTask(DraftTask):
         # fp16 storage keeps the file under 30 MB; the exporter and the drafter compute in fp32
         tensors = {f"chimera.{k}": v.to(torch.float16) for k, v in model.state_dict().items()}
         tensors["vocab_order"] = self.vocab_order
-        meta = {
-            "vocab_trim": self.cfg.vocab_trim,
-            "train": {**summary, "config": asdict(self.cfg)},
-            "data": {"sequences": self.cache.num_sequences, "tokens": self.cache.num_tokens,
-                     "train_sequences": int(self.train_seqs.size), "heldout_sequences": int(self.heldout_seqs.size),
-                     "config": self.cache.meta["config"], "build_seconds": self.cache.meta.get("build_seconds")},
-        }
+        meta = draft_weights_meta(self.cfg, summary, self.cache, train_sequences=int(self.train_seqs.size),
+                                  heldout_sequences=int(self.heldout_seqs.size))
         save_draft_weights(out, self.chimera_config, tensors, meta)
 
 

@@ -24,6 +24,7 @@ from .train import (
     DraftWeights,
     LoopConfig,
     TrainResult,
+    draft_weights_meta,
     load_checked_state,
     save_draft_weights,
     train,
@@ -154,13 +155,8 @@ class HeadsTask(DraftTask):
     def save(self, model, out: Path, summary: dict[str, Any]) -> None:
         tensors = {f"heads.{k}": v for k, v in model.state_dict().items()}
         tensors["vocab_order"] = self.vocab_order.to(dtype=self.vocab_order.dtype)
-        meta = {
-            "vocab_trim": self.cfg.vocab_trim,
-            "train": {**summary, "config": asdict(self.cfg)},
-            "data": {"sequences": self.cache.num_sequences, "tokens": self.cache.num_tokens,
-                     "train_positions": int(self.train_pos.size), "heldout_positions": int(self.heldout_pos.size),
-                     "config": self.cache.meta["config"], "build_seconds": self.cache.meta.get("build_seconds")},
-        }
+        meta = draft_weights_meta(self.cfg, summary, self.cache, train_positions=int(self.train_pos.size),
+                                  heldout_positions=int(self.heldout_pos.size))
         save_draft_weights(out, self.heads_config, tensors, meta)
 
 

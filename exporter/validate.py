@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from specdeploy.runtime.bundle import BundleManifest, GraphEntry, read_manifest
+from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.errors import ValidationFailed
 
 # Weight-quantized graphs are judged by their quality report (quality.py): per case their argmax may
@@ -141,8 +141,12 @@ def base_cases(manifest: BundleManifest, step_fn: Callable, prompt_ids: list[int
 
 
 def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: list[int],
-                 precision: str = "fp32", progress: Callable[[str], None] = print,
-                 entry: GraphEntry | None = None) -> list[OutputCheck]:
+                 progress: Callable[[str], None] = print) -> list[OutputCheck]:
+    """Every base graph of the bundle against torch on the prefill, step and tree cases.
+
+    Torch runs once; each graph is one ONNX Runtime runner of the same comparison. A graph's checks
+    are tagged with its target unless it is the traced ``trt`` graph (``tree[ort]``), and with its
+    precision too when it shares the target with an fp32 graph (``tree[ort gguf-q4_1]``)."""
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
@@ -152,40 +156,46 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
     flat = _FlatStep(step)
     out_names = ["logits", "hidden_states", *step.present_names()]
     cases = base_cases(manifest, flat, prompt_ids)
-    entry = entry or manifest.graph("base")
-    ort_runner = OnnxrtRunner(SessionFromOnnx(str(bundle_dir / entry.file), providers=["CPUExecutionProvider"]),
-                              name="onnxruntime")
-    torch_runner = _torch_runner(flat, out_names, "torch", cases[0][1])
-    progress(f"running torch and ONNX Runtime ({entry.file}, target {entry.target}) on prefill, step and tree cases ...")
-    results = Comparator.run([torch_runner, ort_runner], data_loader=[f for _, f in cases])
-    ref, got = results[0][1], results[1][1]
-    atol_logits = LOGITS_ATOL.get(precision, 1e-3)
+    entries = [g for g in manifest.graphs if g.role == "base"]
+    runners = [_torch_runner(flat, out_names, "torch", cases[0][1])]
+    runners += [OnnxrtRunner(SessionFromOnnx(str(bundle_dir / g.file), providers=["CPUExecutionProvider"]),
+                             name=f"onnxruntime-{g.file}") for g in entries]
+    files = ", ".join(g.file for g in entries)
+    progress(f"running torch and ONNX Runtime ({files}) on prefill, step and tree cases ...")
+    results = Comparator.run(runners, data_loader=[f for _, f in cases])
+    ref = results[0][1]
     checks: list[OutputCheck] = []
-    tag = "" if entry.target == "trt" else f"[{entry.target}]"
-    for (case, feed), a, b in zip(cases, ref, got):
-        valid = int(feed["write_indices"][-1]) + 1  # cache slots past+T; the rest is scratch the mask hides
-        for name in ("logits", "hidden_states", "present_key_0", f"present_value_{manifest.model.num_layers - 1}"):
-            x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
-            if name.startswith("present"):
-                x, y = x[:, :, :valid], y[:, :, :valid]
-            delta = float(np.max(np.abs(x - y)))
-            same = (x.argmax(-1) == y.argmax(-1)) if name == "logits" else None
-            agree = bool(same.all()) if same is not None and precision not in QUANTIZED_PRECISIONS else None
-            rate = float(same.mean()) if same is not None else None
-            atol = atol_logits if name == "logits" else STATE_ATOL.get(precision, max(atol_logits, 1e-3) * 10)
-            checks.append(OutputCheck(case + tag, name, delta, atol, agree, rate))
+    for i, entry in enumerate(entries, start=1):
+        got = results[i][1]
+        precision = entry.precision
+        atol_logits = LOGITS_ATOL.get(precision, 1e-3)
+        tag = "" if entry.target == "trt" else f"[{entry.target}]"
+        if sum(g.target == entry.target for g in entries) > 1 and entry.precision != "fp32":
+            tag = f"[{entry.target} {entry.precision}]"  # e.g. the GGUF-block graph next to the fp32 one
+        for (case, feed), a, b in zip(cases, ref, got):
+            valid = int(feed["write_indices"][-1]) + 1  # cache slots past+T; the rest is scratch the mask hides
+            for name in ("logits", "hidden_states", "present_key_0", f"present_value_{manifest.model.num_layers - 1}"):
+                x, y = np.asarray(a[name], np.float64), np.asarray(b[name], np.float64)
+                if name.startswith("present"):
+                    x, y = x[:, :, :valid], y[:, :, :valid]
+                delta = float(np.max(np.abs(x - y)))
+                same = (x.argmax(-1) == y.argmax(-1)) if name == "logits" else None
+                agree = bool(same.all()) if same is not None and precision not in QUANTIZED_PRECISIONS else None
+                rate = float(same.mean()) if same is not None else None
+                atol = atol_logits if name == "logits" else STATE_ATOL.get(precision, max(atol_logits, 1e-3) * 10)
+                checks.append(OutputCheck(case + tag, name, delta, atol, agree, rate))
     return checks
 
 
 def report(checks: list[OutputCheck], out: Callable[[str], None] = print) -> None:
-    out(f"{'case':<15}{'output':<20}{'max |delta|':>14}{'atol':>10}  argmax")
+    out(f"{'case':<24}{'output':<20}{'max |delta|':>14}{'atol':>10}  argmax")
     for c in checks:
         if c.argmax_agree is None:
             arg = "-" if c.argmax_rate is None else f"{c.argmax_rate:.0%} same (see quality)"
         else:
             arg = "same" if c.argmax_agree else "DIFFERS"
         flag = "" if c.passed else "   <-- FAIL"
-        out(f"{c.case:<15}{c.output:<20}{c.max_abs:>14.3e}{c.atol:>10.0e}  {arg}{flag}")
+        out(f"{c.case:<24}{c.output:<20}{c.max_abs:>14.3e}{c.atol:>10.0e}  {arg}{flag}")
 
 
 def validate_bundle(bundle_dir: str | Path, model: str | None = None,
@@ -205,9 +215,7 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
         )
     step = BaseStep(loaded.model).eval()
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
-    checks = []
-    for entry in (g for g in manifest.graphs if g.role == "base"):
-        checks += compare_base(bundle_dir, manifest, step, list(ids)[:16], entry.precision, progress, entry)
+    checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], progress)
     if manifest.drafts:
         checks += compare_drafts(bundle_dir, manifest, loaded, list(ids)[:16], progress)
     report(checks, progress)

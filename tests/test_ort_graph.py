@@ -238,7 +238,7 @@ def test_prompt_lookup_uses_the_measured_cost_curve(tiny_bundle):
         curve = spec.cost_curve
         assert curve is not None and curve[1] == 1.0 and set(curve) == {1, 2, 4, 8, 16, 32}
         assert all(c > 0 for c in curve.values())
-        assert spec.decoder.drafter._cost[7] == pytest.approx(step_cost(curve, 8))  # noqa: SLF001
+        assert spec.decoder.drafter._cost[7] == pytest.approx(step_cost(curve, 8))
         assert plain.cost_curve is None  # plain decoding measures nothing
         short = measure_cost_curve(plain.decoder, sizes=(1, 2), repeats=1, past=8)
         assert set(short) == {1, 2}
