@@ -127,6 +127,24 @@ def train() -> None:
     """Train a draft on ShareGPT with the frozen base model (self-distillation)."""
 
 
+def _reply_options(default: str = "sharegpt") -> list:
+    return [
+        click.option("--replies", default=default, show_default=True, type=click.Choice(["sharegpt", "self"]),
+                     help="Train on ShareGPT's own replies, or on the base model's greedy replies to each "
+                          "conversation's first turn (the text the draft meets at run time)."),
+        click.option("--reply-tokens", default=256, show_default=True, type=int,
+                     help="Longest self-generated reply (--replies self)."),
+    ]
+
+
+def _apply(options: list):
+    def deco(fn):
+        for opt in reversed(options):
+            fn = opt(fn)
+        return fn
+    return deco
+
+
 def _heads_train_options(fn):
     options = [
         click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)."),
@@ -138,6 +156,7 @@ def _heads_train_options(fn):
         click.option("--lr", default=1e-3, show_default=True, type=float),
         click.option("--max-seqs", default=256, show_default=True, type=int, help="ShareGPT sequences to cache."),
         click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence."),
+        *_reply_options(),
         click.option("--vocab-trim", default=0, show_default=True, type=int,
                      help="Train and export on the N most frequent label ids (0: the full shared lm_head)."),
         click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
@@ -159,13 +178,14 @@ def _heads_train_options(fn):
 
 
 def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: int, epochs: int, batch_size: int,
-                 lr: float, max_seqs: int, max_len: int, vocab_trim: int, data_dir: Path | None, threads: int,
-                 seed: int, resume: str | None, calibrate: bool, bundle: Path | None, calib_prompts: int,
-                 calib_tokens: int) -> None:
+                 lr: float, max_seqs: int, max_len: int, replies: str, reply_tokens: int, vocab_trim: int,
+                 data_dir: Path | None, threads: int, seed: int, resume: str | None, calibrate: bool,
+                 bundle: Path | None, calib_prompts: int, calib_tokens: int) -> None:
     from .train_heads import run_heads_training
 
     run_heads_training(kind, model, out, heads, layers, epochs, batch_size, lr, max_seqs, max_len, vocab_trim,
-                       data_dir, threads, seed, resume or "auto", calibrate, bundle, calib_prompts, calib_tokens)
+                       data_dir, threads, seed, resume or "auto", calibrate, bundle, calib_prompts, calib_tokens,
+                       replies=replies, reply_tokens=reply_tokens)
 
 
 @train.command("medusa")
@@ -207,6 +227,7 @@ def train_cerberus(**kw) -> None:
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--max-seqs", default=1280, show_default=True, type=int, help="ShareGPT sequences to cache.")
 @click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
+@_apply(_reply_options())
 @click.option("--vocab-trim", default=8192, show_default=True, type=int,
               help="Train (and export by default) on the N most useful ids; 0 = the full shared lm_head.")
 @click.option("--feature-weight", default=0.1, show_default=True, type=float,
@@ -218,8 +239,8 @@ def train_cerberus(**kw) -> None:
 @click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint.")
 @click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
 def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_size: int, lr: float, max_seqs: int,
-                  max_len: int, vocab_trim: int, feature_weight: float, data_dir: Path | None, threads: int, seed: int,
-                  resume: str | None) -> None:
+                  max_len: int, replies: str, reply_tokens: int, vocab_trim: int, feature_weight: float,
+                  data_dir: Path | None, threads: int, seed: int, resume: str | None) -> None:
     """Train a Chimera draft (trigram encoder + one decoder layer + residual heads), base frozen.
 
     The base model's hidden states over ShareGPT are cached once (fp16); an interrupted run resumes
@@ -232,7 +253,7 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
     from .train_chimera import run_chimera_training
 
     run_chimera_training(model, out, heads, epochs, batch_size, lr, max_seqs, max_len, vocab_trim, feature_weight,
-                         data_dir, threads, seed, resume or "auto")
+                         data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens)
 
 
 @train.command("calibrate")

@@ -248,12 +248,13 @@ def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: i
                          lr: float = 1e-3, max_seqs: int = 1280, max_len: int = 512, vocab_trim: int = 8192,
                          feature_weight: float = 0.1, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                          resume: str = "auto", show_progress: bool = True,
-                         log: Callable[[str], None] | None = None) -> TrainResult:
+                         log: Callable[[str], None] | None = None, replies: str = "sharegpt",
+                         reply_tokens: int = 256) -> TrainResult:
     """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
     import torch
 
     from .source import load_model
-    from .train_data import DataConfig, ensure_cache, vocab_order
+    from .train_data import data_config, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)
@@ -263,9 +264,9 @@ def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: i
     log("loading the base model ...")
     loaded = load_model(model)
     t0 = time.time()
-    cache = ensure_cache(loaded, DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed), data_dir,
+    cache = ensure_cache(loaded, data_config(max_seqs, max_len, seed, replies, reply_tokens), data_dir,
                          threads=threads, show_progress=show_progress)
-    log(f"training data: {cache.num_sequences} ShareGPT sequences, {cache.num_tokens} tokens "
+    log(f"training data: {cache.num_sequences} ShareGPT sequences ({replies} replies), {cache.num_tokens} tokens "
         f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
         f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")
     order = vocab_order(cache, loaded.tokenizer)

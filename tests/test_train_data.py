@@ -174,3 +174,45 @@ def test_heldout_split_is_per_conversation():
                                                                                            ("assistant", "a")))
     for seed in range(20):
         assert td.is_heldout(a, 0.5, seed) == td.is_heldout(b, 0.5, seed)
+
+
+def test_self_generated_replies_are_the_base_models_own_greedy_text(tiny_model_factory, tmp_path):
+    import torch
+    from specdeploy.exporter.source import load_model
+
+    loaded = load_model(str(tiny_model_factory("llama")))
+    tok, model = loaded.tokenizer, loaded.model
+    cfg = DataConfig(max_seqs=6, max_len=96, min_assistant_tokens=4, heldout_fraction=0.4, shard_size=3,
+                     replies="self", reply_tokens=12)
+    assert cfg.key() != DataConfig(max_seqs=6, max_len=96, min_assistant_tokens=4, heldout_fraction=0.4).key()
+    prompts = [ids for _, ids, _ in itertools.islice(td.select_sequences(tok, cfg), 3)]
+    assert all(len(p) + 12 <= 96 for p in prompts)
+    # batched (left-padded) generation gives each prompt the same reply as generating it alone
+    batched = td.generate_replies(model, tok, prompts, 12)
+    for p, (ids, mask) in zip(prompts, batched, strict=True):
+        with torch.no_grad():
+            alone = model.generate(torch.from_numpy(p.astype(np.int64))[None], max_new_tokens=12, do_sample=False,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(p):]
+        assert np.array_equal(ids[: len(p)], p) and not mask[: len(p)].any()
+        assert np.array_equal(ids[len(p):], alone.numpy()[: len(ids) - len(p)]) and mask[len(p):].all()
+    cache = build_cache(loaded, tmp_path / "self", cfg, show_progress=False)
+    assert cache.num_sequences == 6 and cache.meta["config"]["replies"] == "self"
+    # labels inside the replies are the fp32 base's next token: the replies are (up to bf16 rounding) its own
+    pos = cache.positions("train")
+    agree = np.mean(np.asarray(cache.labels[pos]) == np.asarray(cache.tokens[pos + 1]))
+    assert pos.size > 20 and agree > 0.7, agree
+
+
+def test_data_config_rejects_unknown_reply_sources():
+    with pytest.raises(TrainingError, match="reply source"):
+        DataConfig(replies="web")
+    with pytest.raises(TrainingError, match="reply_tokens"):
+        DataConfig(replies="self", reply_tokens=600, max_len=512)
+    # the ShareGPT-reply cache keeps the key it had before self-generated replies existed
+    import dataclasses
+    import hashlib
+
+    d = dataclasses.asdict(DataConfig())
+    for k in ("shard_size", "replies", "reply_tokens"):
+        d.pop(k)
+    assert DataConfig().key() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
