@@ -244,11 +244,11 @@ def chimera_from_weights(weights: DraftWeights):
                               f"a Chimera draft with {weights.config.num_heads} heads")
 
 
-def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 2, batch_size: int = 8,
-                         lr: float = 1e-3, max_seqs: int = 1280, max_len: int = 512, vocab_trim: int = 8192,
+def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 6, batch_size: int = 4,
+                         lr: float = 1e-3, max_seqs: int = 1024, max_len: int = 512, vocab_trim: int = 8192,
                          feature_weight: float = 0.1, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                          resume: str = "auto", show_progress: bool = True,
-                         log: Callable[[str], None] | None = None, replies: str = "sharegpt",
+                         log: Callable[[str], None] | None = None, replies: str = "self",
                          reply_tokens: int = 256) -> TrainResult:
     """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
     import torch

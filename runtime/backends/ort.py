@@ -120,6 +120,7 @@ class OrtBackend(Backend):
         self._kv_dtype = np.dtype(dtype)
         self._mask_dtype = np.dtype(next(s.dtype for s in entry.inputs if s.name == "attention_mask"))
         self._ortvalues: dict[int, Any] = {}  # id(buffer) -> OrtValue sharing its memory
+        self._bindings: dict[int, tuple[list[np.ndarray], Any]] = {}  # id(session) -> (cache buffers, binding)
 
     @property
     def mask_dtype(self) -> np.dtype:
@@ -142,31 +143,47 @@ class OrtBackend(Backend):
             self._ortvalues[id(buf)] = ov
         return ov
 
+    def _cache_binding(self, session, buffers: list[np.ndarray]):
+        """The session's binding with the cache's K/V bound in place (present aliases past).
+
+        The 2 x layers cache bindings are made once per cache buffer set and kept, so a step only
+        rebinds its five small inputs and two outputs (about 0.3 ms of Python per step less). The
+        entry holds the buffers themselves, so a freed cache's ids cannot be mistaken for a new one's.
+        """
+        held = self._bindings.get(id(session))
+        if held is not None and len(held[0]) == len(buffers) and all(a is b for a, b in zip(held[0], buffers)):
+            return held[1]
+        live = {id(b) for b in buffers}
+        if len(self._ortvalues) > len(live):  # the cache was reallocated: drop stale views
+            self._ortvalues = {k: v for k, v in self._ortvalues.items() if k in live}
+        binding = session.io_binding()
+        binding.bind_output("logits")  # first, so they stay outputs 0 and 1 when a step rebinds them
+        binding.bind_output("hidden_states")
+        for past, present, buf in zip(self._past, self._present, buffers):
+            ov = self._ortvalue(buf)
+            binding.bind_ortvalue_input(past, ov)
+            binding.bind_ortvalue_output(present, ov)  # in place: present aliases past
+        self._bindings[id(session)] = (list(buffers), binding)
+        return binding
+
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         session = self.session
         if self.tree_session is not None and inputs.input_ids.shape[1] > 1:
             session = self.tree_session
-        binding = session.io_binding()
+        binding = self._cache_binding(session, cache.buffers())
         binding.bind_cpu_input("input_ids", inputs.input_ids)
         binding.bind_cpu_input("position_ids", inputs.position_ids)
         binding.bind_cpu_input("attention_mask", inputs.attention_mask)
         binding.bind_cpu_input("write_indices", inputs.write_indices)
         binding.bind_cpu_input("logits_index", inputs.logits_index)
-        binding.bind_output("logits")
+        binding.bind_output("logits")  # a fresh output each step: earlier results stay valid
         binding.bind_output("hidden_states")
-        buffers = cache.buffers()
-        live = {id(b) for b in buffers}
-        if len(self._ortvalues) > len(live):  # the cache was reallocated: drop stale views
-            self._ortvalues = {k: v for k, v in self._ortvalues.items() if k in live}
-        for past, present, buf in zip(self._past, self._present, buffers):
-            ov = self._ortvalue(buf)
-            binding.bind_ortvalue_input(past, ov)
-            binding.bind_ortvalue_output(present, ov)  # in place: present aliases past
         session.run_with_iobinding(binding)
         outs = binding.get_outputs()
         return StepOutputs(logits=outs[0].numpy(), hidden_states=outs[1].numpy())
 
     def close(self) -> None:
+        self._bindings.clear()
         self._ortvalues.clear()
         self.session = self.tree_session = None  # type: ignore[assignment]
 
