@@ -29,6 +29,9 @@ from .train import load_draft_weights
 TREE8_DEPTH3 = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"
 TREE7_DEPTH2 = "[[0],[1],[2],[0,0],[0,1],[1,0]]"
 CHIMERA_TREES = ("chain4", "tree8", "tree16", "dynamic:16", "dynamic:32", TREE8_DEPTH3, TREE7_DEPTH2)
+# Bundles with row-exact steps (int8 activations) verify chains only, and every step already pays for
+# two rows, so there the candidates are the chain depths.
+CHIMERA_CHAINS = ("chain1", "chain2", "chain3", "chain4")
 
 
 def _stderr(msg: str) -> None:
@@ -36,14 +39,21 @@ def _stderr(msg: str) -> None:
 
 
 def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, max_new_tokens: int = 96,
-                      threads: int = 2, trees: tuple[str, ...] = CHIMERA_TREES,
+                      threads: int = 2, trees: tuple[str, ...] | None = None,
                       progress: Callable[[str], None] = _stderr, source: str | None = None) -> dict[str, Any]:
-    """Time each candidate tree against plain decoding; write the calibration and update the bundle."""
+    """Time each candidate tree against plain decoding; write the calibration and update the bundle.
+
+    On a bundle with row-exact steps (an int8-activation base graph) the result is kept apart, under
+    ``row_exact`` in the same file, and only such bundles read it: its costs and candidates differ.
+    Returns this run's result (``default_tree``, ``sweep``, ``speedup``, ...).
+    """
     from specdeploy.runtime import load
-    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.bundle import INT8_ACTIVATIONS, read_manifest
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 
-    from .export_draft import calibration_path, export_draft
+    from specdeploy.runtime.errors import DraftMismatchError
+
+    from .export_draft import calibration_path, export_draft, read_calibration
     from .train_data import heldin_prompts
 
     os.environ.setdefault("SPECDEPLOY_THREADS", str(threads))
@@ -51,6 +61,8 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     weights = load_draft_weights(draft, "chimera")
     sha = hash_files([draft])
     manifest = read_manifest(bundle)
+    row_exact = manifest.cpu_base(multi_row=True).precision in INT8_ACTIVATIONS
+    trees = trees or (CHIMERA_CHAINS if row_exact else CHIMERA_TREES)
     current = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     if current is None or current.weights_sha != sha:
         progress("[1/3] adding these Chimera weights to the bundle ...")
@@ -88,9 +100,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     best = max(trees, key=lambda n: sweep[n]["decode_tok_s"])
     if any(sweep[n]["identical"] != f"{len(ids_all)}/{len(ids_all)}" for n in trees):
         progress("warning: a Chimera run differed from plain greedy decoding; that is a bug, please report it.")
-    calib = {
-        "kind": "chimera",
-        "weights_sha": sha,
+    result = {
         "default_tree": best,
         "sweep": sweep,
         "speedup": round(sweep[best]["decode_tok_s"] / max(sweep["ar"]["decode_tok_s"], 1e-9), 3),
@@ -99,13 +109,21 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
         "threads": threads,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "seconds": round(time.time() - t0, 1),
-        "base_weight_sha": weights.config.base_weight_sha,
     }
     path = calibration_path(draft)
+    try:  # keep the other kind of bundle's result when the weights are the same
+        old = read_calibration(path, weights) if path.is_file() else {}
+    except DraftMismatchError:
+        old = {}
+    head = {"kind": "chimera", "weights_sha": sha, "base_weight_sha": weights.config.base_weight_sha}
+    if row_exact:
+        calib = {**(old or head), "row_exact": result}
+    else:
+        calib = {**head, **result, **({"row_exact": old["row_exact"]} if "row_exact" in old else {})}
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(calib, indent=1))
     os.replace(tmp, path)
     progress(f"[3/3] default tree {best} ({sweep[best]['decode_tok_s']} vs {sweep['ar']['decode_tok_s']} tok/s plain); "
              f"wrote {path}")
     export_draft(bundle, "chimera", draft, progress=lambda m: None)
-    return calib
+    return result

@@ -344,5 +344,5 @@ def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Prog
     quantize_file(tmp / "fp32" / ORT_BASE_FILE, tmp / ORT_BASE_FILE, qconfig)
     shutil.rmtree(tmp / "fp32")
     if qconfig.accuracy_level == 4:
-        progress("      note: int8 activations in every layer: speculative greedy output can differ "
-                 "from plain greedy at rare near-ties (see exporter/quantize.py)")
+        progress("      int8 activations: the runtime runs every step with >= 2 rows and drafts chains only, "
+                 "which keeps speculative output identical to plain (see exporter/quantize.py)")

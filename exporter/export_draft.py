@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.runtime.bundle import (
+    INT8_ACTIVATIONS,
     DraftEntry,
     config_pairs,
     graph_paths,
@@ -246,7 +247,10 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     cal_path = Path(calibration) if calibration else calibration_path(draft)
     if use_calibration and (calibration is not None or cal_path.is_file()):
         calib = read_calibration(cal_path, weights)
-        settings["default_tree"] = calib["default_tree"]
+        if manifest.cpu_base(multi_row=True).precision in INT8_ACTIVATIONS:
+            calib = calib.get("row_exact", {})  # chains only; the other section's trees would be pruned
+        if calib.get("default_tree"):
+            settings["default_tree"] = calib["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     roles = ["chimera", "chimera-int8"] if precision == "int8" else ["chimera"]
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)

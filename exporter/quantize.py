@@ -3,7 +3,8 @@
 ``specdeploy export base --precision int4`` traces the fp32 graph as usual, then rewrites every MatMul
 whose weight is a constant into ONNX Runtime's ``MatMulNBits`` (``com.microsoft``) with
 :class:`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`: weights are stored as
-blocks of ``block_size`` values along K with one scale each, activations and the KV cache stay fp32.
+blocks of ``block_size`` values along K with one scale each; the kernel quantizes its activations to
+int8 on the fly (accuracy level 4), while everything between the MatMuls and the KV cache stay fp32.
 The graph's inputs and outputs keep their dtypes, so the runtime's ``OrtBackend`` runs it unchanged;
 only ONNX Runtime can, so such a graph is target ``ort`` (TensorRT gets its precision from its own
 build flags instead: ``specdeploy build --precision fp16``).
@@ -23,9 +24,9 @@ only their order is meaningful; fp32 measured 64 ms there). "acc" is MatMulNBits
 ===============================================  ======  =====  ============  ==================
 int4 variant (symmetric unless said)             top-1   ppl    step (noisy)  spec == plain
 ===============================================  ======  =====  ============  ==================
-block 32, acc 4, lm_head int4 acc 4              0.62    21.9   31-37 ms
+block 32, acc 4, lm_head int4 acc 4  (default)   0.62    21.9   31-37 ms
 block 32, acc 4, lm_head int8 acc 4              0.69    20.3   32-40 ms      NO: 5 of 12 differ
-block 32, acc 0, lm_head int8 acc 4  (default)   0.69    20.1   43-48 ms      yes: 20 of 20
+block 32, acc 0, lm_head int8 acc 4              0.69    20.1   43-48 ms      yes: 20 of 20
 block 32, acc 0, lm_head int4 acc 0              0.62    21.6   40-48 ms      yes: 12 of 12
 block 32, acc 0, lm_head fp32                    0.70    20.0   46-57 ms
 asymmetric, block 32, acc 4, lm_head int8        0.70    20.7   35-40 ms
@@ -33,22 +34,28 @@ block 16, acc 4, lm_head int8                    0.74    20.1   44-52 ms
 HQQ block 32 (float zero points)                 0.78    17.5   670 ms (no fast CPU kernel)
 ===============================================  ======  =====  ============  ==================
 
-"spec == plain": prompt-lookup (auto tree and tree16) against plain greedy, MT-bench prompts, 64 tokens.
-With int8 activations greedy speculative decoding is no longer reliably identical to plain decoding:
-a tree step places a node's ancestors at other cache slots than a sequential step does, which changes
-fp32 summation order at the 1e-7 level (harmless in fp32), and requantizing the activations in every
-layer turns such a difference into a flipped int8 rounding, so near-tied argmaxes flip. With fp32
-activations the graph is as stable as the fp32 one. The lm_head alone at acc 4 (one requantization,
-no layers after it) measured identical, and its 8 bits win back the agreement that 4 bits lose.
-At T=16 (a tree step) int4 is barely faster than fp32 here (136-144 ms vs 144 ms).
+"spec == plain": prompt-lookup (auto tree and tree16) against plain greedy, MT-bench prompts, 64 tokens,
+measured before the runtime's row-exact steps (below), which make the acc-4 rows identical too.
 
-So int4: symmetric blocks of 32 (asymmetric buys nothing measurable and adds zero points), fp32
-compute in the layers, lm_head int8 with int8 activations.
+Why int8 activations broke the identity, and what restores it. Measured on this graph (logits of the
+same tokens, bitwise): ONNX Runtime computes a 1-row step with other kernels than a step of two or
+more rows (acc 4: logits differ by up to 0.15; fp32: 2e-5), while the rows of any step with >= 2 rows
+are bitwise the same whatever their number (T = 2, 3, 6 agree exactly, fp32 and acc 4). A tree node
+whose ancestors are not adjacent cache slots differs too (the attention softmax sums its window with
+the masked slots in between, in another order). In fp32 these are 1e-5 and harmless in practice; int8
+activations requantize them in every layer into flipped roundings, so near-tied argmaxes flip. Hence
+the runtime's row-exact steps on int8-activation bundles (``runtime.bundle.INT8_ACTIVATIONS``; see
+``Decoder``): every step has >= 2 rows (a plain step adds a dummy row whose output is dropped) and
+every draft is a chain (the tree's best path), so a verified chain node is the same computation, bit
+for bit, as the plain step that would emit its token. The extra row costs ~10% of a 1-row step here.
+
+So int4 is onnxruntime-genai's int4 recipe (symmetric blocks of 32, int8 activations, lm_head int4
+with int8 activations): the fastest CPU kernels, step for step as fast as genai's own graph (10.8 ms
+each at T = 1, capacity 512, an interleaved A/B), and lossless through row-exact steps. ``QuantConfig``
+still builds the fp32-compute variants of the table for measurements.
 
 int8 (block 32, lm_head int8): top-1 0.95, ppl 16.31 at acc 4; 0.967 / 16.23 at acc 0, whose 8-bit
-CPU path dequantizes on every call (~16x slower than fp32), so int8 keeps acc 4 and with it the
-caveat above: 1 of 12 speculative runs differed from plain greedy. Use int4 (or fp32) where outputs
-must be bit-identical to plain greedy decoding.
+CPU path dequantizes on every call (~16x slower than fp32), so int8 keeps acc 4, row-exact like int4.
 
 int4 loses more here than usual because SmolLM2's fp32 weights are themselves dequantized Q4_1 (the
 embedded GGUF): rounding them onto another 4-bit grid adds a second rounding error of the same size.
@@ -98,7 +105,8 @@ class QuantConfig:
 
 
 # Measured defaults per precision (see the module docstring).
-QUANT_DEFAULTS = {"int8": QuantConfig(8, accuracy_level=4), "int4": QuantConfig(4)}
+QUANT_DEFAULTS = {"int8": QuantConfig(8, accuracy_level=4),
+                  "int4": QuantConfig(4, accuracy_level=4, lm_head_bits=4, lm_head_accuracy_level=4)}
 
 
 

@@ -125,6 +125,13 @@ class Decoder:
         self.buckets = capacity_buckets(manifest.limits.max_context, limit)
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
+        # Row-exact steps (backends with min_rows > 1, i.e. int8-activation graphs): every step runs
+        # at least min_rows rows and every draft is a chain. Rows of a step with >= 2 rows are computed
+        # independently of the others, so a chain node's row is bitwise the row a plain step computes
+        # for the same token; a tree node whose ancestors are not adjacent slots is not (the attention
+        # softmax sums its window in another order), which int8 activations turn into flipped tokens.
+        self.min_rows = max(1, int(getattr(backend, "min_rows", 1)))
+        self.chains_only = self.min_rows > 1
 
     # --- stages -------------------------------------------------------------------------------
     def _inputs(self, tree_tokens: np.ndarray, depth: np.ndarray, mask: np.ndarray, cache: KVCache,
@@ -145,9 +152,12 @@ class Decoder:
     def prefill(self, prompt: list[int]) -> tuple[DecodeState, StepOutputs]:
         n = len(prompt)
         cache = self.backend.new_cache(1, _first_bucket(n + self.max_tree, self.buckets))
-        causal = np.tril(np.ones((n, n), dtype=bool))
-        inputs = self._inputs(np.asarray(prompt), np.arange(n), causal, cache, np.array([n - 1]))
-        out = self.backend.step(inputs, cache)
+        rows = max(n, self.min_rows)  # a 1-token prompt gets a dummy row after it (overwritten later)
+        tokens = np.asarray(prompt + prompt[-1:] * (rows - n))
+        causal = np.tril(np.ones((rows, rows), dtype=bool))
+        logits_rows = np.full(max(1, self.min_rows), n - 1)  # the lm_head too runs >= min_rows rows
+        out = self.backend.step(self._inputs(tokens, np.arange(rows), causal, cache, logits_rows), cache)
+        out = StepOutputs(out.logits[:, :1], out.hidden_states[:, :n])
         cache.length = n
         state = DecodeState(cache, list(prompt), out.hidden_states[0], out.logits[0, -1])
         return state, out
@@ -169,9 +179,18 @@ class Decoder:
                 f"The {self.drafter.kind} drafter proposed {len(tree.tokens)} nodes (budget {budget}) "
                 "or a tree whose root is not the last token."
             )
-        return tree
+        return tree.main_path() if self.chains_only else tree
 
     def verify(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
+        n = len(tree.tokens)
+        if n < self.min_rows:  # a chain (chains_only): dummy nodes after it, their rows dropped
+            tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
+            padded = DraftTree(tokens, np.arange(-1, self.min_rows - 1))
+            out = self._step(state, padded, padded.buffers())
+            return StepOutputs(out.logits[:, :n], out.hidden_states[:, :n])
+        return self._step(state, tree, buffers)
+
+    def _step(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
         n = len(tree.tokens)
         state.cache.ensure_capacity(state.cache.length + n, self.buckets)
         inputs = self._inputs(tree.tokens, buffers.depth, buffers.mask, state.cache, np.arange(n))
@@ -294,7 +313,8 @@ def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 1
     cache = decoder.backend.new_cache(1, _first_bucket(past + sizes[-1], decoder.buckets))
     cache.length = past
     best: dict[int, float] = {}
-    for t in sizes:
+    for size in sizes:
+        t = max(size, decoder.min_rows)  # what a step of ``size`` nodes runs
         inputs = decoder._inputs(np.zeros(t, dtype=np.int64), np.arange(t), np.tril(np.ones((t, t), dtype=bool)),
                                  cache, np.arange(t))
         decoder.backend.step(inputs, cache)  # warm-up (first run of this shape)
@@ -303,6 +323,6 @@ def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 1
             t0 = time.perf_counter()
             decoder.backend.step(inputs, cache)
             runs.append(time.perf_counter() - t0)
-        best[t] = min(runs)
+        best[size] = min(runs)
     return {t: best[t] / best[sizes[0]] for t in sizes}
 

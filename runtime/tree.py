@@ -124,6 +124,27 @@ class DraftTree:
     def buffers(self) -> TreeBuffers:
         return build_buffers(self.parents)
 
+    @property
+    def is_chain(self) -> bool:
+        return bool(np.array_equal(self.parents, np.arange(-1, self.num_nodes - 1)))
+
+    def main_path(self) -> DraftTree:
+        """The chain from the root through each node's first child (the drafter's best candidate).
+
+        Drafters list a node's children best first, so this is the top-ranked path of the tree.
+        """
+        if self.is_chain:
+            return self
+        path = [0]
+        first_child: dict[int, int] = {}
+        for i in range(self.num_nodes - 1, 0, -1):  # the smallest index wins
+            first_child[int(self.parents[i])] = i
+        while path[-1] in first_child:
+            path.append(first_child[path[-1]])
+        idx = np.asarray(path)
+        scores = None if self.scores is None else self.scores[idx]
+        return DraftTree(self.tokens[idx], np.arange(-1, idx.size - 1, dtype=np.int64), scores)
+
     @classmethod
     def chain(cls, root_token: int, tokens) -> DraftTree:
         """A single chain, e.g. a prompt-lookup continuation."""
@@ -361,10 +382,13 @@ def choose_default_tree(
 
 
 def parse_tree_arg(s: str) -> TreeSpec:
-    """Parse ``--tree``: a registry name (``tree16``) or a JSON list of paths (``[[0],[1],[0,0]]``)."""
+    """Parse ``--tree``: a registry name (``tree16``), ``chainN`` (N top-1 nodes after the root) or a JSON
+    list of paths (``[[0],[1],[0,0]]``)."""
     s = s.strip()
     if s in STATIC_TREES:
         return STATIC_TREES[s]
+    if s.startswith("chain") and s[5:].isdigit() and int(s[5:]) >= 1:
+        return TreeSpec.static([(0,) * d for d in range(1, int(s[5:]) + 1)])
     try:
         value = json.loads(s)
     except json.JSONDecodeError:
@@ -374,7 +398,7 @@ def parse_tree_arg(s: str) -> TreeSpec:
     ):
         names = ", ".join(STATIC_TREES)
         raise TreeSpecError(
-            f"Unknown tree '{s}': use one of {names} or a JSON list of paths like [[0],[1],[0,0]]."
+            f"Unknown tree '{s}': use one of {names}, chainN or a JSON list of paths like [[0],[1],[0,0]]."
         )
     return TreeSpec.static(value)
 

@@ -290,6 +290,32 @@ def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_we
         assert eng.decoder.drafter.tree is not None
 
 
+def test_row_exact_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path):
+    """On an int4 bundle the calibration times chains and lands under ``row_exact``; fp32 keeps its own."""
+    from specdeploy.exporter.calibrate_chimera import calibrate_chimera
+    from specdeploy.exporter.quantize import quantize_bundle
+    from specdeploy.runtime.bundle import read_manifest
+
+    draft = tmp_path / "chimera.safetensors"
+    shutil.copy(tiny_weights, draft)
+    fp32 = tmp_path / "fp32"
+    shutil.copytree(chimera_bundle, fp32)
+    first = calibrate_chimera(fp32, draft, prompts=1, max_new_tokens=8, trees=("tree8",), progress=lambda m: None)
+    int4 = tmp_path / "int4"
+    quantize_bundle(chimera_bundle, int4, "int4")
+    calib = calibrate_chimera(int4, draft, prompts=1, max_new_tokens=8, trees=("chain1", "chain2"),
+                              progress=lambda m: None)
+    assert set(calib["sweep"]) == {"ar", "chain1", "chain2"}
+    assert all(v["identical"] == "1/1" for v in calib["sweep"].values())
+    saved = json.loads(draft.with_name("chimera.calibration.json").read_text())
+    assert saved["default_tree"] == first["default_tree"] == "tree8"  # the fp32 result stays
+    assert saved["row_exact"]["default_tree"] == calib["default_tree"]
+    assert read_manifest(int4).draft("chimera").setting("default_tree") == calib["default_tree"]
+    again = calibrate_chimera(fp32, draft, prompts=1, max_new_tokens=8, trees=("tree8",), progress=lambda m: None)
+    assert again["default_tree"] == "tree8"
+    assert json.loads(draft.with_name("chimera.calibration.json").read_text())["row_exact"] == saved["row_exact"]
+
+
 # --- the real model with the shipped weights -------------------------------------------------------------
 def _mtbench(n: int) -> list[str]:
     from specdeploy.exporter.bench import default_prompts_file

@@ -100,8 +100,8 @@ def test_quantized_bundle_manifest_and_graph(quant_bundles, tiny_bundle, precisi
     q = graph_quantization(bundle / base.file, manifest.model.vocab_size)
     bits = {"int8": 8, "int4": 4}[precision]
     m = manifest.model
-    accuracy = {"int8": 4, "int4": 0}[precision]  # int4: fp32 compute keeps speculative == plain greedy
-    assert (q.bits, q.block_size, q.symmetric, q.accuracy_level, q.lm_head_bits) == (bits, 32, True, accuracy, 8)
+    lm_bits = {"int8": 8, "int4": 4}[precision]  # int4: onnxruntime-genai's recipe, int8 activations
+    assert (q.bits, q.block_size, q.symmetric, q.accuracy_level, q.lm_head_bits) == (bits, 32, True, 4, lm_bits)
     assert q.matmuls == 4 * m.num_layers + 1  # qkv, o_proj, gate_up, down_proj per layer + the lm_head
     model = onnx.load(str(bundle / base.file), load_external_data=False)
     inits = {t.name: t for t in model.graph.initializer}
@@ -196,6 +196,50 @@ def test_prompt_lookup_greedy_identical_on_quantized(quant_bundles, precision, t
     assert max(accepted) > 1  # some drafts were accepted, so the tree path was exercised
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_int8_activation_bundles_run_row_exact_steps(quant_bundles, precision):
+    """Every step has >= 2 rows and every draft is a chain; plain decoding included."""
+    bundle = quant_bundles[precision]
+    with load(bundle) as plain, load(bundle, draft="prompt-lookup", tree="tree16") as spec:
+        for engine in (plain, spec):
+            assert engine.backend.min_rows == 2 and engine.decoder.chains_only
+            rows: list[int] = []
+            masks: list[np.ndarray] = []
+            step = engine.backend.step
+
+            def spy(inputs, cache, step=step, rows=rows, masks=masks):
+                rows.append(inputs.input_ids.shape[1])
+                masks.append(inputs.attention_mask)
+                assert len(inputs.logits_index) >= 2  # the lm_head too
+                return step(inputs, cache)
+
+            engine.backend.step = spy
+            ids = engine.encode(PROMPTS[1])
+            out = engine.generate_ids(ids, GenerationConfig(24))
+            assert len(out) == 24 and min(rows) == 2
+            for m in masks[1:]:  # decode steps: node i sees the past and nodes 0..i, a chain
+                t, p = m.shape[2], int((m[0, 0, 0] == 0).sum()) - 1
+                assert np.array_equal(m[0, 0, :, p : p + t] == 0, np.tril(np.ones((t, t), dtype=bool)))
+        assert max(rows) > 2  # drafts were verified, as chains
+
+
+def test_multi_row_steps_compute_rows_independently(quant_bundles):
+    """What row-exact steps rest on: a row of a >= 2-row step is bitwise the same for any row count."""
+    from specdeploy.runtime.tree import DraftTree
+
+    with load(quant_bundles["int4"]) as engine:
+        dec = engine.decoder
+        prompt = list(range(100, 131))
+        chain = DraftTree.chain(prompt[-1], [7, 8, 9, 10, 11])
+        logits = {}
+        for n in (2, 3, 6):
+            state, _ = dec.prefill(prompt)
+            sub = DraftTree(chain.tokens[:n], chain.parents[:n])
+            logits[n] = dec.verify(state, sub, sub.buffers()).logits[0]
+        np.testing.assert_array_equal(logits[2], logits[6][:2])
+        np.testing.assert_array_equal(logits[3], logits[6][:3])
+
+
 def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
     """The int4 graph really computes with other weights (else the identity test proves nothing new)."""
     from specdeploy.exporter.quality import ort_logits_fn
@@ -209,7 +253,7 @@ def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
 # --- the real model --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
-    """SmolLM2 at int4: validate passes (deltas + quality report), prompt-lookup == plain greedy."""
+    """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy via row-exact steps."""
     from specdeploy.exporter.export import export_base
     from specdeploy.exporter.validate import validate_bundle
 
@@ -223,11 +267,22 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     from specdeploy.exporter.bench import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[:4]]
+    differ = 0
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
+        assert plain.decoder.min_rows == 2 and spec.decoder.chains_only
         for p in prompts:
             ids = plain.encode(p, chat=True)
             ref = plain.generate_ids(ids, GenerationConfig(48))
             assert spec.generate_ids(ids, GenerationConfig(48)) == ref
+        # The control: without row-exact steps (1-row plain steps, tree drafts) int8 activations flip
+        # tokens (measured: 7 of 8 MT-bench prompts x 64 tokens differed), so the identity above is
+        # the mechanism's doing, not luck.
+        for engine in (plain, spec):
+            engine.decoder.min_rows, engine.decoder.chains_only = 1, False
+        for p in prompts:
+            ids = plain.encode(p, chat=True)
+            differ += spec.generate_ids(ids, GenerationConfig(48)) != plain.generate_ids(ids, GenerationConfig(48))
+    assert differ >= 1
 
 
 def test_quantize_bundle_matches_export(quant_bundles, tiny_bundle, tmp_path):

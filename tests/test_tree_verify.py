@@ -219,7 +219,9 @@ def test_registry_trees():
 def test_parse_tree_arg():
     assert parse_tree_arg("tree16") is STATIC_TREES["tree16"]
     assert parse_tree_arg(" [[0],[1],[0,0]] ").choices == ((0,), (1,), (0, 0))
-    for bad in ("tree99", "[[0],[0,0", '[[0],[1,"a"]]', "{}", "[[true]]", "[0, 1]", "[[0,0]]"):
+    assert parse_tree_arg("chain2").choices == ((0,), (0, 0))
+    assert parse_tree_arg("chain4").choices == STATIC_TREES["chain4"].choices
+    for bad in ("tree99", "[[0],[0,0", '[[0],[1,"a"]]', "{}", "[[true]]", "[0, 1]", "[[0,0]]", "chain0", "chain"):
         with pytest.raises(TreeSpecError):
             parse_tree_arg(bad)
 
@@ -313,6 +315,23 @@ def test_root_only_and_chain():
     chain = DraftTree.chain(2, [1, 0])
     acc = greedy_accept(chain, chain.buffers(), logits)
     assert acc.nodes.tolist() == [0, 1, 2] and acc.tokens.tolist() == [1, 0, 2]
+
+
+@FAST
+@given(parent_arrays(max_nodes=24))
+def test_main_path_follows_first_children(parents):
+    tree = DraftTree(np.arange(100, 100 + parents.size), parents, scores=-np.arange(parents.size, dtype=float))
+    path = tree.main_path()
+    assert path.is_chain and path.tokens[0] == 100
+    kids = children_of(parents)
+    node, want = 0, [0]
+    while kids[node]:
+        node = min(kids[node])
+        want.append(node)
+    assert path.tokens.tolist() == [100 + i for i in want]
+    assert path.scores.tolist() == [-float(i) for i in want]
+    if tree.is_chain:
+        assert path is tree
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -34,6 +34,11 @@ class Backend(ABC):
 
     name: str = "backend"
     manifest: BundleManifest
+    # The fewest rows a step may have. 2 on graphs that quantize activations to int8: ONNX Runtime's
+    # 1-row int8 kernel rounds differently from its kernel for two or more rows, whose rows are
+    # bitwise independent of how many there are. Steps of >= 2 rows make a plain step's row and a
+    # chain node's row the same computation, so speculative output equals plain output exactly.
+    min_rows: int = 1
 
     @abstractmethod
     def new_cache(self, batch: int, capacity: int) -> KVCache:
