@@ -65,6 +65,12 @@ VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
                 options=(("backend", "ort-cpu-traced"),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
                 draft="prompt-lookup", requires=("onnxruntime",)),
+    VariantSpec("ar-exact", "ours", "specdeploy ORT CPU, plain autoregressive with row-exact steps (>= 2 rows)",
+                options=(("row_exact", True),), requires=("onnxruntime",)),
+    VariantSpec("prompt-lookup-exact", "ours", "specdeploy ORT CPU, prompt-lookup chains with row-exact steps",
+                draft="prompt-lookup", options=(("row_exact", True),), requires=("onnxruntime",)),
+    VariantSpec("chimera-exact", "ours", "specdeploy ORT CPU, Chimera chains with row-exact steps",
+                draft="chimera", options=(("row_exact", True),), requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("cerberus", "ours", "specdeploy ORT CPU, Cerberus heads with gate", draft="cerberus",
@@ -132,8 +138,9 @@ class OursRunner(Runner):
         from specdeploy.runtime import load
 
         tree = self.tree if self.spec.draft else None
-        backend = dict(self.spec.options).get("backend", "ort-cpu")
-        self.engine = load(self.bundle, backend=backend, draft=self.spec.draft, threads=self.threads, tree=tree)
+        options = dict(self.spec.options)
+        self.engine = load(self.bundle, backend=options.get("backend", "ort-cpu"), draft=self.spec.draft,
+                           threads=self.threads, tree=tree, row_exact=options.get("row_exact", False))
 
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         from specdeploy.runtime.decode import DecodeStats, GenerationConfig, SamplingParams

@@ -418,9 +418,11 @@ _register_torch_backends()
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
+@click.option("--row-exact", is_flag=True,
+              help="Steps of >= 2 rows and chain drafts: speculative == plain bit for bit (always on for int8/int4).")
 def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: str, tree: str | None,
              temperature: float, top_p: float, top_k: int, seed: int | None, typical: bool, stop: tuple[str, ...],
-             backend: str, threads: int | None) -> None:
+             backend: str, threads: int | None, row_exact: bool) -> None:
     """Stream a completion and finish with tokens/s.
 
     \b
@@ -429,7 +431,7 @@ def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: 
     """
     from specdeploy.runtime import load
 
-    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree) as engine:
+    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree, row_exact=row_exact) as engine:
         stream = engine.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, typical=typical)
         for delta in stream:
@@ -504,9 +506,11 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
               help="Generation requests admitted at once (running + queued); more get a 503.")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
+@click.option("--row-exact", is_flag=True,
+              help="Steps of >= 2 rows and chain drafts: speculative == plain bit for bit (always on for int8/int4).")
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
-          max_body_bytes: int, max_queue: int, shutdown_timeout: float) -> None:
+          max_body_bytes: int, max_queue: int, shutdown_timeout: float, row_exact: bool) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
@@ -524,7 +528,7 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
     config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                           max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
-    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree) as engine:
+    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree, row_exact=row_exact) as engine:
         run_server(engine, config)
 
 

@@ -202,14 +202,15 @@ class TextStream:
 
 class Engine:
     def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
-                 threads: int | None = None, tree: str | None = None, max_tree: int | None = None):
+                 threads: int | None = None, tree: str | None = None, max_tree: int | None = None,
+                 row_exact: bool = False):
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
         self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
         self.draft_name = draft or "none"
         drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads)
-        self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree)
+        self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree, row_exact=row_exact)
         self.cost_curve: dict[int, float] | None = None  # measured when the drafter trades length for cost
         if isinstance(drafter, PromptLookupDrafter) and drafter.adaptive:
             # Its draft length trades expected tokens against step cost: measure this backend's (~1 s).
@@ -380,6 +381,11 @@ class Engine:
 
 
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None, threads: int | None = None,
-         tree: str | None = None, max_tree: int | None = None) -> Engine:
-    """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle."""
-    return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree)
+         tree: str | None = None, max_tree: int | None = None, row_exact: bool = False) -> Engine:
+    """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle.
+
+    ``row_exact``: every step runs >= 2 rows and drafts are chains, so speculative greedy output is
+    bitwise the plain output by construction (always on for int8/int4 bundles; see ``Decoder``).
+    """
+    return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
+                  row_exact=row_exact)

@@ -223,11 +223,13 @@ def test_int8_activation_bundles_run_row_exact_steps(quant_bundles, precision):
         assert max(rows) > 2  # drafts were verified, as chains
 
 
-def test_multi_row_steps_compute_rows_independently(quant_bundles):
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_multi_row_steps_compute_rows_independently(quant_bundles, tiny_bundle, precision):
     """What row-exact steps rest on: a row of a >= 2-row step is bitwise the same for any row count."""
     from specdeploy.runtime.tree import DraftTree
 
-    with load(quant_bundles["int4"]) as engine:
+    bundle = tiny_bundle if precision == "fp32" else quant_bundles[precision]
+    with load(bundle, row_exact=True) as engine:
         dec = engine.decoder
         prompt = list(range(100, 131))
         chain = DraftTree.chain(prompt[-1], [7, 8, 9, 10, 11])
@@ -238,6 +240,19 @@ def test_multi_row_steps_compute_rows_independently(quant_bundles):
             logits[n] = dec.verify(state, sub, sub.buffers()).logits[0]
         np.testing.assert_array_equal(logits[2], logits[6][:2])
         np.testing.assert_array_equal(logits[3], logits[6][:3])
+
+
+def test_row_exact_on_an_fp32_bundle(tiny_bundle):
+    """``row_exact=True`` gives any bundle the int8 bundles' steps; greedy output is unchanged."""
+    with load(tiny_bundle, row_exact=True) as plain, \
+            load(tiny_bundle, draft="prompt-lookup", tree="tree16", row_exact=True) as spec, \
+            load(tiny_bundle) as default:
+        assert plain.decoder.min_rows == 2 and spec.decoder.chains_only and default.decoder.min_rows == 1
+        for text in PROMPTS:
+            ids = plain.encode(text)
+            ref = plain.generate_ids(ids, GenerationConfig(32))
+            assert spec.generate_ids(ids, GenerationConfig(32)) == ref
+            assert default.generate_ids(ids, GenerationConfig(32)) == ref  # fp32: 1e-5 differences only
 
 
 def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
