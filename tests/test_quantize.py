@@ -242,6 +242,24 @@ def test_multi_row_steps_compute_rows_independently(quant_bundles, tiny_bundle, 
         np.testing.assert_array_equal(logits[3], logits[6][:3])
 
 
+def test_row_exact_edges_on_int4(quant_bundles):
+    """A 1-token prompt, the end of the context and sampling, with row-exact steps."""
+    from specdeploy.runtime.decode import SamplingParams
+
+    bundle = quant_bundles["int4"]
+    limit = read_manifest(bundle).limits.max_context
+    with load(bundle) as plain, load(bundle, draft="prompt-lookup") as spec:
+        for ids in ([300], [5, 6, 7, 8] * ((limit - 12) // 4)):
+            ref_stats, stats = DecodeStats(), DecodeStats()
+            ref = plain.generate_ids(ids, GenerationConfig(40), ref_stats)
+            assert spec.generate_ids(ids, GenerationConfig(40), stats) == ref
+            assert stats.finish_reason == ref_stats.finish_reason
+            assert len(ids) + len(ref) <= limit
+        assert ref_stats.finish_reason == "length" and len(ids) + len(ref) >= limit - 2  # ran into the limit
+        config = GenerationConfig(24, SamplingParams(temperature=0.8, seed=3))
+        assert spec.generate_ids([300, 301], config) == spec.generate_ids([300, 301], config)  # seeded
+
+
 def test_row_exact_on_an_fp32_bundle(tiny_bundle):
     """``row_exact=True`` gives any bundle the int8 bundles' steps; greedy output is unchanged."""
     with load(tiny_bundle, row_exact=True) as plain, \
