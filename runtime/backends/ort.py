@@ -120,6 +120,7 @@ class OrtBackend(Backend):
         self._present = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
         dtype = next(s.dtype for s in entry.inputs if s.name == "past_key_0")
         self._kv_dtype = np.dtype(dtype)
+        self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._mask_dtype = np.dtype(next(s.dtype for s in entry.inputs if s.name == "attention_mask"))
         self._ortvalues: dict[int, Any] = {}  # id(buffer) -> OrtValue sharing its memory
         self._bindings: dict[int, tuple[list[np.ndarray], Any]] = {}  # id(session) -> (cache buffers, binding)
@@ -178,11 +179,16 @@ class OrtBackend(Backend):
         binding.bind_cpu_input("attention_mask", inputs.attention_mask)
         binding.bind_cpu_input("write_indices", inputs.write_indices)
         binding.bind_cpu_input("logits_index", inputs.logits_index)
-        binding.bind_output("logits")  # a fresh output each step: earlier results stay valid
-        binding.bind_output("hidden_states")
+        # Fresh host arrays each step (earlier results stay valid), bound by pointer: ONNX Runtime writes
+        # into them, so no output is copied and no wrapper is made for the 2 x layers cache outputs.
+        b, t = inputs.input_ids.shape
+        m = self.manifest.model
+        logits = np.empty((b, len(inputs.logits_index), m.vocab_size), dtype=self._out_dtype["logits"])
+        hidden = np.empty((b, t, m.hidden_size), dtype=self._out_dtype["hidden_states"])
+        for name, arr in (("logits", logits), ("hidden_states", hidden)):
+            binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         session.run_with_iobinding(binding)
-        outs = binding.get_outputs()
-        return StepOutputs(logits=outs[0].numpy(), hidden_states=outs[1].numpy())
+        return StepOutputs(logits=logits, hidden_states=hidden)
 
     def close(self) -> None:
         self._bindings.clear()
