@@ -50,13 +50,15 @@ def export() -> None:
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--max-context", type=int, default=None, help="Maximum prompt + generated tokens.")
 @click.option("--max-tree", type=int, default=64, show_default=True, help="Maximum tree nodes per step.")
-@click.option("--precision", default="fp32", show_default=True, type=click.Choice(["fp32", "fp16", "int8", "int4"]),
-              help="Weight precision. int8/int4: weight-only MatMulNBits quantization (ONNX Runtime only).")
+@click.option("--precision", default="fp32", show_default=True,
+              type=click.Choice(["fp32", "fp16", "int8", "int4", "q4_1"]),
+              help="Weight precision. int8/int4: MatMulNBits blocks with int8 activations (ONNX Runtime only); "
+                   "q4_1: a Q4_1 GGUF's own blocks with int8 activations (llama.cpp's arithmetic).")
 @click.option("--block-size", type=int, default=None,
               help="int8/int4: weights per quantization block (power of two >= 16; default 32).")
 @click.option("--target", type=click.Choice(["all", "ort", "trt"]), default=None,
               help="Graph targets: trt (dynamo trace in standard ops, TensorRT-parseable), ort (ONNX Runtime's "
-                   "fused kernels, what the CPU runtime runs; the only target of int8/int4), or all "
+                   "fused kernels, what the CPU runtime runs; the only target of int8/int4/q4_1), or all "
                    "(both; the default for fp32).")
 @click.option("--gguf-blocks/--no-gguf-blocks", default=True, show_default=True,
               help="From a Q4_1 GGUF (the default model), also write base-q4.onnx, the ort graph with the file's "
@@ -72,15 +74,19 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     runtime prefers. 'specdeploy validate' checks both against torch.
 
     \b
-    int8/int4 quantize the MatMul weights blockwise with ONNX Runtime's MatMulNBitsQuantizer
-    (graph inputs, outputs and the KV cache stay fp32); check them with 'specdeploy validate', which adds a
-    quality report (top-1 agreement and perplexity against fp32). fp16 is not exported for the CPU:
-    build TensorRT engines with 'specdeploy build --precision fp16' instead.
+    int8/int4 quantize the MatMul weights blockwise with ONNX Runtime's MatMulNBitsQuantizer, and the
+    kernels quantize their activations to int8 (onnxruntime-genai's recipe; the KV cache stays fp32).
+    q4_1 keeps a Q4_1 GGUF's own blocks instead (no second rounding: near-fp32 quality). The runtime
+    runs such bundles with row-exact steps, so speculative output stays identical to plain output.
+    Check them with 'specdeploy validate', which adds a quality report (top-1 agreement and perplexity
+    against fp32). fp16 is not exported for the CPU: build TensorRT engines with
+    'specdeploy build --precision fp16' instead.
 
     \b
     Examples:
       specdeploy export base --out bundles/smollm2
       specdeploy export base --precision int4 --out bundles/smollm2-int4
+      specdeploy export base --precision q4_1 --out bundles/smollm2-q4_1
     """
     from .export import export_base
 

@@ -238,10 +238,15 @@ def export_base(
     ``base-q4.onnx`` (target "ort", precision "gguf-q4_1") keeps the file's own 4-bit blocks: the same
     weights, a 1-token step ~1.5x faster on a bandwidth-bound CPU (``gguf_blocks.py``); the CPU
     runtime runs it for plain decoding (see ``BundleManifest.cpu_base``). ``gguf_blocks`` False skips it.
+
+    ``precision`` "q4_1" (a Q4_1 GGUF source only) writes one ``ort`` graph from those blocks with int8
+    activations, and the lm_head from the file's ``Q8_0`` table at 8 bits with int8 activations: the
+    arithmetic llama.cpp uses for this file. Its quality stays near fp32 (no second rounding of the
+    weights, unlike "int4"); like int8/int4 it runs row-exact steps (``runtime.decode.Decoder``).
     """
     from specdeploy.graphs.base_step import BaseStep
 
-    from .quantize import QUANTIZED, quant_config, resolve_target
+    from .quantize import GGUF_INT8, QUANTIZED, PrecisionError, quant_config, resolve_target
     from .source import check_architecture, load_model
 
     target = resolve_target(precision, target)
@@ -257,6 +262,22 @@ def export_base(
     mcfg = model_config(hf, loaded.tokenizer, arch)
     ctx = min(max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     step = BaseStep(hf).eval()
+    if precision == GGUF_INT8:
+        from .gguf_blocks import read_q4_1_linears
+
+        blocks = read_q4_1_linears(loaded.path, hf) if loaded.format == "gguf" else None
+        if not blocks:
+            raise PrecisionError(
+                f"--precision {GGUF_INT8} keeps a Q4_1 GGUF's own blocks, and '{loaded.path}' is not a GGUF whose "
+                "decoder weights are all Q4_1; use --precision int4 instead."
+            )
+        with staged_bundle(out, force) as tmp:
+            _write_gguf_int8_base(step, blocks, tmp, ctx + max_tree, progress)
+            del blocks
+            gc.collect()
+            entries = [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision)]
+            return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision,
+                                  target, None, t0, progress)
     with staged_bundle(out, force) as tmp:
         entries = []
         if target in ("ort", "all"):  # first: its weight copies are freed before the trace's peak
@@ -280,24 +301,31 @@ def export_base(
         if target in ("trt", "all"):
             _trace_base(step, tmp / "base.onnx", arch, progress)
             entries.insert(0, graph_entry(tmp, "base", "base.onnx", target="trt", precision="fp32"))
-        progress(f"[3/4] writing tokenizer and manifest ({time.time() - t0:.0f}s) ...")
-        tok = write_tokenizer(loaded.tokenizer, tmp)
-        manifest = BundleManifest(
-            model=mcfg,
-            graphs=tuple(entries),
-            limits=Limits(max_batch=max_batch, max_tree=max_tree, max_context=ctx),
-            tokenizer=tok,
-            source=SourceInfo(path=loaded.path, format=loaded.format, weight_sha=loaded.weight_sha),
-            versions=package_versions("specdeploy", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"),
-        )
-        write_manifest(tmp, manifest)
-        (tmp / "README.txt").write_text(
-            "specdeploy bundle. Run: specdeploy generate <this folder> --prompt '...'\n"
-            + json.dumps({"model": loaded.path, "architecture": arch, "precision": precision, "target": target,
-                          "quantization": None if qconfig is None else dataclasses.asdict(qconfig)}, indent=1)
-            + "\n"
-        )
-        progress(f"[4/4] bundle complete ({time.time() - t0:.0f}s)")
+        return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision, target,
+                              qconfig, t0, progress)
+
+
+def _finish_bundle(tmp: Path, entries: list, loaded, mcfg, ctx: int, max_tree: int, max_batch: int, arch: str,
+                   precision: str, target: str, qconfig, t0: float, progress: Progress) -> BundleManifest:
+    """Tokenizer, manifest and README of a staged bundle whose graphs are written."""
+    progress(f"[3/4] writing tokenizer and manifest ({time.time() - t0:.0f}s) ...")
+    tok = write_tokenizer(loaded.tokenizer, tmp)
+    manifest = BundleManifest(
+        model=mcfg,
+        graphs=tuple(entries),
+        limits=Limits(max_batch=max_batch, max_tree=max_tree, max_context=ctx),
+        tokenizer=tok,
+        source=SourceInfo(path=loaded.path, format=loaded.format, weight_sha=loaded.weight_sha),
+        versions=package_versions("specdeploy", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"),
+    )
+    write_manifest(tmp, manifest)
+    (tmp / "README.txt").write_text(
+        "specdeploy bundle. Run: specdeploy generate <this folder> --prompt '...'\n"
+        + json.dumps({"model": loaded.path, "architecture": arch, "precision": precision, "target": target,
+                      "quantization": None if qconfig is None else dataclasses.asdict(qconfig)}, indent=1)
+        + "\n"
+    )
+    progress(f"[4/4] bundle complete ({time.time() - t0:.0f}s)")
     return manifest
 
 
@@ -326,6 +354,22 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
     }
     with torch.no_grad():
         export_graph(step, args, path, in_names, out_names, axes)
+
+
+def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, progress: Progress) -> None:
+    """The ``q4_1`` precision: the GGUF's Q4_1 blocks with int8 activations, the lm_head at 8 bits."""
+    from .ort_graph import export_ort_graph
+    from .quantize import quantize_lm_head
+
+    progress("[2/4] writing the ONNX Runtime graph from the GGUF's Q4_1 blocks (int8 activations) ...")
+    (tmp / "blocks").mkdir()
+    export_ort_graph(step, tmp / "blocks" / ORT_BASE_FILE, max_positions, progress=progress, blocks=blocks,
+                     block_accuracy=4)
+    progress("[2/4] the lm_head (the GGUF's Q8_0 table) at 8 bits with int8 activations ...")
+    quantize_lm_head(tmp / "blocks" / ORT_BASE_FILE, tmp / ORT_BASE_FILE)
+    shutil.rmtree(tmp / "blocks")
+    progress("      int8 activations: the runtime runs every step with >= 2 rows and drafts chains only, "
+             "which keeps speculative output identical to plain (see exporter/quantize.py)")
 
 
 def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress) -> None:

@@ -99,17 +99,18 @@ def _np(t) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def q4_linear(g: _Builder, x: str, name: str, qb) -> str:
+def q4_linear(g: _Builder, x: str, name: str, qb, accuracy_level: int = 0) -> str:
     """``x [B, T, K] @ W.T`` for ``W = d * q + m`` held as 4-bit blocks (:class:`gguf_blocks.Q4Blocks`):
     ``MatMulNBits`` with zero point 0 gives the ``d * q`` part, a small MatMul of x's block sums with
-    the block minima adds the ``m`` part."""
+    the block minima adds the ``m`` part. ``accuracy_level`` 4 quantizes x to int8 inside the kernel
+    (the ``q4_1`` precision, llama.cpp's arithmetic); 0 multiplies in fp32."""
     from .gguf_blocks import BLOCK
 
     n, k = qb.shape
     packed, scales, zero_points = qb.matmulnbits_inputs()
     y = g.one("MatMulNBits", [x, g.init(name + ".q4", packed), g.init(name + ".scales", scales),
                               g.init(name + ".zero_points", zero_points)], MS,
-              K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=0)
+              K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=accuracy_level)
     sums = g.one("ReduceSum", [g.one("Reshape", [x, g.const([0, 0, k // BLOCK, BLOCK])]), g.const([-1])],
                  keepdims=0)  # [B, T, K/32]: the sum of x over each block
     return g.one("Add", [y, g.one("MatMul", [sums, g.init(name + ".block_min", qb.m.T)])])
@@ -128,7 +129,7 @@ def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=None, location: str = "",
-                    blocks: dict | None = None):
+                    blocks: dict | None = None, block_accuracy: int = 0):
     """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`) in ``flavour``.
 
     With ``data`` (a binary file opened for writing), the weights go there as external data named
@@ -176,7 +177,7 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
             return g.one("MatMul", [x, g.init(name, _np(weight).T)])
         from .gguf_blocks import Q4Blocks
 
-        return q4_linear(g, x, name, Q4Blocks.concat([blocks[p] for p in parts]))
+        return q4_linear(g, x, name, Q4Blocks.concat([blocks[p] for p in parts]), block_accuracy)
 
     x = g.one("Gather", [embed, "input_ids"], axis=0)  # [B, T, H]
     residual_in = None  # the sublayer output still to be added to x
@@ -275,14 +276,16 @@ def save_graph(model, path: Path) -> None:
 
 
 def export_ort_graph(step, path: Path, max_positions: int, flavour: str = "contrib",
-                     progress: Callable[[str], None] | None = None, blocks: dict | None = None) -> None:
+                     progress: Callable[[str], None] | None = None, blocks: dict | None = None,
+                     block_accuracy: int = 0) -> None:
     """Build the ``ort``-target base graph of ``step`` at ``path``, weights streamed to ``<path>.data``."""
     import onnx
 
     path = Path(path)
     data = path.with_name(path.name + ".data")
     with open(data, "wb") as f:
-        model = build_ort_graph(step, max_positions, flavour, data=f, location=data.name, blocks=blocks)
+        model = build_ort_graph(step, max_positions, flavour, data=f, location=data.name, blocks=blocks,
+                                block_accuracy=block_accuracy)
     if progress:
         progress(f"      {len(model.graph.node)} nodes ({flavour}), weights {data.stat().st_size / 2**20:.0f} MiB "
                  f"in {data.name}")

@@ -28,8 +28,8 @@ from specdeploy.runtime.bundle import BundleManifest
 # weights that are already dequantized Q4_1, so both sit below the textbook 0.97 / 0.85. The limits
 # leave room for sampling noise (+-0.02 at 394 positions) and other models of this size, and still
 # fail a broken graph (top-1 near 0, perplexity in the hundreds) or a wrong lm_head/layout.
-MIN_TOP1 = {"int8": 0.92, "int4": 0.60}
-MAX_PPL_RATIO = {"int8": 1.03, "int4": 1.40}
+MIN_TOP1 = {"int8": 0.92, "int4": 0.60, "q4_1": 0.85}
+MAX_PPL_RATIO = {"int8": 1.03, "int4": 1.40, "q4_1": 1.03}
 
 # Held-in text: plain, varied English (narrative, explanation, instructions, dialogue, a list).
 HELD_IN_TEXTS = (

@@ -72,8 +72,11 @@ from pathlib import Path
 
 from specdeploy.runtime.errors import SpecDeployError
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "q4_1")
 QUANTIZED = {"int8": 8, "int4": 4}
+# "q4_1": a Q4_1 GGUF's own 4-bit blocks (``gguf_blocks.py``) with int8 activations, the lm_head from
+# its Q8_0 blocks at 8 bits: llama.cpp's arithmetic in ONNX Runtime (see ``export_base``).
+GGUF_INT8 = "q4_1"
 TARGETS = ("trt", "ort", "all")
 CONTRIB_DOMAIN = "com.microsoft"
 
@@ -123,7 +126,7 @@ def resolve_target(precision: str, target: str | None) -> str:
             "shrinks the weights further at fp32-like quality. For a GPU, export fp32 and build TensorRT "
             "engines with 'specdeploy build --precision fp16'."
         )
-    if precision in QUANTIZED:
+    if precision in QUANTIZED or precision == GGUF_INT8:
         if target in ("trt", "all"):
             raise PrecisionError(
                 f"--precision {precision} uses ONNX Runtime's MatMulNBits contrib op, which TensorRT cannot parse; "
@@ -204,6 +207,33 @@ def quantize_model(model, config: QuantConfig):
     if not any(n.op_type == "MatMulNBits" for n in out.graph.node):
         raise PrecisionError("No MatMul weight was quantized; the graph has no constant-weight MatMul.")
     return out
+
+
+def quantize_lm_head(src: Path, dst: Path, bits: int = 8, accuracy_level: int = 4) -> None:
+    """Quantize only the logits MatMul of the graph at ``src`` into ``dst`` (symmetric blocks of 32).
+
+    For the ``q4_1`` precision: the tied lm_head is the GGUF's ``Q8_0`` table (int8 values, one scale
+    per 32), so 8-bit symmetric blocks of 32 hold it again up to the rounding of each scale.
+    """
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from .ort_graph import save_graph
+
+    model = onnx.load(str(src), load_external_data=True)
+    inits = {i.name for i in model.graph.initializer}
+    weighted = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    lm = [n.name for n in weighted if "logits" in n.output]
+    if len(lm) != 1:  # the op-by-op ort graph multiplies by its own [H, V] copy, straight into ``logits``
+        raise PrecisionError("The graph has no single lm_head MatMul to quantize.")
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    # nodes_to_include adds to the quantizer's choice rather than limiting it: exclude the others (the
+    # block-minimum MatMuls of the Q4_1 linears) by name.
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=32, is_symmetric=True,
+                                     accuracy_level=accuracy_level,
+                                     nodes_to_exclude=[n.name for n in weighted if n.name not in lm])
+    quantizer.process()
+    save_graph(quantizer.model.model, Path(dst))
 
 
 def quantize_file(src: Path, dst: Path, config: QuantConfig) -> None:

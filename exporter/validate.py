@@ -20,10 +20,11 @@ from specdeploy.runtime.errors import ValidationFailed
 # Weight-quantized graphs are judged by their quality report (quality.py): per case their argmax may
 # legitimately differ from fp32, and their deltas are bounded only loosely, to catch a broken graph.
 # Measured on SmolLM2-135M (max |delta| over prefill/step/tree): int8 logits 1.75, hidden/KV 1.35;
-# int4 logits 16.2, hidden/KV 10.6 (its fp32 weights are dequantized Q4_1, so int4 re-rounds them).
-QUANTIZED_PRECISIONS = ("int8", "int4")
-LOGITS_ATOL = {"fp32": 1e-3, "fp16": 5e-2, "int8": 4.0, "int4": 40.0}
-STATE_ATOL = {"int8": 5.0, "int4": 30.0}  # hidden_states and present_*; default: 10x the logits atol
+# int4 logits 16.2, hidden/KV 10.6 (its fp32 weights are dequantized Q4_1, so int4 re-rounds them);
+# q4_1 (the same Q4_1 weights, int8 activations) logits 5.9, hidden/KV 5.1 on the prefill case.
+QUANTIZED_PRECISIONS = ("int8", "int4", "q4_1")
+LOGITS_ATOL = {"fp32": 1e-3, "fp16": 5e-2, "int8": 4.0, "int4": 40.0, "q4_1": 15.0}
+STATE_ATOL = {"int8": 5.0, "int4": 30.0, "q4_1": 12.0}  # hidden_states and present_*; default: 10x the logits atol
 
 
 @dataclass(frozen=True)

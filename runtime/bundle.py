@@ -22,7 +22,7 @@ GGUF_Q4_1 = "gguf-q4_1"  # precision of a base graph holding the source GGUF's o
 # Weight precisions whose graphs quantize the activations to int8 inside ONNX Runtime's MatMulNBits
 # (accuracy level 4). Such a graph computes a step of one row with another kernel than a step of two
 # or more rows, so the runtime gives every step at least two rows (see ``Decoder``).
-INT8_ACTIVATIONS = ("int8", "int4")
+INT8_ACTIVATIONS = ("int8", "int4", "q4_1")
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 22
 

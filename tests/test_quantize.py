@@ -283,7 +283,47 @@ def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
     assert 1e-2 < np.abs(ref - got).max() < 40.0
 
 
+def test_q4_1_needs_a_q4_1_gguf(tiny_model_factory, tmp_path):
+    from specdeploy.exporter.export import export_base
+
+    with pytest.raises(PrecisionError, match="Q4_1 GGUF's own blocks.*--precision int4"):
+        export_base(str(tiny_model_factory("llama")), tmp_path / "b", precision="q4_1", progress=lambda m: None)
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(PrecisionError, match="TensorRT cannot parse"):
+        resolve_target("q4_1", "all")
+    assert resolve_target("q4_1", None) == "ort"
+
+
 # --- the real model --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, tmp_path):
+    """SmolLM2 as its own Q4_1 blocks with int8 activations: near-fp32 quality, row-exact speculation."""
+    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.validate import validate_bundle
+
+    manifest = read_manifest(real_bundle)
+    out = tmp_path / "smollm2-q4_1"
+    export_base(manifest.source.path, out, max_context=2048, precision="q4_1", progress=lambda m: None)
+    [graph] = read_manifest(out).graphs
+    assert (graph.file, graph.target, graph.precision) == ("base-ort.onnx", "ort", "q4_1")
+    model = onnx.load(str(out / graph.file), load_external_data=False)
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+             for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert sorted((a["bits"], a["accuracy_level"]) for a in attrs) == [(4, 4)] * 120 + [(8, 4)]  # + lm_head
+    assert sum(n.op_type == "MatMul" for n in model.graph.node) >= 120  # block minima stay fp32
+    lines: list[str] = []
+    validate_bundle(out, progress=lines.append)  # raises ValidationFailed on any failure
+    text = "\n".join(lines)
+    top1 = float(next(line for line in lines if "top-1 agreement" in line).split()[3])
+    assert top1 >= 0.88, text  # measured 0.919 (int4: 0.617): no second rounding of the weights
+    from specdeploy.exporter.bench import default_prompts_file
+
+    prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
+    with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
+        assert plain.decoder.min_rows == 2
+        for p in prompts:
+            ids = plain.encode(p, chat=True)
+            assert spec.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
 @pytest.mark.slow
 def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy via row-exact steps."""
