@@ -184,23 +184,3 @@ def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
         stat = chisquare(counts[support], expected)
         assert counts[np.setdiff1d(np.arange(len(p)), support)].sum() == 0
         assert stat.pvalue > 1e-3, (stat, counts[support], expected)
-
-
-def test_prompt_lookup_keeps_its_acceptance_estimates_across_generations():
-    """reset() starts a new sequence; the per-n-gram acceptance estimates carry over, old ones fade."""
-    from specdeploy.runtime.drafters.prompt_lookup import _MEMORY, _PRIOR, PromptLookupDrafter
-
-    d = PromptLookupDrafter(max_ngram=2, min_ngram=2, adaptive=False, num_tokens=3, branches=1)
-    tokens = np.array([5, 6, 7, 8, 9, 5, 6], dtype=np.int64)
-    tree = d.propose(DraftContext(tokens, None, None, 8))
-    assert tree.tokens.tolist() == [6, 7, 8, 9]
-    d.accepted(np.array([0, 1]), tree)  # one drafted token accepted, then a rejection
-    assert d._stats[2] == [_PRIOR[0] + 1, _PRIOR[1] + 1]
-    d.reset()
-    assert d._last is None and d._stats[2] == [_PRIOR[0] + 1, _PRIOR[1] + 1]
-    for _ in range(200):
-        d.propose(DraftContext(tokens, None, None, 8))
-        d.accepted(np.array([0, 1, 2, 3]), tree)  # all three accepted
-    acc, rej = d._stats[2]
-    assert acc + rej <= _MEMORY and acc / (acc + rej) > 0.95
-

@@ -7,9 +7,7 @@ tree, most recent match first.
 The draft length adapts: the drafter keeps, per matched n-gram size, a Beta estimate of the chance
 that a drafted token is accepted given the one before it was, and drafts the length that maximises
 expected tokens per unit of step cost (from the backend's cost curve). A poor match therefore costs
-a 1-token step, not a 10-token one. The estimates describe the model and its kind of text, not one
-sequence, so they carry over from one generation to the next (an engine's drafter keeps learning);
-old evidence fades once an n-gram size has seen ``_MEMORY`` drafts.
+a 1-token step, not a 10-token one.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from ..tree import CPU_COST_CURVE, DraftTree, step_cost
 from .base import DraftContext, Drafter
 
 _PRIOR = (2.0, 1.0)  # Beta(accepted, rejected) prior: optimistic, so new matches get tried
-_MEMORY = 256.0  # evidence kept per n-gram size; beyond it both counts are halved
 
 
 class PromptLookupDrafter(Drafter):
@@ -39,8 +36,6 @@ class PromptLookupDrafter(Drafter):
         self.max_nodes = max_nodes
         self.adaptive = adaptive
         self.use_cost_curve(cost_curve)
-        # Per n-gram size: [accepted drafts, rejected drafts] along the accepted branch.
-        self._stats = {n: list(_PRIOR) for n in range(self.min_ngram, self.max_ngram + 1)}
         self.reset()
 
     def use_cost_curve(self, cost_curve: Mapping[int, float]) -> None:
@@ -48,7 +43,8 @@ class PromptLookupDrafter(Drafter):
         self._cost = np.array([step_cost(cost_curve, n) for n in range(1, self.num_tokens * self.branches + 2)])
 
     def reset(self) -> None:
-        """A new sequence: forget the last proposal; the acceptance estimates carry over."""
+        # Per n-gram size: [accepted drafts, rejected drafts] along the accepted branch.
+        self._stats = {n: list(_PRIOR) for n in range(self.min_ngram, self.max_ngram + 1)}
         self._last: tuple[int, int] | None = None  # (n-gram size, drafted depth) of the last proposal
 
     def _length(self, n: int) -> int:
@@ -115,5 +111,3 @@ class PromptLookupDrafter(Drafter):
         stats = self._stats[n]
         stats[0] += k
         stats[1] += 1 if k < depth else 0  # the first rejected position, if any
-        if stats[0] + stats[1] > _MEMORY:
-            stats[0], stats[1] = stats[0] / 2, stats[1] / 2
