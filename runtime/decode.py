@@ -259,11 +259,14 @@ class Decoder:
         t_dec = time.perf_counter()
         remaining = config.max_new_tokens - 1
         while remaining > 0:
-            room = limit - state.cache.length  # slots left for this step's nodes
+            # A step of n nodes fills n slots and emits up to n tokens, the last of which (the next
+            # root) needs no slot yet but counts towards the context: n <= room - 1 keeps prompt +
+            # generated tokens within the limit, as plain decoding's 1-node steps do.
+            room = limit - state.cache.length
             if room <= 1:
                 stats.finish_reason = "length"
                 break
-            tree = self.propose(state, min(self.max_tree, room) if self.drafter else 1, stats)
+            tree = self.propose(state, min(self.max_tree, room - 1) if self.drafter else 1, stats)
             buffers = build_buffers(tuple(tree.parents.tolist()))
             tb = time.perf_counter()
             out = self.verify(state, tree, buffers)

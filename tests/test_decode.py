@@ -129,6 +129,32 @@ def test_one_token_prompt_and_context_limit(tiny_bundle):
             engine.generate("", max_new_tokens=4)
 
 
+@pytest.mark.parametrize("row_exact", [False, True])
+def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, row_exact):
+    """A draft that is always right must not carry the output past the context limit (it once did, by
+    one token: a step's last emitted token needs no slot yet but counts towards the context)."""
+
+    class Truth(Drafter):
+        kind = "truth"
+
+        def propose(self, ctx):
+            done = len(ctx.tokens) - len(ids)
+            return DraftTree.chain(ctx.tokens[-1], ref[done : done + ctx.max_nodes - 1])
+
+    with load(tiny_bundle, row_exact=row_exact) as engine:
+        limit = engine.manifest.limits.max_context
+        ids = [5, 6, 7, 8] * ((limit - 10) // 4)
+        stats = DecodeStats()
+        ref = list(engine.decoder.generate(ids, GenerationConfig(40), stats))
+        assert len(ids) + len(ref) <= limit
+        dec = Decoder(engine.backend, engine.manifest, Truth(), row_exact=row_exact)
+        spec_stats = DecodeStats()
+        assert list(dec.generate(ids, GenerationConfig(40), spec_stats)) == ref
+        assert spec_stats.finish_reason == stats.finish_reason
+        if stats.finish_reason == "length":
+            assert len(ids) + len(ref) == limit and max(spec_stats.accepted) > 1
+
+
 def test_drafter_that_breaks_the_contract_is_refused(tiny_bundle):
     class TooBig(Drafter):
         def propose(self, ctx):
