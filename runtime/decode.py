@@ -155,7 +155,7 @@ class Decoder:
         n = len(prompt)
         cache = self.backend.new_cache(1, _first_bucket(n + self.max_tree, self.buckets))
         rows = max(n, self.min_rows)  # a 1-token prompt gets a dummy row after it (overwritten later)
-        tokens = np.asarray(prompt + prompt[-1:] * (rows - n))
+        tokens = np.asarray(list(prompt) + [prompt[-1]] * (rows - n), dtype=np.int64)
         causal = np.tril(np.ones((rows, rows), dtype=bool))
         logits_rows = np.full(max(1, self.min_rows), n - 1)  # the lm_head too runs >= min_rows rows
         out = self.backend.step(self._inputs(tokens, np.arange(rows), causal, cache, logits_rows), cache)
@@ -188,7 +188,7 @@ class Decoder:
         if n < self.min_rows:  # a chain (chains_only): dummy nodes after it, their rows dropped
             tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
             padded = DraftTree(tokens, np.arange(-1, self.min_rows - 1))
-            out = self._step(state, padded, padded.buffers())
+            out = self._step(state, padded, build_buffers(tuple(padded.parents.tolist())))  # cached
             return StepOutputs(out.logits[:, :n], out.hidden_states[:, :n])
         return self._step(state, tree, buffers)
 

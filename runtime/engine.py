@@ -385,7 +385,7 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
     """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle.
 
     ``row_exact``: every step runs >= 2 rows and drafts are chains, so speculative greedy output is
-    bitwise the plain output by construction (always on for int8/int4 bundles; see ``Decoder``).
+    bitwise the plain output by construction (always on for int8/int4/q4_1 bundles; see ``Decoder``).
     """
     return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
                   row_exact=row_exact)
