@@ -50,7 +50,6 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     from specdeploy.runtime import load
     from specdeploy.runtime.bundle import INT8_ACTIVATIONS, read_manifest
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
-
     from specdeploy.runtime.errors import DraftMismatchError
 
     from .export_draft import calibration_path, export_draft, read_calibration
