@@ -48,7 +48,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     Returns this run's result (``default_tree``, ``sweep``, ``speedup``, ...).
     """
     from specdeploy.runtime import load
-    from specdeploy.runtime.bundle import INT8_ACTIVATIONS, read_manifest
+    from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
     from specdeploy.runtime.errors import DraftMismatchError
 
@@ -60,7 +60,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     weights = load_draft_weights(draft, "chimera")
     sha = hash_files([draft])
     manifest = read_manifest(bundle)
-    row_exact = manifest.cpu_base(multi_row=True).precision in INT8_ACTIVATIONS
+    row_exact = manifest.row_exact
     trees = trees or (CHIMERA_CHAINS if row_exact else CHIMERA_TREES)
     current = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     if current is None or current.weights_sha != sha:

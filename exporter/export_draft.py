@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.runtime.bundle import (
-    INT8_ACTIVATIONS,
     DraftEntry,
     config_pairs,
     graph_paths,
@@ -247,7 +246,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     cal_path = Path(calibration) if calibration else calibration_path(draft)
     if use_calibration and (calibration is not None or cal_path.is_file()):
         calib = read_calibration(cal_path, weights)
-        if manifest.cpu_base(multi_row=True).precision in INT8_ACTIVATIONS:
+        if manifest.row_exact:
             calib = calib.get("row_exact", {})  # chains only; the other section's trees would be pruned
         if calib.get("default_tree"):
             settings["default_tree"] = calib["default_tree"]

@@ -188,20 +188,27 @@ def untie_lm_head(model) -> str | None:
     return lm_matmul
 
 
-def quantize_model(model, config: QuantConfig):
-    """Return ``model`` (an onnx.ModelProto with weights loaded) with MatMul weights in MatMulNBits."""
+def _matmul_nbits(model, bits: int, block_size: int, symmetric: bool, accuracy_level: int, exclude: list[str]):
+    """ONNX Runtime's MatMulNBitsQuantizer over every constant-weight MatMul of ``model`` but ``exclude``.
+
+    (Its ``nodes_to_include`` adds to its own choice rather than limiting it, so exclusion is the way.)
+    """
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    lm_head = untie_lm_head(model)
     # The quantizer logs one INFO line per node it skips; keep the export's progress readable.
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                                     accuracy_level=accuracy_level, nodes_to_exclude=exclude)
+    quantizer.process()
+    return quantizer.model.model
+
+
+def quantize_model(model, config: QuantConfig):
+    """Return ``model`` (an onnx.ModelProto with weights loaded) with MatMul weights in MatMulNBits."""
+    lm_head = untie_lm_head(model)
 
     def run(model, bits: int, accuracy_level: int, exclude: list[str]):
-        quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=config.block_size,
-                                         is_symmetric=config.symmetric, accuracy_level=accuracy_level,
-                                         nodes_to_exclude=exclude)
-        quantizer.process()
-        return quantizer.model.model
+        return _matmul_nbits(model, bits, config.block_size, config.symmetric, accuracy_level, exclude)
 
     # Pass 1: every constant-weight MatMul but the lm_head; pass 2: the lm_head at its own width (the
     # only constant-weight MatMul left; the attention MatMuls multiply activations and are skipped).
@@ -220,24 +227,18 @@ def quantize_lm_head(src: Path, dst: Path, bits: int = 8, accuracy_level: int = 
     per 32), so 8-bit symmetric blocks of 32 hold it again up to the rounding of each scale.
     """
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from .ort_graph import save_graph
 
     model = onnx.load(str(src), load_external_data=True)
     inits = {i.name for i in model.graph.initializer}
-    weighted = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
-    lm = [n.name for n in weighted if "logits" in n.output]
+    weighted = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    lm = [n.name for n in model.graph.node if n.name in weighted and "logits" in n.output]
     if len(lm) != 1:  # the op-by-op ort graph multiplies by its own [H, V] copy, straight into ``logits``
         raise PrecisionError("The graph has no single lm_head MatMul to quantize.")
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    # nodes_to_include adds to the quantizer's choice rather than limiting it: exclude the others (the
-    # block-minimum MatMuls of the Q4_1 linears) by name.
-    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=32, is_symmetric=True,
-                                     accuracy_level=accuracy_level,
-                                     nodes_to_exclude=[n.name for n in weighted if n.name not in lm])
-    quantizer.process()
-    save_graph(quantizer.model.model, Path(dst))
+    # The others are the block-minimum MatMuls of the Q4_1 linears: they stay fp32.
+    others = [name for name in weighted if name not in lm]
+    save_graph(_matmul_nbits(model, bits, 32, True, accuracy_level, others), Path(dst))
 
 
 def quantize_file(src: Path, dst: Path, config: QuantConfig) -> None:

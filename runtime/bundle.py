@@ -67,6 +67,11 @@ class GraphEntry:
     target: str = "trt"  # "trt": standard ops only; "ort": may use ONNX Runtime contrib ops
     precision: str = "fp32"
 
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the graph quantizes activations to int8, so that it needs row-exact steps."""
+        return self.precision in INT8_ACTIVATIONS
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -164,6 +169,11 @@ class BundleManifest:
             return self.graph("base")
         wanted = [g for g in ort if (g.precision == GGUF_Q4_1) != multi_row]
         return (wanted or ort)[0]
+
+    @property
+    def row_exact(self) -> bool:
+        """Whether the CPU runtime runs this bundle with row-exact steps (its base graph's activations are int8)."""
+        return self.cpu_base(multi_row=True).int8_activations
 
     def base_graph(self, prefer: str) -> GraphEntry:
         """The base graph of target ``prefer`` when the bundle has one, else its other base graph.

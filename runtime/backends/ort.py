@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bundle import INT8_ACTIVATIONS, BundleManifest, GraphEntry
+from ..bundle import BundleManifest, GraphEntry
 from ..errors import BackendUnavailableError, BundleError
 from ..kvcache import KVCache
 from .base import Backend, StepInputs, StepOutputs
@@ -107,7 +107,7 @@ class OrtBackend(Backend):
             tree_graph = None if tree_graph.file == graph.file else tree_graph
         entry = graph or manifest.base_graph("trt")
         self.graph, self.tree_graph = entry, tree_graph  # the graphs this backend runs
-        if any(g is not None and g.precision in INT8_ACTIVATIONS for g in (entry, tree_graph)):
+        if any(g is not None and g.int8_activations for g in (entry, tree_graph)):
             self.min_rows = 2
         # Two sessions alternate on the same cores: neither may keep its threads spinning after a run
         # (the draft/base thread fight measured in make_draft_session).
@@ -273,7 +273,7 @@ class OrtCudaBackend(OrtBackend):
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
         entry = manifest.base_graph("trt")
-        if entry.precision in INT8_ACTIVATIONS:
+        if entry.int8_activations:
             self.min_rows = 2
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
