@@ -65,7 +65,7 @@ VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
                 options=(("backend", "ort-cpu-traced"),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
                 draft="prompt-lookup", requires=("onnxruntime",)),
-    VariantSpec("ar-exact", "ours", "specdeploy ORT CPU, plain autoregressive with row-exact steps (>= 2 rows)",
+    VariantSpec("ar-exact", "ours", "specdeploy ORT CPU, plain autoregressive with row-exact steps (one graph)",
                 options=(("row_exact", True),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup-exact", "ours", "specdeploy ORT CPU, prompt-lookup chains with row-exact steps",
                 draft="prompt-lookup", options=(("row_exact", True),), requires=("onnxruntime",)),

@@ -425,7 +425,7 @@ _register_torch_backends()
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
 @click.option("--row-exact", is_flag=True,
-              help="Steps of >= 2 rows and chain drafts: speculative == plain bit for bit (always on for int8/int4/q4_1).")
+              help="One graph for every step, chain drafts: speculative == plain bit for bit (always on for int8/int4/q4_1).")
 def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: str, tree: str | None,
              temperature: float, top_p: float, top_k: int, seed: int | None, typical: bool, stop: tuple[str, ...],
              backend: str, threads: int | None, row_exact: bool) -> None:
@@ -513,7 +513,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
 @click.option("--row-exact", is_flag=True,
-              help="Steps of >= 2 rows and chain drafts: speculative == plain bit for bit (always on for int8/int4/q4_1).")
+              help="One graph for every step, chain drafts: speculative == plain bit for bit (always on for int8/int4/q4_1).")
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
           max_body_bytes: int, max_queue: int, shutdown_timeout: float, row_exact: bool) -> None:

@@ -33,6 +33,8 @@ from specdeploy.runtime.bundle import (
 )
 from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
 
+from .ort_graph import ATTENTION_ROWS_KEY
+
 Progress = Callable[[str], None]
 
 # Pinned opset: 18 is what TensorRT's parser and ORT's CUDA EP both handle well for these ops.
@@ -210,7 +212,8 @@ def graph_entry(bundle_dir: Path, role: str, file: str, target: str = "trt", pre
     inputs, outputs = io_specs(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), OPSET)
     sha = hash_files([path, *(bundle_dir / d for d in data)])
-    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision)
+    rows = next((int(p.value) for p in proto.metadata_props if p.key == ATTENTION_ROWS_KEY), 1)
+    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows)
 
 
 def export_base(
@@ -368,8 +371,8 @@ def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, pro
     progress("[2/4] the lm_head (the GGUF's Q8_0 table) at 8 bits with int8 activations ...")
     quantize_lm_head(tmp / "blocks" / ORT_BASE_FILE, tmp / ORT_BASE_FILE)
     shutil.rmtree(tmp / "blocks")
-    progress("      int8 activations: the runtime runs every step with >= 2 rows and drafts chains only, "
-             "which keeps speculative output identical to plain (see exporter/quantize.py)")
+    progress("      int8 activations: the runtime drafts chains only (row-exact steps), which keeps "
+             "speculative output identical to plain (see exporter/quantize.py)")
 
 
 def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress) -> None:
@@ -388,5 +391,5 @@ def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Prog
     quantize_file(tmp / "fp32" / ORT_BASE_FILE, tmp / ORT_BASE_FILE, qconfig)
     shutil.rmtree(tmp / "fp32")
     if qconfig.accuracy_level == 4:
-        progress("      int8 activations: the runtime runs every step with >= 2 rows and drafts chains only, "
-                 "which keeps speculative output identical to plain (see exporter/quantize.py)")
+        progress("      int8 activations: the runtime drafts chains only (row-exact steps), which keeps "
+                 "speculative output identical to plain (see exporter/quantize.py)")

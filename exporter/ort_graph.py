@@ -23,6 +23,14 @@ reads ``position_ids``) and sees the past plus its ancestors through ``attention
 ``past + T`` valid slots. GQA additionally applies a causal mask by row; that hides nothing a tree
 node needs, because the runtime orders tree nodes parents first (every ancestor has a smaller row).
 
+Row-exact 1-row steps (``contrib``): every node computes a row the same whatever the step's row count
+(measured bitwise, int8 activations included), except GQA, whose 1-row path sums in another order.
+So GQA always runs at least two rows: a 1-row step pads its q|k|v, positions and mask with a copy of
+its row, which writes a dummy K/V to the next cache slot (overwritten by the next step) and is
+dropped right after the attention. A 1-row step then computes bitwise row 0 of a multi-row step, at
+the cost of a 1-row step; the model metadata records it (``GraphEntry.attention_rows``), and the
+runtime then needs no dummy rows of its own (see ``Decoder``).
+
 The graph requires what the runtime always sends: ``write_indices`` is ``past .. past+T-1``
 (contiguous), so ``past + T = write_indices[-1] + 1``; the parity tests in ``validate`` and
 ``tests/test_ort_graph.py`` check every output against the torch reference.
@@ -37,6 +45,8 @@ import numpy as np
 
 FLAVOURS = ("contrib", "std")
 MS = "com.microsoft"
+ATTENTION_ROWS = 2  # the fewest rows the ``contrib`` graph's attention runs (a 1-row step is padded inside)
+ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
 
 
 _ALIGN = 4096  # external tensors start on page boundaries (ONNX Runtime can then map them)
@@ -129,13 +139,14 @@ def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=None, location: str = "",
-                    blocks: dict | None = None, block_accuracy: int = 0):
+                    blocks: dict | None = None, block_accuracy: int = 0, pad_attention: bool = True):
     """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`) in ``flavour``.
 
     With ``data`` (a binary file opened for writing), the weights go there as external data named
     ``location``; without it they are held in the proto (fine for small models). ``blocks`` (from
     :func:`gguf_blocks.read_q4_1_linears`) keeps the decoder-layer weights as the source GGUF's own
-    4-bit blocks instead of fp32 (``contrib`` only).
+    4-bit blocks instead of fp32 (``contrib`` only). ``pad_attention`` False leaves out the padding of
+    1-row steps' attention (the control in the tests).
     """
     from onnx import TensorProto, helper
 
@@ -154,11 +165,28 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
     cos, sin = rotary_tables(step, max_positions)
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
-    # Shared per-step scalars: total = past + T = write_indices[-1] + 1.
-    last = g.one("Gather", ["write_indices", g.const(-1)], axis=0)  # int64 scalar
+    write, positions = "write_indices", "position_ids"
+    pad_attention = pad_attention and not std
+    if pad_attention:
+        # GQA runs >= ATTENTION_ROWS rows: a 1-row step gets a dummy copy of its row inside the graph
+        # (``pad`` = [0, 0]), written to the next cache slot and dropped after the attention. GQA's
+        # 1-row path sums in another order than its multi-row path (row 0 of a 1-row and a 2-row step
+        # differ by ~1e-7, which int8 activations turn into flipped tokens), while every other node
+        # here computes a row the same whatever the row count. So a 1-row step computes bitwise what
+        # row 0 of a multi-row step does, at the cost of a 1-row step.
+        t = g.one("Gather", [g.one("Shape", ["input_ids"]), g.const(1)], axis=0)
+        rows = g.one("Range", [g.const(0), g.one("Max", [t, g.const(ATTENTION_ROWS)]), g.const(1)])
+        pad = g.one("Min", [rows, g.one("Sub", [t, g.const(1)])])  # [max(T, 2)]: 0..T-1, or 0, 0
+        t_1d = g.one("Unsqueeze", [t, g.const([0])])
+        write = g.one("Add", [g.one("Gather", [write, pad], axis=0), g.one("Sub", [rows, pad])])
+        positions = g.one("Gather", [positions, pad], axis=1)
+    # Shared per-step scalars: total = past + T = write_indices[-1] + 1 (T after padding).
+    last = g.one("Gather", [write, g.const(-1)], axis=0)  # int64 scalar
     total = g.one("Add", [last, g.const(1)])
     total_1d = g.one("Unsqueeze", [total, g.const([0])])  # [1]
     mask = g.one("Slice", ["attention_mask", g.const([0]), total_1d, g.const([3])])  # [B, 1, T, past+T]
+    if pad_attention:
+        mask = g.one("Gather", [mask, pad], axis=2)
     batch = g.one("Gather", [g.one("Shape", ["input_ids"]), g.const(0)], axis=0)
     batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
     if std:
@@ -208,10 +236,14 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
         past_k, past_v = f"past_key_{i}", f"past_value_{i}"
         pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
         if not std:  # packed q|k|v in; rotary (at position_ids) and the in-place cache write inside
+            if pad_attention:
+                qkv = g.one("Gather", [qkv, pad], axis=1)
             ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total_i32, cos_name, sin_name,
-                                               "position_ids", mask],
+                                               positions, mask],
                        outputs=[g.name("attn"), pres_k, pres_v], domain=MS, num_heads=hq, kv_num_heads=hkv,
                        scale=float(step.scale), do_rotary=1, rotary_interleaved=0)[0]
+            if pad_attention:
+                ctx = g.one("Slice", [ctx, g.const([0]), t_1d, g.const([1])])  # the step's own rows
         else:
             q, k, v = g.op("Split", [qkv, g.const([hq * d, hkv * d, hkv * d])], 3, axis=-1)
             q = g.one("RotaryEmbedding", [q, cos_name, sin_name, "position_ids"], num_heads=hq, interleaved=0)
@@ -259,6 +291,8 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
     opsets = [helper.make_opsetid("", 24)] if std else [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdeploy")
     model.ir_version = 10
+    if pad_attention:
+        helper.set_model_props(model, {ATTENTION_ROWS_KEY: str(ATTENTION_ROWS)})
     return model
 
 

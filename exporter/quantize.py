@@ -38,20 +38,24 @@ HQQ block 32 (float zero points)                 0.78    17.5   670 ms (no fast 
 measured before the runtime's row-exact steps (below), which make the acc-4 rows identical too.
 
 Why int8 activations broke the identity, and what restores it. Measured on this graph (logits of the
-same tokens, bitwise): ONNX Runtime computes a 1-row step with other kernels than a step of two or
-more rows (acc 4: logits differ by up to 0.15; fp32: 2e-5), while the rows of any step with >= 2 rows
-are bitwise the same whatever their number (T = 2, 3, 6 agree exactly, fp32 and acc 4). A tree node
-whose ancestors are not adjacent cache slots differs too (the attention softmax sums its window with
-the masked slots in between, in another order). In fp32 these are 1e-5 and harmless in practice; int8
-activations requantize them in every layer into flipped roundings, so near-tied argmaxes flip. Hence
-the runtime's row-exact steps on int8-activation bundles (``runtime.bundle.INT8_ACTIVATIONS``; see
-``Decoder``): every step has >= 2 rows (a plain step adds a dummy row whose output is dropped) and
-every draft is a chain (the tree's best path), so a verified chain node is the same computation, bit
-for bit, as the plain step that would emit its token. The extra row costs ~10% of a 1-row step here.
+same tokens, bitwise): a 1-row step computed row 0 differently from a step of two or more rows (acc 4:
+logits differ by up to 0.15; fp32: 2e-5), while the rows of any step with >= 2 rows are bitwise the
+same whatever their number (T = 2, 3, 6 agree exactly, fp32 and acc 4). The only node whose 1-row
+result differs is GroupQueryAttention (MatMulNBits at acc 4, the norms and SiLU compute a row the same
+for any row count), so the ``ort`` graph pads a 1-row step's attention to two rows itself
+(``exporter/ort_graph.py``). A tree node whose ancestors are not adjacent cache slots differs too (the
+attention softmax sums its window with the masked slots in between, in another order). In fp32 these
+are 1e-5 and harmless in practice; int8 activations requantize them in every layer into flipped
+roundings, so near-tied argmaxes flip. Hence the runtime's row-exact steps on int8-activation bundles
+(``runtime.bundle.INT8_ACTIVATIONS``; see ``Decoder``): every draft is a chain (the tree's best path),
+so a verified chain node is the same computation, bit for bit, as the plain 1-row step that would emit
+its token. (On a graph without the padding, i.e. a bundle exported before it, every step gets >= 2 rows
+instead: a plain step adds a dummy row, which costs 12-25% of a 1-row step on int4.)
 
 So int4 is onnxruntime-genai's int4 recipe (symmetric blocks of 32, int8 activations, lm_head int4
 with int8 activations): the fastest CPU kernels, step for step as fast as genai's own graph (10.8 ms
-each at T = 1, capacity 512, an interleaved A/B), and lossless through row-exact steps. ``QuantConfig``
+each at T = 1, capacity 512, an interleaved A/B), and lossless through row-exact steps, whose plain
+steps are 1-row steps like genai's. ``QuantConfig``
 still builds the fp32-compute variants of the table for measurements.
 
 int8 (block 32, lm_head int8): top-1 0.95, ppl 16.31 at acc 4; 0.967 / 16.23 at acc 0, whose 8-bit

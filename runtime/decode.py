@@ -125,15 +125,21 @@ class Decoder:
         self.buckets = capacity_buckets(manifest.limits.max_context, limit)
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
-        # Row-exact steps (backends with min_rows > 1, i.e. int8-activation graphs): every step runs
-        # at least min_rows rows and every draft is a chain. Rows of a step with >= 2 rows are computed
-        # independently of the others, so a chain node's row is bitwise the row a plain step computes
-        # for the same token; a tree node whose ancestors are not adjacent slots is not (the attention
-        # softmax sums its window in another order), which int8 activations turn into flipped tokens.
-        # ``row_exact`` asks for them on any backend: on an fp32 bundle, whose 1-row and multi-row steps
-        # differ only at ~1e-5 (harmless in practice), it buys identity by construction for ~10% speed.
-        self.min_rows = max(1, int(getattr(backend, "min_rows", 1)), 2 if row_exact else 1)
-        self.chains_only = self.min_rows > 1
+        # Row-exact steps (int8-activation graphs, or ``row_exact``): every draft is a chain and every
+        # step runs at least min_rows rows. Rows of a multi-row step are computed independently of the
+        # others, so a chain node's row is bitwise the row a plain step computes for the same token; a
+        # tree node whose ancestors are not adjacent slots is not (the attention softmax sums its window
+        # in another order), which int8 activations turn into flipped tokens. A 1-row step matches
+        # only on a graph that pads its attention itself (``GraphEntry.attention_rows``); elsewhere
+        # min_rows is 2 and a plain step carries a dummy row. On an fp32 bundle, whose 1-row and
+        # multi-row steps differ only at ~1e-5 (harmless in practice), ``row_exact`` buys identity by
+        # construction: all steps then run on one graph.
+        backend_exact = bool(getattr(backend, "row_exact", False))
+        self.chains_only = row_exact or backend_exact
+        if backend_exact:
+            self.min_rows = max(1, int(backend.min_rows))
+        else:  # a backend that does not know row-exact steps: dummy rows make them
+            self.min_rows = 2 if row_exact else 1
 
     # --- stages -------------------------------------------------------------------------------
     def _inputs(self, tree_tokens: np.ndarray, depth: np.ndarray, mask: np.ndarray, cache: KVCache,
@@ -194,7 +200,8 @@ class Decoder:
 
     def _step(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
         n = len(tree.tokens)
-        state.cache.ensure_capacity(state.cache.length + n, self.buckets)
+        # >= 2 slots: a graph that pads a 1-row step's attention writes a dummy K/V to the next slot.
+        state.cache.ensure_capacity(state.cache.length + max(n, 2), self.buckets)
         inputs = self._inputs(tree.tokens, buffers.depth, buffers.mask, state.cache, np.arange(n))
         return self.backend.step(inputs, state.cache)
 

@@ -207,7 +207,7 @@ class Engine:
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
-        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
+        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads, row_exact=row_exact)
         self.draft_name = draft or "none"
         drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads)
         self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree, row_exact=row_exact)
@@ -384,8 +384,9 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
          tree: str | None = None, max_tree: int | None = None, row_exact: bool = False) -> Engine:
     """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle.
 
-    ``row_exact``: every step runs >= 2 rows and drafts are chains, so speculative greedy output is
-    bitwise the plain output by construction (always on for int8/int4/q4_1 bundles; see ``Decoder``).
+    ``row_exact``: every step runs on one graph, drafts are chains, and a row is computed the same in
+    any step, so speculative greedy output is bitwise the plain output by construction (always on for
+    int8/int4/q4_1 bundles; see ``Decoder``).
     """
     return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
                   row_exact=row_exact)

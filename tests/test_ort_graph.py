@@ -87,6 +87,47 @@ def test_ort_graph_parity(arch, flavour, tiny_model_factory, tmp_path):
             assert feed["attention_mask"][0, 0, 2, valid - 6] < -1e30
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_one_row_step_is_bitwise_row_zero_of_a_multi_row_step(precision, tiny_model_factory, tmp_path):
+    """The padded attention: a 1-row step computes exactly row 0 of a 2-row step (logits, hidden state,
+    K/V), so plain 1-row steps are row-exact. The control, the same graph without the padding, differs:
+    ONNX Runtime's GroupQueryAttention sums a 1-row step in another order."""
+    from specdeploy.exporter.ort_graph import ATTENTION_ROWS_KEY, build_ort_graph, save_graph
+    from specdeploy.exporter.quantize import quant_config, quantize_model
+    from specdeploy.exporter.source import load_model
+    from specdeploy.graphs.base_step import BaseStep
+
+    step = BaseStep(load_model(str(tiny_model_factory("llama"))).model).eval()
+    m = step
+    rng = np.random.default_rng(0)
+    cap, p = 64, 40
+    past = {f"past_{k}_{i}": rng.standard_normal((1, m.num_kv_heads, cap, m.head_dim)).astype(np.float32)
+            for i in range(m.num_layers) for k in ("key", "value")}
+
+    def feed(t: int) -> dict[str, np.ndarray]:
+        mask = np.full((1, 1, t, cap), np.finfo(np.float32).min, np.float32)
+        mask[..., :p] = 0.0
+        mask[0, 0, :, p : p + t] = np.where(np.tril(np.ones((t, t), bool)), 0.0, mask.min())
+        return {"input_ids": np.array([[11, 22][:t]]), "position_ids": np.arange(p, p + t)[None],
+                "attention_mask": mask, "write_indices": np.arange(p, p + t), "logits_index": np.arange(t),
+                **{k: v.copy() for k, v in past.items()}}
+
+    gaps = {}
+    for pad in (True, False):
+        model = build_ort_graph(step, max_positions=128, pad_attention=pad)
+        if precision == "int4":
+            model = quantize_model(model, quant_config("int4"))
+        rows = {q.key: q.value for q in model.metadata_props}.get(ATTENTION_ROWS_KEY)
+        assert rows == ("2" if pad else None)
+        save_graph(model, tmp_path / f"{pad}.onnx")
+        (l1, h1, c1), (l2, h2, c2) = (_run_aliased(tmp_path / f"{pad}.onnx", feed(t)) for t in (1, 2))
+        gaps[pad] = max(np.abs(l1[0, 0] - l2[0, 0]).max(), np.abs(h1[0, 0] - h2[0, 0]).max(),
+                        max(np.abs(c1[k][:, :, p] - c2[k][:, :, p]).max() for k in past))
+        np.testing.assert_array_equal(c1["past_key_0"][:, :, :p], past["past_key_0"][:, :, :p])  # past untouched
+    assert gaps[True] == 0.0, gaps
+    assert gaps[False] > 0.0, gaps  # without the padding the rows differ, so the padding is what matters
+
+
 def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
     manifest = read_manifest(tiny_bundle)
     bases = {g.target: g for g in manifest.graphs if g.role == "base"}

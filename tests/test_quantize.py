@@ -6,6 +6,7 @@ the end (slow) exports SmolLM2 at int4 and runs ``specdeploy validate`` on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -198,34 +199,52 @@ def test_prompt_lookup_greedy_identical_on_quantized(quant_bundles, precision, t
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_int8_activation_bundles_run_row_exact_steps(quant_bundles, precision):
-    """Every step has >= 2 rows and every draft is a chain; plain decoding included."""
+    """Every draft is a chain. Plain steps run one row on the exported graph, which pads its attention
+    itself; on a graph that does not (``attention_rows`` 1: older bundles) every step runs >= 2 rows, a
+    plain step with a dummy row. All four loops give the same tokens."""
+    from specdeploy.runtime.backends.ort import OrtBackend
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
     bundle = quant_bundles[precision]
-    with load(bundle) as plain, load(bundle, draft="prompt-lookup", tree="tree16") as spec:
-        for engine in (plain, spec):
-            assert engine.backend.min_rows == 2 and engine.decoder.chains_only
+    manifest = read_manifest(bundle)
+    graph = manifest.cpu_base(multi_row=True)
+    assert graph.attention_rows == 2 and graph.int8_activations
+    with load(bundle) as engine:
+        prompt = [int(t) for t in engine.encode(PROMPTS[1])]
+    outputs = []
+    for attention_rows, fewest in ((2, 1), (1, 2)):
+        backend = OrtBackend(bundle, manifest, graph=dataclasses.replace(graph, attention_rows=attention_rows))
+        assert backend.row_exact and backend.min_rows == fewest
+        for drafter in (None, PromptLookupDrafter()):
+            dec = Decoder(backend, manifest, drafter)
+            assert dec.chains_only and dec.min_rows == fewest
             rows: list[int] = []
             masks: list[np.ndarray] = []
-            step = engine.backend.step
+            step = backend.step
 
-            def spy(inputs, cache, step=step, rows=rows, masks=masks):
+            def spy(inputs, cache, step=step, rows=rows, masks=masks, fewest=fewest):
                 rows.append(inputs.input_ids.shape[1])
                 masks.append(inputs.attention_mask)
-                assert len(inputs.logits_index) >= 2  # the lm_head too
+                assert len(inputs.logits_index) >= fewest  # the lm_head too
                 return step(inputs, cache)
 
-            engine.backend.step = spy
-            ids = engine.encode(PROMPTS[1])
-            out = engine.generate_ids(ids, GenerationConfig(24))
-            assert len(out) == 24 and min(rows) == 2
+            backend.step = spy
+            outputs.append(list(dec.generate(prompt, GenerationConfig(24))))
+            backend.step = step
+            assert len(outputs[-1]) == 24 and min(rows) == fewest
             for m in masks[1:]:  # decode steps: node i sees the past and nodes 0..i, a chain
                 t, p = m.shape[2], int((m[0, 0, 0] == 0).sum()) - 1
                 assert np.array_equal(m[0, 0, :, p : p + t] == 0, np.tril(np.ones((t, t), dtype=bool)))
-        assert max(rows) > 2  # drafts were verified, as chains
+            if drafter is not None:
+                assert max(rows) > 2  # drafts were verified, as chains
+    assert all(out == outputs[0] for out in outputs)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_multi_row_steps_compute_rows_independently(quant_bundles, tiny_bundle, precision):
-    """What row-exact steps rest on: a row of a >= 2-row step is bitwise the same for any row count."""
+def test_steps_compute_rows_independently(quant_bundles, tiny_bundle, precision):
+    """What row-exact steps rest on: a row is bitwise the same for any row count, 1 included (the
+    exported graph pads a 1-row step's attention; see ``tests/test_ort_graph.py`` for the control)."""
     from specdeploy.runtime.tree import DraftTree
 
     bundle = tiny_bundle if precision == "fp32" else quant_bundles[precision]
@@ -233,11 +252,13 @@ def test_multi_row_steps_compute_rows_independently(quant_bundles, tiny_bundle, 
         dec = engine.decoder
         prompt = list(range(100, 131))
         chain = DraftTree.chain(prompt[-1], [7, 8, 9, 10, 11])
+        assert dec.min_rows == 1
         logits = {}
-        for n in (2, 3, 6):
+        for n in (1, 2, 3, 6):
             state, _ = dec.prefill(prompt)
             sub = DraftTree(chain.tokens[:n], chain.parents[:n])
             logits[n] = dec.verify(state, sub, sub.buffers()).logits[0]
+        np.testing.assert_array_equal(logits[1], logits[6][:1])
         np.testing.assert_array_equal(logits[2], logits[6][:2])
         np.testing.assert_array_equal(logits[3], logits[6][:3])
 
@@ -265,7 +286,8 @@ def test_row_exact_on_an_fp32_bundle(tiny_bundle):
     with load(tiny_bundle, row_exact=True) as plain, \
             load(tiny_bundle, draft="prompt-lookup", tree="tree16", row_exact=True) as spec, \
             load(tiny_bundle) as default:
-        assert plain.decoder.min_rows == 2 and spec.decoder.chains_only and default.decoder.min_rows == 1
+        assert plain.decoder.min_rows == 1 and spec.decoder.chains_only and not default.decoder.chains_only
+        assert plain.backend.tree_session is None  # one graph for every step
         for text in PROMPTS:
             ids = plain.encode(text)
             ref = plain.generate_ids(ids, GenerationConfig(32))
@@ -320,7 +342,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
-        assert plain.decoder.min_rows == 2
+        assert plain.decoder.min_rows == 1 and plain.decoder.chains_only  # 1-row steps: the graph pads them
         for p in prompts:
             ids = plain.encode(p, chat=True)
             assert spec.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
@@ -342,7 +364,7 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[:4]]
     differ = 0
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
-        assert plain.decoder.min_rows == 2 and spec.decoder.chains_only
+        assert plain.decoder.min_rows == 1 and spec.decoder.chains_only  # 1-row steps: the graph pads them
         for p in prompts:
             ids = plain.encode(p, chat=True)
             ref = plain.generate_ids(ids, GenerationConfig(48))

@@ -34,10 +34,12 @@ class Backend(ABC):
 
     name: str = "backend"
     manifest: BundleManifest
-    # The fewest rows a step may have. 2 on graphs that quantize activations to int8: ONNX Runtime's
-    # 1-row int8 kernel rounds differently from its kernel for two or more rows, whose rows are
-    # bitwise independent of how many there are. Steps of >= 2 rows make a plain step's row and a
-    # chain node's row the same computation, so speculative output equals plain output exactly.
+    # Row-exact steps (on by force for graphs that quantize activations to int8, or asked for): a
+    # chain node's row must be bitwise the row a plain step computes for the same token, so drafts
+    # are chains and every step runs at least ``min_rows`` rows. Rows of a multi-row step are
+    # bitwise independent of how many there are; a 1-row step is too only on a graph that pads its
+    # attention to two rows itself (``GraphEntry.attention_rows``), else ``min_rows`` is 2.
+    row_exact: bool = False
     min_rows: int = 1
 
     @abstractmethod

@@ -94,7 +94,8 @@ class OrtBackend(Backend):
     """Runs the bundle's base step graph with ONNX Runtime."""
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cpu",
-                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None):
+                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None,
+                 row_exact: bool = False):
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
         self.provider = provider
@@ -105,10 +106,12 @@ class OrtBackend(Backend):
             # of more rows the fp32 fused graph (BundleManifest.cpu_base); both bind the same cache.
             graph, tree_graph = manifest.cpu_base(multi_row=False), manifest.cpu_base(multi_row=True)
             tree_graph = None if tree_graph.file == graph.file else tree_graph
+            if row_exact and tree_graph is not None:  # one graph for every step, or rows could differ
+                graph, tree_graph = tree_graph, None
         entry = graph or manifest.base_graph("trt")
         self.graph, self.tree_graph = entry, tree_graph  # the graphs this backend runs
-        if any(g is not None and g.int8_activations for g in (entry, tree_graph)):
-            self.min_rows = 2
+        self.row_exact = row_exact or any(g is not None and g.int8_activations for g in (entry, tree_graph))
+        self.min_rows = entry.row_exact_rows if self.row_exact else 1
         # Two sessions alternate on the same cores: neither may keep its threads spinning after a run
         # (the draft/base thread fight measured in make_draft_session).
         spin = tree_graph is None
@@ -273,8 +276,8 @@ class OrtCudaBackend(OrtBackend):
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
         entry = manifest.base_graph("trt")
-        if entry.int8_activations:
-            self.min_rows = 2
+        self.row_exact = entry.int8_activations
+        self.min_rows = entry.row_exact_rows if self.row_exact else 1
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
