@@ -74,6 +74,47 @@ def test_prompt_lookup_matches_plain_on_repetitive_text(tiny_bundle):
             assert eng.generate_ids(ids, GenerationConfig(48)) == _plain(plain, ids, 48)
 
 
+def _scan_continuations(tokens: list[int], drafter, n_max: int = 3, n_min: int = 1, branches: int = 2):
+    """Prompt lookup by a full scan of the context (what the drafter's n-gram index must reproduce)."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        length = drafter._length(n)
+        if length == 0:
+            continue
+        out: list[list[int]] = []
+        for start in range(len(tokens) - 1 - n, -1, -1):  # every n-gram but the suffix, latest first
+            cont = tokens[start + n : start + n + length]
+            if tokens[start : start + n] == tokens[-n:] and cont and cont not in out:
+                out.append(cont)
+                if len(out) == branches:
+                    break
+        if out:
+            return n, out
+    return 0, []
+
+
+def test_prompt_lookup_index_matches_a_full_scan():
+    """The incremental n-gram index finds the continuations a scan of the whole context finds, as the
+    context grows by accepted runs, with the stats (and so the lengths) changing, and after a switch to
+    a context that does not extend the last one."""
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
+    rng = np.random.default_rng(0)
+    drafter = PromptLookupDrafter()
+    tokens = [int(t) for t in rng.integers(0, 12, 40)]
+    matched = 0
+    for step in range(300):
+        if step == 150:  # another context (same length class, not an extension): the index starts over
+            tokens = [int(t) for t in rng.integers(0, 12, 30)]
+        got = drafter._continuations(np.array(tokens, dtype=np.int64))
+        assert got == _scan_continuations(tokens, drafter), step
+        matched += got[0] > 0
+        tree = drafter.propose(DraftContext(np.array(tokens, dtype=np.int64), None, None, 32))
+        run = int(rng.integers(1, 5))
+        drafter.accepted(np.arange(min(run, len(tree.tokens))), tree)
+        tokens += [int(t) for t in rng.integers(0, 12, run)]
+    assert matched > 250
+
+
 def test_eos_inside_accepted_path_stops_there(tiny_bundle):
     with load(tiny_bundle) as engine:
         ids = engine.encode("The end is near")

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from ..tree import CPU_COST_CURVE, DraftTree, step_cost
 from .base import DraftContext, Drafter
@@ -41,39 +40,65 @@ class PromptLookupDrafter(Drafter):
     def use_cost_curve(self, cost_curve: Mapping[int, float]) -> None:
         """Cost of a T-token step relative to a 1-token step (e.g. measured on the backend in use)."""
         self._cost = np.array([step_cost(cost_curve, n) for n in range(1, self.num_tokens * self.branches + 2)])
+        self._lengths = {}
 
     def reset(self) -> None:
         # Per n-gram size: [accepted drafts, rejected drafts] along the accepted branch.
         self._stats = {n: list(_PRIOR) for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._lengths: dict[int, int] = {}  # per n-gram size, the chain length the stats give
         self._last: tuple[int, int] | None = None  # (n-gram size, drafted depth) of the last proposal
+        # The context seen so far and an index of its n-grams (n-gram -> start positions, oldest
+        # first), grown by the new tokens each step instead of scanning the whole context.
+        self._seen: list[int] = []
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # every n-gram ending before this position is in the index
 
     def _length(self, n: int) -> int:
         """Chain length with the most expected tokens per unit of step cost, for matches of size n."""
         if not self.adaptive:
             return self.num_tokens
-        acc, rej = self._stats[n]
-        a = acc / (acc + rej)
-        expected = np.cumsum(a ** np.arange(self.num_tokens + 1))  # [L+1]: 1 + a + ... + a^L
-        return int(np.argmax(expected / self._cost[: self.num_tokens + 1]))
+        length = self._lengths.get(n)
+        if length is None:
+            acc, rej = self._stats[n]
+            a = acc / (acc + rej)
+            expected = np.cumsum(a ** np.arange(self.num_tokens + 1))  # [L+1]: 1 + a + ... + a^L
+            length = self._lengths[n] = int(np.argmax(expected / self._cost[: self.num_tokens + 1]))
+        return length
 
-    def _continuations(self, tokens: np.ndarray) -> tuple[int, list[np.ndarray]]:
+    def _follow(self, tokens: np.ndarray) -> list[int]:
+        """Bring the n-gram index up to ``tokens`` (which extends what was seen, else start over)."""
+        seen = self._seen
+        if len(tokens) < len(seen) or (seen and int(tokens[len(seen) - 1]) != seen[-1]):
+            seen.clear()
+            self._index.clear()
+            self._indexed = 0
+        seen.extend(tokens[len(seen):].tolist())
+        # Index the n-grams ending at positions indexed .. L-2: the suffix itself (ending at L-1) is
+        # what is looked up, so it must not match itself.
+        index, last = self._index, len(seen) - 1
+        for end in range(self._indexed, last):
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                start = end - n + 1
+                index.setdefault(tuple(seen[start : end + 1]), []).append(start)
+        self._indexed = max(self._indexed, last)
+        return seen
+
+    def _continuations(self, tokens: np.ndarray) -> tuple[int, list[list[int]]]:
         """The matched n-gram size and up to ``branches`` distinct continuations, most recent first."""
-        n_tok = len(tokens)
+        seen = self._follow(tokens)
+        n_tok = len(seen)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             length = self._length(n)
             if length == 0:
                 continue
-            suffix = tokens[-n:]
-            windows = sliding_window_view(tokens[:-1], n)  # [L-n, n]: every earlier n-gram
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            out: list[np.ndarray] = []
-            seen: set[tuple[int, ...]] = set()
-            for start in hits[::-1]:
-                cont = tokens[start + n : start + n + length]
-                key = tuple(cont.tolist())
-                if cont.size == 0 or key in seen:
+            out: list[list[int]] = []
+            distinct: set[tuple[int, ...]] = set()
+            for start in reversed(self._index.get(tuple(seen[n_tok - n :]), ())):
+                cont = seen[start + n : start + n + length]
+                key = tuple(cont)
+                if not cont or key in distinct:
                     continue
-                seen.add(key)
+                distinct.add(key)
                 out.append(cont)
                 if len(out) == self.branches:
                     break
@@ -90,7 +115,7 @@ class PromptLookupDrafter(Drafter):
         children: dict[tuple[int, int], int] = {}
         for cont in conts:
             cur = 0
-            for tok in cont.tolist():
+            for tok in cont:
                 nxt = children.get((cur, tok))
                 if nxt is None:
                     if len(node_tokens) > budget:
@@ -111,3 +136,4 @@ class PromptLookupDrafter(Drafter):
         stats = self._stats[n]
         stats[0] += k
         stats[1] += 1 if k < depth else 0  # the first rejected position, if any
+        self._lengths.pop(n, None)
