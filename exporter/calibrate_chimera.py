@@ -29,8 +29,8 @@ from .train import load_draft_weights
 TREE8_DEPTH3 = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"
 TREE7_DEPTH2 = "[[0],[1],[2],[0,0],[0,1],[1,0]]"
 CHIMERA_TREES = ("chain4", "tree8", "tree16", "dynamic:16", "dynamic:32", TREE8_DEPTH3, TREE7_DEPTH2)
-# Bundles with row-exact steps (int8 activations) verify chains only, and every step already pays for
-# two rows, so there the candidates are the chain depths.
+# Bundles with row-exact steps (int8 activations) verify chains only, so there the candidates are the
+# chain depths.
 CHIMERA_CHAINS = ("chain1", "chain2", "chain3", "chain4")
 
 
@@ -124,5 +124,8 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     os.replace(tmp, path)
     progress(f"[3/3] default tree {best} ({sweep[best]['decode_tok_s']} vs {sweep['ar']['decode_tok_s']} tok/s plain); "
              f"wrote {path}")
+    if result["speedup"] < 1.0:
+        progress(f"note: no candidate beat plain decoding here ({result['speedup']}x at best); on this bundle and "
+                 "machine, decoding without --draft chimera is faster.")
     export_draft(bundle, "chimera", draft, progress=lambda m: None)
     return result
