@@ -115,6 +115,30 @@ def test_prompt_lookup_index_matches_a_full_scan():
     assert matched > 250
 
 
+def test_prompt_lookup_drafts_only_what_pays_on_the_cost_curve():
+    """Lookup acceptance is bimodal: matches are wrong at once or right for a while. The drafter keeps
+    the first token's rate apart from the later tokens' and drafts the length that pays on the
+    backend's cost curve, nothing at all when no length does."""
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
+    steep = {1: 1.0, 2: 1.13, 4: 1.5, 8: 2.5, 16: 4.0, 32: 7.0}  # int4 with row-exact 1-row steps
+    flat = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.3, 32: 2.0}  # a memory-bound fp32 graph
+
+    def learnt(curve, outcomes):
+        d = PromptLookupDrafter(cost_curve=curve)
+        for k in outcomes:  # k drafted tokens accepted of 10
+            d._last = (3, 10)
+            d.accepted(np.arange(k + 1), None)
+        return d._length(3)
+
+    fresh = PromptLookupDrafter(cost_curve=steep)._length(3)
+    assert fresh >= 1  # the optimistic prior tries new matches
+    assert learnt(steep, [0] * 20) == 0  # always wrong: plain steps (on the flat curve drafting is ~free)
+    bimodal = [0, 0, 0, 0, 8] * 8  # right 1 in 5 times, then for 8 tokens
+    assert learnt(steep, bimodal) <= 1 < learnt(flat, bimodal)
+    assert learnt(steep, [10] * 20) == learnt(flat, [10] * 20) == 10  # always right: the longest draft
+
+
 def test_eos_inside_accepted_path_stops_there(tiny_bundle):
     with load(tiny_bundle) as engine:
         ids = engine.encode("The end is near")
