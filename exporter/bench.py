@@ -234,10 +234,13 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
         workers: dict[str, Worker] = {}
         try:
             env = worker_env(threads)
-            for s in running:  # all load at once; nothing is timed yet
+            # One at a time: a loading engine times its own steps (prompt lookup measures the backend's
+            # cost curve), which other workers loading at once would distort. (They once did: the
+            # curve came out flat, and prompt lookup drafted long chains that lost against plain.)
+            for s in running:
                 workers[s.name] = Worker(s.name, worker_argv(s, bundle, threads, tree), env, Path(log_dir))
+                workers[s.name].receive()  # "ready"
             for name, w in workers.items():
-                w.receive()  # "ready"
                 w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens))  # warm-up, not timed
                 progress(f"[bench] {name}: loaded and warmed up")
             order = [s.name for s in running]

@@ -311,12 +311,13 @@ def _first_bucket(needed: int, buckets: tuple[int, ...]) -> int:
     return buckets[-1]
 
 
-def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 3,
+def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,
                        past: int = 256) -> dict[int, float]:
     """Cost of a T-token step relative to a 1-token step, measured on ``decoder``'s backend.
 
     Each size runs ``repeats`` chain steps over a scratch cache holding ``past`` tokens (fewer when the
-    bundle's context is short); the fastest run counts, which is the least disturbed by other work.
+    bundle's context is short), in rounds over the sizes so that a slow spell of the machine hits
+    them all alike; the fastest run counts, which is the least disturbed by other work.
     On a backend that runs 1-row and multi-row steps on different graphs (``OrtBackend`` with a
     GGUF-block graph) the curve has a step between T = 1 and T = 2, which a fixed table cannot know.
     """
@@ -324,17 +325,17 @@ def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 1
     past = max(1, min(past, decoder.manifest.limits.max_context - sizes[-1]))
     cache = decoder.backend.new_cache(1, _first_bucket(past + sizes[-1], decoder.buckets))
     cache.length = past
-    best: dict[int, float] = {}
+    feeds = {}
     for size in sizes:
         t = max(size, decoder.min_rows)  # what a step of ``size`` nodes runs
-        inputs = decoder._inputs(np.zeros(t, dtype=np.int64), np.arange(t), np.tril(np.ones((t, t), dtype=bool)),
-                                 cache, np.arange(t))
-        decoder.backend.step(inputs, cache)  # warm-up (first run of this shape)
-        runs = []
-        for _ in range(repeats):
+        feeds[size] = decoder._inputs(np.zeros(t, dtype=np.int64), np.arange(t),
+                                      np.tril(np.ones((t, t), dtype=bool)), cache, np.arange(t))
+        decoder.backend.step(feeds[size], cache)  # warm-up (first run of this shape)
+    best = dict.fromkeys(sizes, float("inf"))
+    for _ in range(repeats):
+        for size in sizes:
             t0 = time.perf_counter()
-            decoder.backend.step(inputs, cache)
-            runs.append(time.perf_counter() - t0)
-        best[size] = min(runs)
+            decoder.backend.step(feeds[size], cache)
+            best[size] = min(best[size], time.perf_counter() - t0)
     return {t: best[t] / best[sizes[0]] for t in sizes}
 
