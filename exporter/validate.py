@@ -142,7 +142,7 @@ def base_cases(manifest: BundleManifest, step_fn: Callable, prompt_ids: list[int
 
 
 def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: list[int],
-                 progress: Callable[[str], None] = print) -> list[OutputCheck]:
+                 progress: Callable[[str], None] = print, cases: list | None = None) -> list[OutputCheck]:
     """Every base graph of the bundle against torch on the prefill, step and tree cases.
 
     Torch runs once; each graph is one ONNX Runtime runner of the same comparison. A graph's checks
@@ -156,7 +156,7 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
     G_LOGGER.severity = G_LOGGER.ERROR
     flat = _FlatStep(step)
     out_names = ["logits", "hidden_states", *step.present_names()]
-    cases = base_cases(manifest, flat, prompt_ids)
+    cases = cases or base_cases(manifest, flat, prompt_ids)
     entries = [g for g in manifest.graphs if g.role == "base"]
     runners = [_torch_runner(flat, out_names, "torch", cases[0][1])]
     runners += [OnnxrtRunner(SessionFromOnnx(str(bundle_dir / g.file), providers=["CPUExecutionProvider"]),
@@ -188,6 +188,43 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
     return checks
 
 
+def check_row_exact(bundle_dir: Path, manifest: BundleManifest, step_feed: dict[str, np.ndarray],
+                    progress: Callable[[str], None] = print) -> list[OutputCheck]:
+    """Bitwise: a 1-row step equals row 0 of a 2-row step, on every graph that pads its attention
+    (``GraphEntry.attention_rows``), which the runtime's 1-row row-exact steps rely on.
+
+    ``step_feed`` is a 1-token step case; the 2-row step appends one more token. The tolerance is 0:
+    this checks the installed ONNX Runtime's kernels, which a new version could change.
+    """
+    import onnxruntime as ort
+
+    entries = [g for g in manifest.graphs if g.role == "base" and g.attention_rows >= 2]
+    if not entries:
+        return []
+    progress(f"checking 1-row steps against 2-row steps, bit for bit ({', '.join(g.file for g in entries)}) ...")
+    p = int(step_feed["write_indices"][0])
+    two = dict(step_feed)
+    two["input_ids"] = np.concatenate([step_feed["input_ids"], step_feed["input_ids"] + 1], axis=1)
+    two["position_ids"] = np.array([[p, p + 1]], dtype=np.int64)
+    two["write_indices"] = np.array([p, p + 1], dtype=np.int64)
+    two["logits_index"] = np.array([0, 1], dtype=np.int64)
+    mask = np.repeat(step_feed["attention_mask"], 2, axis=2)
+    mask[0, 0, 1, p + 1] = 0.0
+    two["attention_mask"] = mask
+    checks = []
+    for entry in entries:
+        sess = ort.InferenceSession(str(bundle_dir / entry.file), providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        one_out = dict(zip(names, sess.run(None, step_feed)))
+        two_out = dict(zip(names, sess.run(None, two)))
+        for name in ("logits", "hidden_states", "present_key_0"):
+            a, b = one_out[name], two_out[name]
+            a, b = (a[:, :, p], b[:, :, p]) if name.startswith("present") else (a[:, 0], b[:, 0])
+            delta = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+            checks.append(OutputCheck(f"1 vs 2 rows[{entry.target} {entry.precision}]", name, delta, 0.0, None))
+    return checks
+
+
 def report(checks: list[OutputCheck], out: Callable[[str], None] = print) -> None:
     out(f"{'case':<24}{'output':<20}{'max |delta|':>14}{'atol':>10}  argmax")
     for c in checks:
@@ -216,7 +253,9 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
         )
     step = BaseStep(loaded.model).eval()
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
-    checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], progress)
+    cases = base_cases(manifest, _FlatStep(step), list(ids)[:16])
+    checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], progress, cases)
+    checks += check_row_exact(bundle_dir, manifest, dict(cases)["step"], progress)
     if manifest.drafts:
         checks += compare_drafts(bundle_dir, manifest, loaded, list(ids)[:16], progress)
     report(checks, progress)
