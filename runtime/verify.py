@@ -125,6 +125,10 @@ def sample_token(
 # Acceptance rules
 
 
+_ROOT_ONLY = np.zeros(1, dtype=np.int64)
+_ROOT_ONLY.setflags(write=False)
+
+
 def _check(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray) -> None:
     n = tree.num_nodes
     if buffers.num_nodes != n or logits.ndim != 2 or logits.shape[0] < n:
@@ -157,6 +161,8 @@ def greedy_accept(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray) -> 
     """
     _check(tree, buffers, logits)
     n = tree.num_nodes
+    if n == 1:  # a plain step: its argmax is the token (the per-step path of plain decoding)
+        return Acceptance(_ROOT_ONLY, np.array([logits[0].argmax()], dtype=np.int64))
     argmax = np.full(n, -1, dtype=np.int64)  # [N], -1 where not computed
     for i in buffers.internal.tolist():  # per row: no copy of [I, V], and 1-D argmax is the fast one
         argmax[i] = logits[i].argmax()
