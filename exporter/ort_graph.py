@@ -146,7 +146,9 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
     ``location``; without it they are held in the proto (fine for small models). ``blocks`` (from
     :func:`gguf_blocks.read_q4_1_linears`) keeps the decoder-layer weights as the source GGUF's own
     4-bit blocks instead of fp32 (``contrib`` only). ``pad_attention`` False leaves out the padding of
-    1-row steps' attention (the control in the tests).
+    1-row steps' attention (the control in the tests). Blocks at accuracy level 0 are never padded:
+    ``MatMulNBits`` with fp32 activations has its own 1-row path, so padding the attention would cost
+    time and buy no exactness (that graph serves plain steps of non-row-exact decoding only).
     """
     from onnx import TensorProto, helper
 
@@ -166,7 +168,7 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
     write, positions = "write_indices", "position_ids"
-    pad_attention = pad_attention and not std
+    pad_attention = pad_attention and not std and (blocks is None or block_accuracy == 4)
     if pad_attention:
         # GQA runs >= ATTENTION_ROWS rows: a 1-row step gets a dummy copy of its row inside the graph
         # (``pad`` = [0, 0]), written to the next cache slot and dropped after the attention. GQA's

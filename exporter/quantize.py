@@ -221,7 +221,20 @@ def quantize_model(model, config: QuantConfig):
         out = run(out, config.lm_head_bits, config.lm_head_accuracy_level, [])
     if not any(n.op_type == "MatMulNBits" for n in out.graph.node):
         raise PrecisionError("No MatMul weight was quantized; the graph has no constant-weight MatMul.")
+    levels = {next((a.i for a in n.attribute if a.name == "accuracy_level"), 0)  # 0 when unset
+              for n in out.graph.node if n.op_type == "MatMulNBits"}
+    if levels != {4}:
+        drop_row_exact_claim(out)  # fp32-activation MatMulNBits has its own 1-row path
     return out
+
+
+def drop_row_exact_claim(model) -> None:
+    """Remove the graph's claim that its 1-row steps are row-exact (``GraphEntry.attention_rows``)."""
+    from .ort_graph import ATTENTION_ROWS_KEY
+
+    kept = [p for p in model.metadata_props if p.key != ATTENTION_ROWS_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
 
 
 def quantize_lm_head(src: Path, dst: Path, bits: int = 8, accuracy_level: int = 4) -> None:

@@ -427,3 +427,21 @@ def test_quantize_bundle_matches_export(quant_bundles, tiny_bundle, tmp_path):
     np.testing.assert_array_equal(got, ref)
     with pytest.raises(PrecisionError, match="already quantized"):
         quantize_bundle(out, tmp_path / "again", "int8")
+
+
+def test_fp32_activation_graphs_make_no_row_exact_claim(tiny_model_factory):
+    """``MatMulNBits`` at accuracy level 0 has its own 1-row path, so a graph quantized at level 0 does
+    not claim row-exact 1-row steps. (Level-0 GGUF blocks are not padded at all; on the real model,
+    ``validate``'s bitwise check would fail if they claimed it.)"""
+    from specdeploy.exporter.ort_graph import ATTENTION_ROWS_KEY, build_ort_graph
+    from specdeploy.exporter.quantize import quant_config, quantize_model
+    from specdeploy.exporter.source import load_model
+    from specdeploy.graphs.base_step import BaseStep
+
+    step = BaseStep(load_model(str(tiny_model_factory("llama"))).model).eval()
+
+    def claim(model):
+        return {p.key: p.value for p in model.metadata_props}.get(ATTENTION_ROWS_KEY)
+
+    assert claim(quantize_model(build_ort_graph(step, 128), quant_config("int4"))) == "2"
+    assert claim(quantize_model(build_ort_graph(step, 128), quant_config("int4", accuracy_level=0))) is None
