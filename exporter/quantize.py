@@ -53,9 +53,10 @@ its token. (On a graph without the padding, i.e. a bundle exported before it, ev
 instead: a plain step adds a dummy row, which costs 12-25% of a 1-row step on int4.)
 
 So int4 is onnxruntime-genai's int4 recipe (symmetric blocks of 32, int8 activations, lm_head int4
-with int8 activations): the fastest CPU kernels, step for step as fast as genai's own graph (10.8 ms
-each at T = 1, capacity 512, an interleaved A/B), and lossless through row-exact steps, whose plain
-steps are 1-row steps like genai's. ``QuantConfig``
+with int8 activations): the fastest CPU kernels, and lossless through row-exact steps, whose plain
+steps are 1-row steps like genai's. Without the attention padding our graph takes genai's time per
+1-row step (CPU time 17.3 against 17.5 ms at past 256, interleaved); the padding adds ~10% (19.0 ms).
+``QuantConfig``
 still builds the fp32-compute variants of the table for measurements.
 
 int8 (block 32, lm_head int8): top-1 0.95, ppl 16.31 at acc 4; 0.967 / 16.23 at acc 0, whose 8-bit
