@@ -134,11 +134,10 @@ class Decoder:
         # min_rows is 2 and a plain step carries a dummy row. On an fp32 bundle, whose 1-row and
         # multi-row steps differ only at ~1e-5 (harmless in practice), ``row_exact`` buys identity by
         # construction: all steps then run on one graph.
-        backend_exact = bool(getattr(backend, "row_exact", False))
-        self.chains_only = row_exact or backend_exact
-        if backend_exact:
-            self.min_rows = max(1, int(backend.min_rows))
-        else:  # a backend that does not know row-exact steps: dummy rows make them
+        self.chains_only = row_exact or backend.row_exact
+        if backend.row_exact:
+            self.min_rows = backend.min_rows
+        else:  # a backend that does not run row-exact steps itself: dummy rows make them
             self.min_rows = 2 if row_exact else 1
 
     # --- stages -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Self
 
 import numpy as np
 
-from ..bundle import BundleManifest
+from ..bundle import BundleManifest, GraphEntry
 from ..kvcache import KVCache
 
 
@@ -41,6 +41,11 @@ class Backend(ABC):
     # attention to two rows itself (``GraphEntry.attention_rows``), else ``min_rows`` is 2.
     row_exact: bool = False
     min_rows: int = 1
+
+    def set_row_exact(self, exact: bool, graph: GraphEntry) -> None:
+        """Turn row-exact steps on or off for steps run on ``graph`` (sets ``row_exact`` and ``min_rows``)."""
+        self.row_exact = exact
+        self.min_rows = graph.row_exact_rows if exact else 1
 
     @abstractmethod
     def new_cache(self, batch: int, capacity: int) -> KVCache:

@@ -110,8 +110,7 @@ class OrtBackend(Backend):
                 graph, tree_graph = tree_graph, None
         entry = graph or manifest.base_graph("trt")
         self.graph, self.tree_graph = entry, tree_graph  # the graphs this backend runs
-        self.row_exact = row_exact or any(g is not None and g.int8_activations for g in (entry, tree_graph))
-        self.min_rows = entry.row_exact_rows if self.row_exact else 1
+        self.set_row_exact(row_exact or any(g is not None and g.int8_activations for g in (entry, tree_graph)), entry)
         # Two sessions alternate on the same cores: neither may keep its threads spinning after a run
         # (the draft/base thread fight measured in make_draft_session).
         spin = tree_graph is None
@@ -276,8 +275,7 @@ class OrtCudaBackend(OrtBackend):
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
         entry = manifest.base_graph("trt")
-        self.row_exact = entry.int8_activations
-        self.min_rows = entry.row_exact_rows if self.row_exact else 1
+        self.set_row_exact(entry.int8_activations, entry)
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
