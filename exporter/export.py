@@ -7,6 +7,7 @@ error leaves nothing half-written. Progress is printed stage by stage.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 import json
 import os
@@ -31,7 +32,7 @@ from specdeploy.runtime.bundle import (
     hash_files,
     write_manifest,
 )
-from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
+from specdeploy.runtime.errors import BundleError, BundleExistsError, SpecDeployError
 
 from .ort_graph import ATTENTION_ROWS_KEY
 
@@ -54,6 +55,18 @@ def _staging_dir(dest: Path) -> Path:
     return tmp
 
 
+def _disk_full(exc: BaseException, dest: Path) -> BundleError | None:
+    """The one-sentence error for a write that ran out of disk space, or None for any other error."""
+    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    try:
+        free = shutil.disk_usage(dest.parent).free / 2**30
+    except OSError:
+        return BundleError(f"The disk ran out of space while writing '{dest}'; nothing was kept.")
+    return BundleError(f"The disk ran out of space while writing '{dest}' ({free:.1f} GiB free now that "
+                       "the partial files are removed); free some space or write the bundle elsewhere.")
+
+
 @contextmanager
 def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it atomically becomes ``out``."""
@@ -71,8 +84,11 @@ def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _disk_full(exc, out)
+        if full is not None:
+            raise full from exc
         raise
 
 
@@ -97,8 +113,11 @@ def updated_bundle(bundle: Path) -> Iterator[Path]:
         os.replace(bundle, old)
         os.replace(tmp, bundle)
         shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _disk_full(exc, bundle)
+        if full is not None:
+            raise full from exc
         raise
 
 

@@ -139,6 +139,31 @@ def test_force_and_interrupted_export_leave_nothing_half_written(tiny_bundle, ti
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]  # no partial bundle, no temp dir
 
 
+def test_full_disk_is_one_sentence_and_leaves_nothing(tiny_bundle, tiny_model_factory, tmp_path, monkeypatch):
+    """ENOSPC mid-export (a real CI failure) becomes a BundleError naming the path; the partial files go."""
+    import errno
+
+    from specdeploy.exporter import export as export_mod
+    from specdeploy.runtime.errors import BundleError
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "export_graph", full)
+    out = tmp_path / "fresh"
+    with pytest.raises(BundleError, match=r"ran out of space while writing '.*fresh' \(\d+\.\d GiB free"):
+        export_mod.export_base(str(tiny_model_factory("llama")), out)
+    assert list(tmp_path.iterdir()) == []
+    before = sorted(p.name for p in tiny_bundle.iterdir())
+    with pytest.raises(BundleError, match="ran out of space"), export_mod.updated_bundle(tiny_bundle):
+        full()
+    assert sorted(p.name for p in tiny_bundle.iterdir()) == before
+    assert not [p for p in tiny_bundle.parent.iterdir() if ".tmp-" in p.name]
+    # any other OSError keeps its own message
+    with pytest.raises(OSError, match="other"), export_mod.staged_bundle(tmp_path / "x", force=False):
+        raise OSError(errno.EIO, "other")
+
+
 def test_prompt_errors(tiny_bundle):
     with load(tiny_bundle) as engine:
         with pytest.raises(PromptError, match="empty"):
