@@ -170,14 +170,13 @@ class Decoder:
         return state, out
 
     def propose(self, state: DecodeState, budget: int, stats: DecodeStats | None = None) -> DraftTree:
-        root = np.array([state.tokens[-1]], dtype=np.int64)
         if self.drafter is None or budget <= 1:
-            return DraftTree(tokens=root, parents=np.array([-1], dtype=np.int64))
+            return DraftTree.root(state.tokens[-1])
         ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget)
         if not self.drafter.wants_draft(ctx):  # the gate: a hard step runs as plain decoding
             if stats is not None:
                 stats.gate_ar += 1
-            return DraftTree(tokens=root, parents=np.array([-1], dtype=np.int64))
+            return DraftTree.root(state.tokens[-1])
         if stats is not None:
             stats.gate_parallel += 1
         tree = self.drafter.propose(ctx)
@@ -222,7 +221,7 @@ class Decoder:
             self.drafter.accepted(acc.nodes, tree)
         state.hidden = out.hidden_states[0, acc.nodes]
         state.root_logits = out.logits[0, acc.nodes[-1]]
-        emitted = [int(t) for t in acc.tokens]
+        emitted = acc.tokens.tolist()
         state.tokens.extend(emitted)
         return emitted
 
@@ -273,7 +272,7 @@ class Decoder:
                 stats.finish_reason = "length"
                 break
             tree = self.propose(state, min(self.max_tree, room - 1) if self.drafter else 1, stats)
-            buffers = build_buffers(tuple(tree.parents.tolist()))
+            buffers = tree.buffers()
             tb = time.perf_counter()
             out = self.verify(state, tree, buffers)
             stats.backend_s += time.perf_counter() - tb

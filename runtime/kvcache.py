@@ -47,6 +47,7 @@ class KVCache:
     values: list[Any]
     length: int  # committed tokens
     allocate: Callable[[tuple[int, ...]], Any]  # backend allocator of a zeroed buffer
+    epoch: int = 0  # bumped whenever the buffers are replaced (a backend's bindings then go stale)
 
     @classmethod
     def allocate_for(cls, num_layers: int, num_kv_heads: int, head_dim: int, batch: int, capacity: int,
@@ -81,6 +82,7 @@ class KVCache:
                 new = self.allocate(shape)
                 new[:, :, :n] = old[:, :, :n]
                 bufs[i] = new
+        self.epoch += 1
         return True
 
     def commit(self, accepted_slots: np.ndarray) -> None:
@@ -90,6 +92,9 @@ class KVCache:
         accepted in order needs no move at all.
         """
         n = len(accepted_slots)
+        if n == 1 and accepted_slots[0] == self.length:  # a plain step: nothing to move
+            self.length += 1
+            return
         dst = np.arange(self.length, self.length + n)
         if not np.array_equal(accepted_slots, dst):
             src = np.asarray(accepted_slots)

@@ -91,6 +91,10 @@ class TreeSpec:
         return build_buffers(self.parents)
 
 
+_ROOT_PARENTS = np.array([-1], dtype=np.int64)
+_ROOT_PARENTS.setflags(write=False)
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     """One step's draft: node tokens in topological order, node 0 being the root token."""
@@ -117,11 +121,22 @@ class DraftTree:
                 )
             object.__setattr__(self, "scores", scores)
 
+    @classmethod
+    def root(cls, token: int) -> DraftTree:
+        """The 1-node tree of a plain step, made without the general checks (once per decoded token)."""
+        tree = object.__new__(cls)
+        object.__setattr__(tree, "tokens", np.array([token], dtype=np.int64))
+        object.__setattr__(tree, "parents", _ROOT_PARENTS)
+        object.__setattr__(tree, "scores", None)
+        return tree
+
     @property
     def num_nodes(self) -> int:
         return int(self.tokens.shape[0])
 
     def buffers(self) -> TreeBuffers:
+        if self.parents is _ROOT_PARENTS:
+            return _build_buffers((-1,))
         return build_buffers(self.parents)
 
     @property

@@ -136,7 +136,7 @@ def _check(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray) -> None:
             f"Verification needs buffers for {n} nodes and logits [>= {n}, V], "
             f"got {buffers.num_nodes} nodes and logits {tuple(logits.shape)}."
         )
-    if buffers.parents is not tree.parents and not np.array_equal(buffers.parents, tree.parents):
+    if n > 1 and buffers.parents is not tree.parents and not np.array_equal(buffers.parents, tree.parents):
         raise TreeSpecError("The tree buffers were built for a different tree shape than the draft.")
 
 

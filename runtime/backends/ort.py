@@ -125,7 +125,7 @@ class OrtBackend(Backend):
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._mask_dtype = np.dtype(next(s.dtype for s in entry.inputs if s.name == "attention_mask"))
         self._ortvalues: dict[int, Any] = {}  # id(buffer) -> OrtValue sharing its memory
-        self._bindings: dict[int, tuple[list[np.ndarray], Any]] = {}  # id(session) -> (cache buffers, binding)
+        self._bindings: dict[int, tuple[KVCache, int, Any]] = {}  # id(session) -> (cache, epoch, binding)
 
     @property
     def mask_dtype(self) -> np.dtype:
@@ -148,16 +148,18 @@ class OrtBackend(Backend):
             self._ortvalues[id(buf)] = ov
         return ov
 
-    def _cache_binding(self, session, buffers: list[np.ndarray]):
+    def _cache_binding(self, session, cache: KVCache):
         """The session's binding with the cache's K/V bound in place (present aliases past).
 
         The 2 x layers cache bindings are made once per cache buffer set and kept, so a step only
         rebinds its five small inputs and two outputs (about 0.3 ms of Python per step less). The
-        entry holds the buffers themselves, so a freed cache's ids cannot be mistaken for a new one's.
+        entry holds the cache itself, so a freed cache's id cannot be mistaken for a new one's, and
+        its epoch, which changes when the cache reallocates its buffers.
         """
         held = self._bindings.get(id(session))
-        if held is not None and len(held[0]) == len(buffers) and all(a is b for a, b in zip(held[0], buffers)):
-            return held[1]
+        if held is not None and held[0] is cache and held[1] == cache.epoch:
+            return held[2]
+        buffers = cache.buffers()
         live = {id(b) for b in buffers}
         if len(self._ortvalues) > len(live):  # the cache was reallocated: drop stale views
             self._ortvalues = {k: v for k, v in self._ortvalues.items() if k in live}
@@ -168,14 +170,14 @@ class OrtBackend(Backend):
             ov = self._ortvalue(buf)
             binding.bind_ortvalue_input(past, ov)
             binding.bind_ortvalue_output(present, ov)  # in place: present aliases past
-        self._bindings[id(session)] = (list(buffers), binding)
+        self._bindings[id(session)] = (cache, cache.epoch, binding)
         return binding
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         session = self.session
         if self.tree_session is not None and inputs.input_ids.shape[1] > 1:
             session = self.tree_session
-        binding = self._cache_binding(session, cache.buffers())
+        binding = self._cache_binding(session, cache)
         binding.bind_cpu_input("input_ids", inputs.input_ids)
         binding.bind_cpu_input("position_ids", inputs.position_ids)
         binding.bind_cpu_input("attention_mask", inputs.attention_mask)

@@ -532,6 +532,7 @@ class TrtBackend(Backend):
         L = self.manifest.model.num_layers
         cache.keys[:] = [present[2 * i] for i in range(L)]
         cache.values[:] = [present[2 * i + 1] for i in range(L)]
+        cache.epoch += 1
         return StepOutputs(logits=logits.astype(np.float32, copy=False),
                            hidden_states=hidden.astype(np.float32, copy=False))
 
