@@ -259,6 +259,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
     report = build_report(
         specs, skipped, results, prompts, codec,
         config={"bundle": str(bundle.resolve()), "model": manifest.source.path, "num_prompts": len(prompts),
+                "precision": "/".join(sorted({g.precision for g in manifest.graphs if g.role == "base"})),
                 "max_new_tokens": max_new_tokens, "threads": threads, "tree": tree,
                 "prompts_file": str(prompts_path.resolve()), "baseline": BASELINE,
                 "baseline_added": BASELINE not in variants},

@@ -205,10 +205,16 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _subject(c: dict[str, Any]) -> str:
+    """The model and, where the report has it, the bundle's base-graph precisions ("fp32/gguf-q4_1")."""
+    name = Path(c["model"]).name
+    return f"{name} [{c['precision']}]" if c.get("precision") else name
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [
-        (f"specdeploy bench: {Path(c['model']).name}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
+        (f"specdeploy bench: {_subject(c)}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
          f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']})"),
         "",
         ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | gate: draft / AR "
@@ -247,7 +253,7 @@ def _plot_speed(report: dict[str, Any], path: Path) -> None:
                     xytext=(0, 2), textcoords="offset points")
     c = report["config"]
     ax.set_ylabel("tokens/s (end to end, mean over prompts)")
-    ax.set_title(f"{Path(c['model']).name}: {c['num_prompts']} prompts x {c['max_new_tokens']} tokens, "
+    ax.set_title(f"{_subject(c)}: {c['num_prompts']} prompts x {c['max_new_tokens']} tokens, "
                  f"{c['threads']} threads", fontsize=9)
     ax.margins(y=0.15)
     fig.tight_layout()

@@ -87,6 +87,7 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file):
     # outputs next to the JSON; the table is printed too
     table = out.with_suffix(".md").read_text()
     assert "| prompt-lookup |" in table and table.strip() in result.stdout
+    assert report["config"]["precision"] == "fp32" and " [fp32], 2 prompts" in table  # says what was benched
     for png in (out.with_suffix(".png"), out.with_name("bench_acceptance.png")):
         assert png.read_bytes()[:8] == PNG_MAGIC
     assert "prompt 2/2" in result.stderr
