@@ -250,8 +250,8 @@ class Decoder:
 
         t0 = time.perf_counter()
         state, out = self.prefill(prompt)
-        root_tree = DraftTree(tokens=np.array([prompt[-1]], dtype=np.int64), parents=np.array([-1], dtype=np.int64))
-        first = self.accept(root_tree, build_buffers(tuple(root_tree.parents.tolist())), out, sampling, rng)
+        root_tree = DraftTree.root(prompt[-1])
+        first = self.accept(root_tree, root_tree.buffers(), out, sampling, rng)
         token = int(first.tokens[-1])
         state.tokens.append(token)
         stats.prefill_s = time.perf_counter() - t0
