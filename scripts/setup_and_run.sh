@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command from a fresh clone: set up .venv, export the embedded SmolLM2-135M-Instruct to a bundle,
 # add the shipped Chimera draft, validate both against torch, then stream a generation with plain
-# greedy decoding and with Chimera speculative decoding (identical output), each with its tokens/s.
-# Idempotent.
+# greedy decoding, Chimera and prompt-lookup speculative decoding, each with its tokens/s, and check
+# that the three outputs are identical. Idempotent.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 BUNDLE="${BUNDLE:-bundles/smollm2}"
 PROMPT="${PROMPT:-Explain in three sentences why the sky is blue.}"
@@ -13,8 +13,24 @@ else
 fi
 specdeploy export draft --kind chimera --draft graphs/weights/chimera.safetensors "$BUNDLE"
 specdeploy validate "$BUNDLE"
+OUT_DIR="$(mktemp -d)"
+trap 'rm -rf "$OUT_DIR"' EXIT
+run() {  # run NAME [generate options...]: stream the completion, keep its text for the identity check
+  local name="$1"; shift
+  specdeploy generate "$BUNDLE" --chat --prompt "$PROMPT" --max-new-tokens 128 --threads "${THREADS:-2}" "$@" \
+    | tee "$OUT_DIR/$name.txt"
+}
 echo "[main] plain greedy decoding:" >&2
-specdeploy generate "$BUNDLE" --chat --prompt "$PROMPT" --max-new-tokens 128 --threads "${THREADS:-2}"
-echo "[main] Chimera speculative decoding (identical output):" >&2
-specdeploy generate "$BUNDLE" --chat --prompt "$PROMPT" --max-new-tokens 128 --threads "${THREADS:-2}" \
-  --draft chimera
+run plain
+echo "[main] Chimera speculative decoding (the shipped draft):" >&2
+run chimera --draft chimera
+echo "[main] prompt-lookup speculative decoding (no trained draft):" >&2
+run prompt-lookup --draft prompt-lookup
+for name in chimera prompt-lookup; do
+  if cmp -s "$OUT_DIR/plain.txt" "$OUT_DIR/$name.txt"; then
+    echo "[main] $name output is identical to plain greedy decoding" >&2
+  else
+    echo "[main] ERROR: $name output differs from plain greedy decoding" >&2
+    exit 1
+  fi
+done
