@@ -230,7 +230,7 @@ def measure_step_costs(engine, make_drafter: Callable[[str | None], Any], trees:
     """
     from specdeploy.runtime.decode import Decoder, SamplingParams
     from specdeploy.runtime.drafters.base import DraftContext
-    from specdeploy.runtime.tree import DraftTree, build_buffers
+    from specdeploy.runtime.tree import DraftTree
 
     plain = Decoder(engine.backend, engine.manifest, None)
     state, _ = plain.prefill(prompt)
@@ -246,7 +246,7 @@ def measure_step_costs(engine, make_drafter: Callable[[str | None], Any], trees:
         for name, times in samples.items():
             t0 = time.perf_counter()
             tree = root if name == "ar" else drafters[name].propose(ctx)
-            buffers = build_buffers(tuple(tree.parents.tolist()))
+            buffers = tree.buffers()
             out = plain.verify(state, tree, buffers)
             plain.accept(tree, buffers, out, greedy, rng)
             times.append(time.perf_counter() - t0)

@@ -21,7 +21,7 @@ from .bundle import BundleManifest
 from .drafters.base import DraftContext, Drafter
 from .errors import PromptError, TreeSpecError
 from .kvcache import KVCache, capacity_buckets
-from .tree import DraftTree, TreeBuffers, build_buffers
+from .tree import DraftTree, TreeBuffers
 from .verify import Acceptance, greedy_accept, sample_accept, typical_accept
 
 
@@ -192,7 +192,7 @@ class Decoder:
         if n < self.min_rows:  # a chain (chains_only): dummy nodes after it, their rows dropped
             tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
             padded = DraftTree(tokens, np.arange(-1, self.min_rows - 1))
-            out = self._step(state, padded, build_buffers(tuple(padded.parents.tolist())))  # cached
+            out = self._step(state, padded, padded.buffers())  # cached by shape
             return StepOutputs(out.logits[:, :n], out.hidden_states[:, :n])
         return self._step(state, tree, buffers)
 

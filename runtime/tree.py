@@ -135,8 +135,6 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     def buffers(self) -> TreeBuffers:
-        if self.parents is _ROOT_PARENTS:
-            return _build_buffers((-1,))
         return build_buffers(self.parents)
 
     @property
@@ -276,7 +274,7 @@ class TreeBuffers:
 
 def build_buffers(parents) -> TreeBuffers:
     """Build (or fetch from cache) the buffers for a parent array ``[N]`` with ``parents[i] < i``."""
-    return _build_buffers(tuple(int(p) for p in np.asarray(parents).reshape(-1)))
+    return _build_buffers(tuple(np.asarray(parents, dtype=np.int64).reshape(-1).tolist()))
 
 
 @lru_cache(maxsize=256)
