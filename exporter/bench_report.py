@@ -120,15 +120,23 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
     decode_s = sum(r.decode_seconds for r in runs)
     same = sum(p["identical_to_ar"] for p in per)
     note = None
+    lossy = any(r.lossy for r in runs)
     if same < len(per):
         why = ("another runtime or precision, whose kernels can flip near-tied argmaxes" if spec.runner != "ours"
+               else "LOSSY: inexact speculation was allowed" if lossy
                else "greedy speculative decoding must match it exactly, so this is a bug")
         note = f"differs from ar on {len(per) - same}/{len(per)} prompts ({why})"
+    if any(r.refused for r in runs):
+        note = f"draft refused, ran plain: {runs[0].plan}" + (f"; {note}" if note else "")
+    elif lossy and note is None:
+        note = "LOSSY: inexact speculation was allowed (identical on these prompts)"
     return {
         "name": spec.name,
         "description": spec.description,
         "skipped": False,
         "note": note,
+        "lossy": lossy,
+        "plan": runs[0].plan if runs else None,
         "tokens_per_s": _mean([p["tokens_per_s"] for p in per]),
         "decode_tokens_per_s": _mean([p["decode_tokens_per_s"] for p in per if p["decode_tokens_per_s"]]),
         "speedup_vs_ar": None,  # filled once the baseline is known
@@ -149,7 +157,8 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
 
 
 def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
-    return {"name": spec.name, "description": spec.description, "skipped": True, "note": note,
+    return {"name": spec.name, "description": spec.description, "skipped": True, "note": note, "lossy": False,
+            "plan": None,
             "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None,
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
             "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None,
@@ -233,7 +242,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         gate = v.get("gate_decisions")
         gate_cell = f"{gate['draft']} / {gate['ar']}" if gate else "–"
         lines.append(
-            f"| {v['name']} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
+            f"| {v['name']}{' [LOSSY]' if v.get('lossy') else ''} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
             f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | "
             f"{gate_cell} | {ident} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"

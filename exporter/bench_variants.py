@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,12 +66,9 @@ VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
                 options=(("backend", "ort-cpu-traced"),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
                 draft="prompt-lookup", requires=("onnxruntime",)),
-    VariantSpec("ar-exact", "ours", "specdeploy ORT CPU, plain autoregressive with row-exact steps (one graph)",
-                options=(("row_exact", True),), requires=("onnxruntime",)),
-    VariantSpec("prompt-lookup-exact", "ours", "specdeploy ORT CPU, prompt-lookup chains with row-exact steps",
-                draft="prompt-lookup", options=(("row_exact", True),), requires=("onnxruntime",)),
-    VariantSpec("chimera-exact", "ours", "specdeploy ORT CPU, Chimera chains with row-exact steps",
-                draft="chimera", options=(("row_exact", True),), requires=("onnxruntime",), bundle_draft=True),
+    VariantSpec("prompt-lookup-inexact", "ours", "specdeploy ORT CPU, prompt-lookup trees on the fastest step plan "
+                "whether or not it is exact here (--allow-inexact; LOSSY where the probe refuses)",
+                draft="prompt-lookup", options=(("allow_inexact", True),), requires=("onnxruntime",)),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("cerberus", "ours", "specdeploy ORT CPU, Cerberus heads with gate", draft="cerberus",
@@ -100,6 +98,9 @@ class RunResult:
     finish_reason: str = ""
     gate_parallel: int | None = None  # decode steps the drafter's gate sent to draft + verify (ours only)
     gate_ar: int | None = None  # decode steps the gate ran as plain T=1 decoding (ours only)
+    lossy: bool = False  # inexact speculation, allowed by the variant (ours only)
+    plan: str | None = None  # the step plan's one line (ours only)
+    refused: bool = False  # the variant's draft was refused: no exact step plan here, so plain decoding
 
 
 class Runner(ABC):
@@ -136,11 +137,14 @@ class OursRunner(Runner):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         from specdeploy.runtime import load
+        from specdeploy.runtime.errors import ExactnessWarning
 
         tree = self.tree if self.spec.draft else None
         options = dict(self.spec.options)
-        self.engine = load(self.bundle, backend=options.get("backend", "ort-cpu"), draft=self.spec.draft,
-                           threads=self.threads, tree=tree, row_exact=options.get("row_exact", False))
+        with warnings.catch_warnings():  # a refused draft is reported in the results (``refused``)
+            warnings.simplefilter("ignore", ExactnessWarning)
+            self.engine = load(self.bundle, backend=options.get("backend", "ort-cpu"), draft=self.spec.draft,
+                               threads=self.threads, tree=tree, allow_inexact=options.get("allow_inexact", False))
 
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         from specdeploy.runtime.decode import DecodeStats, GenerationConfig, SamplingParams
@@ -157,6 +161,9 @@ class OursRunner(Runner):
             finish_reason=stats.finish_reason,
             gate_parallel=stats.gate_parallel if self.spec.draft else None,
             gate_ar=stats.gate_ar if self.spec.draft else None,
+            lossy=stats.lossy,
+            plan=self.engine.plan.reason,
+            refused=bool(self.spec.draft) and self.engine.draft_name == "none",
         )
 
     def close(self) -> None:

@@ -43,8 +43,8 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
                       progress: Callable[[str], None] = _stderr, source: str | None = None) -> dict[str, Any]:
     """Time each candidate tree against plain decoding; write the calibration and update the bundle.
 
-    On a bundle with row-exact steps (an int8-activation base graph) the result is kept apart, under
-    ``row_exact`` in the same file, and only such bundles read it: its costs and candidates differ.
+    Where the step plan verifies chains only, the result is kept apart, under ``row_exact`` in the same
+    file (the chains section), and the bundle's draft takes it as ``default_chain``.
     Returns this run's result (``default_tree``, ``sweep``, ``speedup``, ...).
     """
     from specdeploy.runtime import load
@@ -60,14 +60,16 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     weights = load_draft_weights(draft, "chimera")
     sha = hash_files([draft])
     manifest = read_manifest(bundle)
-    row_exact = manifest.row_exact
-    trees = trees or (CHIMERA_CHAINS if row_exact else CHIMERA_TREES)
     current = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     if current is None or current.weights_sha != sha:
         progress("[1/3] adding these Chimera weights to the bundle ...")
         export_draft(bundle, "chimera", draft, progress=lambda m: None, use_calibration=False)
     t0 = time.time()
     plain = load(bundle, threads=threads)
+    # A step plan that verifies chains only (measured on this machine, runtime/plan.py) gets chain
+    # candidates, and its result is kept apart under ``row_exact``: its costs and candidates differ.
+    row_exact = not plain.plan.trees
+    trees = trees or (CHIMERA_CHAINS if row_exact else CHIMERA_TREES)
     engines = {}
     try:
         ids_all = heldin_prompts(lambda m: plain.encode(messages=m), prompts, source=source)

@@ -76,8 +76,8 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     \b
     int8/int4 quantize the MatMul weights blockwise with ONNX Runtime's MatMulNBitsQuantizer, and the
     kernels quantize their activations to int8 (onnxruntime-genai's recipe; the KV cache stays fp32).
-    q4_1 keeps a Q4_1 GGUF's own blocks instead (no second rounding: near-fp32 quality). The runtime
-    runs such bundles with row-exact steps, so speculative output stays identical to plain output.
+    q4_1 keeps a Q4_1 GGUF's own blocks instead (no second rounding: near-fp32 quality). At load the
+    runtime probes which step plan keeps speculative output identical to plain output on the machine.
     Check them with 'specdeploy validate', which adds a quality report (top-1 agreement and perplexity
     against fp32). fp16 is not exported for the CPU: build TensorRT engines with
     'specdeploy build --precision fp16' instead.
@@ -424,33 +424,55 @@ _register_torch_backends()
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
-@click.option("--row-exact", is_flag=True,
-              help="One graph for every step, chain drafts: speculative == plain bit for bit (always on for int8/int4/q4_1).")
+@click.option("--allow-inexact", is_flag=True,
+              help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
 def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: str, tree: str | None,
              temperature: float, top_p: float, top_k: int, seed: int | None, typical: bool, stop: tuple[str, ...],
-             backend: str, threads: int | None, row_exact: bool) -> None:
+             backend: str, threads: int | None, allow_inexact: bool) -> None:
     """Stream a completion and finish with tokens/s.
 
     \b
     Example:
       specdeploy generate bundles/smollm2 --chat --prompt "Name three prime numbers." --draft prompt-lookup
     """
-    from specdeploy.runtime import load
-
-    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree, row_exact=row_exact) as engine:
+    with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
+                     allow_inexact=allow_inexact) as engine:
         stream = engine.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, typical=typical)
         for delta in stream:
             click.echo(delta, nl=False)
         click.echo()
         st = stream.completion.stats
-        lossy = "  [LOSSY typical acceptance]" if st.lossy else ""
+        lossy = ""
+        if st.lossy:
+            lossy = "  [LOSSY typical acceptance]" if typical else "  [LOSSY: inexact speculation, --allow-inexact]"
         click.echo(
             f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s end-to-end, "
             f"{st.decode_tokens_per_s:.1f} tok/s decode, tau {st.mean_accepted:.2f}, "
             f"finish: {stream.completion.finish_reason}{lossy}",
             err=True,
         )
+
+
+def load_engine(bundle: Path, **options):
+    """``runtime.load`` for a command: the step plan's one line on stderr (and its warning, if any)."""
+    import warnings
+
+    from specdeploy.runtime import load
+    from specdeploy.runtime.errors import ExactnessWarning
+
+    say = lambda msg: click.echo(f"[plan] {msg}", err=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExactnessWarning)
+        engine = load(bundle, progress=say, **options)
+    for w in caught:
+        if issubclass(w.category, ExactnessWarning):
+            click.echo(f"warning: {w.message}", err=True)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if not caught:
+        say(engine.plan.reason)
+    return engine
 
 
 # --- bench -----------------------------------------------------------------------------------
@@ -512,11 +534,11 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
               help="Generation requests admitted at once (running + queued); more get a 503.")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
-@click.option("--row-exact", is_flag=True,
-              help="One graph for every step, chain drafts: speculative == plain bit for bit (always on for int8/int4/q4_1).")
+@click.option("--allow-inexact", is_flag=True,
+              help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
-          max_body_bytes: int, max_queue: int, shutdown_timeout: float, row_exact: bool) -> None:
+          max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
@@ -528,13 +550,13 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
     """
-    from specdeploy.runtime import load
     from specdeploy.runtime.server import ServerConfig, run_server
 
     config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                           max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
-    with load(bundle, backend=backend, draft=draft, threads=threads, tree=tree, row_exact=row_exact) as engine:
+    with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
+                     allow_inexact=allow_inexact) as engine:
         run_server(engine, config)
 
 

@@ -264,7 +264,7 @@ def export_base(
     ``precision`` "q4_1" (a Q4_1 GGUF source only) writes one ``ort`` graph from those blocks with int8
     activations, and the lm_head from the file's ``Q8_0`` table at 8 bits with int8 activations: the
     arithmetic llama.cpp uses for this file. Its quality stays near fp32 (no second rounding of the
-    weights, unlike "int4"); like int8/int4 it runs row-exact steps (``runtime.decode.Decoder``).
+    weights, unlike "int4").
     """
     from specdeploy.graphs.base_step import BaseStep
 
@@ -390,8 +390,8 @@ def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, pro
     progress("[2/4] the lm_head (the GGUF's Q8_0 table) at 8 bits with int8 activations ...")
     quantize_lm_head(tmp / "blocks" / ORT_BASE_FILE, tmp / ORT_BASE_FILE)
     shutil.rmtree(tmp / "blocks")
-    progress("      int8 activations: the runtime drafts chains only (row-exact steps), which keeps "
-             "speculative output identical to plain (see exporter/quantize.py)")
+    progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
+             "identical to plain on the machine (see runtime/plan.py)")
 
 
 def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress) -> None:
@@ -410,5 +410,5 @@ def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Prog
     quantize_file(tmp / "fp32" / ORT_BASE_FILE, tmp / ORT_BASE_FILE, qconfig)
     shutil.rmtree(tmp / "fp32")
     if qconfig.accuracy_level == 4:
-        progress("      int8 activations: the runtime drafts chains only (row-exact steps), which keeps "
-                 "speculative output identical to plain (see exporter/quantize.py)")
+        progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
+                 "identical to plain on the machine (see runtime/plan.py)")

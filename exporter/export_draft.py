@@ -246,10 +246,11 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     cal_path = Path(calibration) if calibration else calibration_path(draft)
     if use_calibration and (calibration is not None or cal_path.is_file()):
         calib = read_calibration(cal_path, weights)
-        if manifest.row_exact:
-            calib = calib.get("row_exact", {})  # chains only; the other section's trees would be pruned
         if calib.get("default_tree"):
             settings["default_tree"] = calib["default_tree"]
+        chains = calib.get("row_exact", {})  # the chains section: what a chains-only step plan drafts
+        if chains.get("default_tree"):
+            settings["default_chain"] = chains["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     roles = ["chimera", "chimera-int8"] if precision == "int8" else ["chimera"]
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)

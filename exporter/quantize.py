@@ -35,7 +35,7 @@ HQQ block 32 (float zero points)                 0.78    17.5   670 ms (no fast 
 ===============================================  ======  =====  ============  ==================
 
 "spec == plain": prompt-lookup (auto tree and tree16) against plain greedy, MT-bench prompts, 64 tokens,
-measured before the runtime's row-exact steps (below), which make the acc-4 rows identical too.
+measured before the runtime's step plans (below), which make the acc-4 rows identical too.
 
 Why int8 activations broke the identity, and what restores it. Measured on this graph (logits of the
 same tokens, bitwise): a 1-row step computed row 0 differently from a step of two or more rows (acc 4:
@@ -46,21 +46,21 @@ for any row count), so the ``ort`` graph pads a 1-row step's attention to two ro
 (``exporter/ort_graph.py``). A tree node whose ancestors are not adjacent cache slots differs too (the
 attention softmax sums its window with the masked slots in between, in another order). In fp32 these
 are 1e-5 and harmless in practice; int8 activations requantize them in every layer into flipped
-roundings, so near-tied argmaxes flip. Hence the runtime's row-exact steps on int8-activation bundles
-(``runtime.bundle.INT8_ACTIVATIONS``; see ``Decoder``): every draft is a chain (the tree's best path),
-so a verified chain node is the same computation, bit for bit, as the plain 1-row step that would emit
-its token. (On a graph without the padding, i.e. a bundle exported before it, every step gets >= 2 rows
-instead: a plain step adds a dummy row, which costs 12-25% of a 1-row step on int4.)
+roundings, so near-tied argmaxes flip. These were kernel properties of one Intel Xeon (AVX-512 VNNI):
+on an AMD EPYC with AVX2 only, the int4 and q4_1 graphs' 1-row steps differ from 2-row steps even with
+the padding (MatMulNBits' 1-row path). So the runtime assumes none of this: at load it probes, bit
+for bit, which step plan keeps verified rows equal to plain rows on the machine (``runtime/plan.py``):
+1-row steps, or every step with >= 2 rows (a plain step carries a dummy row), with drafts cut to
+chains where a tree's rows differ.
 
 So int4 is onnxruntime-genai's int4 recipe (symmetric blocks of 32, int8 activations, lm_head int4
-with int8 activations): the fastest CPU kernels, and lossless through row-exact steps, whose plain
-steps are 1-row steps like genai's. Without the attention padding our graph takes genai's time per
+with int8 activations): the fastest CPU kernels, and lossless through the probed step plan. Without the attention padding our graph takes genai's time per
 1-row step (CPU time 17.3 against 17.5 ms at past 256, interleaved); the padding adds ~10% (19.0 ms).
 ``QuantConfig``
 still builds the fp32-compute variants of the table for measurements.
 
 int8 (block 32, lm_head int8): top-1 0.95, ppl 16.31 at acc 4; 0.967 / 16.23 at acc 0, whose 8-bit
-CPU path dequantizes on every call (~16x slower than fp32), so int8 keeps acc 4, row-exact like int4.
+CPU path dequantizes on every call (~16x slower than fp32), so int8 keeps acc 4, like int4.
 
 int4 loses more here than usual because SmolLM2's fp32 weights are themselves dequantized Q4_1 (the
 embedded GGUF): rounding them onto another 4-bit grid adds a second rounding error of the same size.

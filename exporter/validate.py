@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.errors import ValidationFailed
+from specdeploy.runtime.plan import StepPlan
 
 # Weight-quantized graphs are judged by their quality report (quality.py): per case their argmax may
 # legitimately differ from fp32, and their deltas are bounded only loosely, to catch a broken graph.
@@ -188,41 +189,32 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
     return checks
 
 
-def check_row_exact(bundle_dir: Path, manifest: BundleManifest, step_feed: dict[str, np.ndarray],
-                    progress: Callable[[str], None] = print) -> list[OutputCheck]:
-    """Bitwise: a 1-row step equals row 0 of a 2-row step, on every graph that pads its attention
-    (``GraphEntry.attention_rows``), which the runtime's 1-row row-exact steps rely on.
+def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
+                      progress: Callable[[str], None] = print) -> StepPlan:
+    """Probe every step plan on this machine, bit for bit (``runtime/plan.py``), and print the verdicts.
 
-    ``step_feed`` is a 1-token step case; the 2-row step appends one more token. The tolerance is 0:
-    this checks the installed ONNX Runtime's kernels, which a new version could change.
+    A plan whose chain rows differ from plain rows is refused for speculative greedy decoding; the
+    runtime takes the first exact one (or decodes plainly when none is). Returns the runtime's plan.
+    Not a pass/fail check: exactness is the installed kernels' property, which the runtime measures
+    and acts on at load, not the export's.
     """
-    import onnxruntime as ort
+    from specdeploy.runtime.backends import make_backend
+    from specdeploy.runtime.plan import PROBE_DEPTH, candidates, choose, machine_id, probe
 
-    entries = [g for g in manifest.graphs if g.role == "base" and g.attention_rows >= 2]
-    if not entries:
-        return []
-    progress(f"checking 1-row steps against 2-row steps, bit for bit ({', '.join(g.file for g in entries)}) ...")
-    p = int(step_feed["write_indices"][0])
-    two = dict(step_feed)
-    two["input_ids"] = np.concatenate([step_feed["input_ids"], step_feed["input_ids"] + 1], axis=1)
-    two["position_ids"] = np.array([[p, p + 1]], dtype=np.int64)
-    two["write_indices"] = np.array([p, p + 1], dtype=np.int64)
-    two["logits_index"] = np.array([0, 1], dtype=np.int64)
-    mask = np.repeat(step_feed["attention_mask"], 2, axis=2)
-    mask[0, 0, 1, p + 1] = 0.0
-    two["attention_mask"] = mask
-    checks = []
-    for entry in entries:
-        sess = ort.InferenceSession(str(bundle_dir / entry.file), providers=["CPUExecutionProvider"])
-        names = [o.name for o in sess.get_outputs()]
-        one_out = dict(zip(names, sess.run(None, step_feed)))
-        two_out = dict(zip(names, sess.run(None, two)))
-        for name in ("logits", "hidden_states", "present_key_0"):
-            a, b = one_out[name], two_out[name]
-            a, b = (a[:, :, p], b[:, :, p]) if name.startswith("present") else (a[:, 0], b[:, 0])
-            delta = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-            checks.append(OutputCheck(f"1 vs 2 rows[{entry.target} {entry.precision}]", name, delta, 0.0, None))
-    return checks
+    depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
+    progress(f"probing step plans bit for bit on this machine ({machine_id()}), chains of 2..{depth} rows ...")
+    with make_backend("ort-cpu", bundle_dir, manifest) as backend:
+        results = [probe(backend, manifest, cand, depth) for cand in candidates(backend)]
+    for r in results:
+        worst = r.worst()
+        chains = "exact" if r.chains_exact else f"DIFFER ({worst.max_abs:.2g} at {worst.what})"
+        tree = next((c for c in r.checks if c.what == "tree"), None)
+        trees = "not probed" if tree is None else "exact" if r.trees_exact else f"differ ({tree.max_abs:.2g})"
+        progress(f"  plan {r.candidate.name:<10} chains {chains}; trees {trees}; {r.plain_ms:.1f} ms per plain step"
+                 + ("" if r.chains_exact else "  -> speculative greedy decoding refused on this plan"))
+    plan = choose(results, depth)
+    progress(f"  runtime: {plan.reason}")
+    return plan
 
 
 def report(checks: list[OutputCheck], out: Callable[[str], None] = print) -> None:
@@ -255,10 +247,10 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
     cases = base_cases(manifest, _FlatStep(step), list(ids)[:16])
     checks = compare_base(bundle_dir, manifest, step, list(ids)[:16], progress, cases)
-    checks += check_row_exact(bundle_dir, manifest, dict(cases)["step"], progress)
     if manifest.drafts:
         checks += compare_drafts(bundle_dir, manifest, loaded, list(ids)[:16], progress)
     report(checks, progress)
+    report_step_plans(bundle_dir, manifest, progress)
     failed = [f"{c.case}/{c.output} max|delta| {c.max_abs:.2e}" for c in checks if not c.passed]
     failed += quality_failures(bundle_dir, manifest, step, loaded.tokenizer, progress)
     if failed:

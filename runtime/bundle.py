@@ -19,10 +19,6 @@ from .errors import BundleError, DraftMismatchError
 
 SCHEMA_VERSION = 1
 GGUF_Q4_1 = "gguf-q4_1"  # precision of a base graph holding the source GGUF's own Q4_1 blocks
-# Weight precisions whose graphs quantize the activations to int8 inside ONNX Runtime's MatMulNBits
-# (accuracy level 4). There the tiny differences between how a row is computed in different steps
-# flip tokens, so the runtime runs such bundles with row-exact steps (see ``Decoder``).
-INT8_ACTIVATIONS = ("int8", "int4", "q4_1")
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 22
 
@@ -67,19 +63,9 @@ class GraphEntry:
     target: str = "trt"  # "trt": standard ops only; "ort": may use ONNX Runtime contrib ops
     precision: str = "fp32"
     # The fewest rows the graph's attention runs: 2 when it pads a 1-row step itself (the ``ort``
-    # graph, see ``exporter/ort_graph.py``), so that its 1-row steps compute bitwise what row 0 of a
-    # multi-row step does. 1 (older bundles, traced graphs): row-exact steps need >= 2 rows.
+    # graph, see ``exporter/ort_graph.py``), which makes a 1-row step's attention row 0 of a 2-row
+    # one. Informative only: whether steps are row-exact is measured at load (runtime/plan.py).
     attention_rows: int = 1
-
-    @property
-    def int8_activations(self) -> bool:
-        """Whether the graph quantizes activations to int8, so that it needs row-exact steps."""
-        return self.precision in INT8_ACTIVATIONS
-
-    @property
-    def row_exact_rows(self) -> int:
-        """The fewest rows a row-exact step runs on this graph: 1 when the graph pads its attention."""
-        return 1 if self.attention_rows >= 2 else 2
 
 
 @dataclass(frozen=True)
@@ -178,11 +164,6 @@ class BundleManifest:
             return self.graph("base")
         wanted = [g for g in ort if (g.precision == GGUF_Q4_1) != multi_row]
         return (wanted or ort)[0]
-
-    @property
-    def row_exact(self) -> bool:
-        """Whether the CPU runtime runs this bundle with row-exact steps (its base graph's activations are int8)."""
-        return self.cpu_base(multi_row=True).int8_activations
 
     def base_graph(self, prefer: str) -> GraphEntry:
         """The base graph of target ``prefer`` when the bundle has one, else its other base graph.

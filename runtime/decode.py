@@ -21,6 +21,7 @@ from .bundle import BundleManifest
 from .drafters.base import DraftContext, Drafter
 from .errors import PromptError, TreeSpecError
 from .kvcache import KVCache, capacity_buckets
+from .plan import StepPlan, resolve_plan
 from .tree import DraftTree, TreeBuffers
 from .verify import Acceptance, greedy_accept, sample_accept, typical_accept
 
@@ -112,12 +113,18 @@ class Decoder:
     """Runs generations against one backend, optionally with a drafter."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, drafter: Drafter | None = None,
-                 max_tree: int | None = None, row_exact: bool = False):
+                 max_tree: int | None = None, plan: StepPlan | None = None):
         self.backend = backend
         self.manifest = manifest
-        self.drafter = drafter
+        # The step plan (runtime/plan.py), measured on this machine when not given: which graph serves
+        # 1-row steps, the fewest rows a step runs (dummy rows after the real ones), chains or trees, and
+        # whether speculation is exact. Plain decoding follows the same plan, so a speculative run and a
+        # plain run compute every emitted token's row the same way.
+        self.plan = plan if plan is not None else resolve_plan(backend, manifest)
+        backend.use_split(self.plan.split)
+        self.drafter = drafter if self.plan.speculate else None
         limit = manifest.limits.max_tree
-        self.max_tree = min(max_tree or limit, limit)
+        self.max_tree = min(max_tree or limit, limit, self.plan.max_rows)
         if self.max_tree < 1:
             raise TreeSpecError(f"The tree budget must be at least 1 node; got {self.max_tree}.")
         if drafter is not None:
@@ -125,20 +132,8 @@ class Decoder:
         self.buckets = capacity_buckets(manifest.limits.max_context, limit)
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
-        # Row-exact steps (int8-activation graphs, or ``row_exact``): every draft is a chain and every
-        # step runs at least min_rows rows. Rows of a multi-row step are computed independently of the
-        # others, so a chain node's row is bitwise the row a plain step computes for the same token; a
-        # tree node whose ancestors are not adjacent slots is not (the attention softmax sums its window
-        # in another order), which int8 activations turn into flipped tokens. A 1-row step matches
-        # only on a graph that pads its attention itself (``GraphEntry.attention_rows``); elsewhere
-        # min_rows is 2 and a plain step carries a dummy row. On an fp32 bundle, whose 1-row and
-        # multi-row steps differ only at ~1e-5 (harmless in practice), ``row_exact`` buys identity by
-        # construction: all steps then run on one graph.
-        self.chains_only = row_exact or backend.row_exact
-        if backend.row_exact:
-            self.min_rows = backend.min_rows
-        else:  # a backend that does not run row-exact steps itself: dummy rows make them
-            self.min_rows = 2 if row_exact else 1
+        self.chains_only = not self.plan.trees
+        self.min_rows = self.plan.min_rows
 
     # --- stages -------------------------------------------------------------------------------
     def _inputs(self, tree_tokens: np.ndarray, depth: np.ndarray, mask: np.ndarray, cache: KVCache,
@@ -189,7 +184,7 @@ class Decoder:
 
     def verify(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
         n = len(tree.tokens)
-        if n < self.min_rows:  # a chain (chains_only): dummy nodes after it, their rows dropped
+        if n < self.min_rows:  # dummy nodes after the chain, their rows dropped
             tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
             padded = DraftTree(tokens, np.arange(-1, self.min_rows - 1))
             out = self._step(state, padded, padded.buffers())  # cached by shape
@@ -242,7 +237,7 @@ class Decoder:
         stats = stats if stats is not None else DecodeStats()
         sampling = config.sampling
         stats.prompt_tokens = len(prompt)
-        stats.lossy = sampling.typical and not sampling.greedy
+        stats.lossy = (sampling.typical and not sampling.greedy) or (self.drafter is not None and self.plan.lossy)
         rng = np.random.default_rng(sampling.seed)
         limit = self.manifest.limits.max_context
         if self.drafter is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +38,8 @@ from .backends import make_backend
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
 from .drafters import PromptLookupDrafter, make_drafter
-from .errors import PromptError, SpecDeployError
+from .errors import ExactnessWarning, PromptError, SpecDeployError
+from .plan import StepPlan, resolve_plan
 from .text import TextCodec
 
 _POLL_S = 0.05  # how often a queued caller looks at its cancel flag
@@ -203,14 +205,24 @@ class TextStream:
 class Engine:
     def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
                  threads: int | None = None, tree: str | None = None, max_tree: int | None = None,
-                 row_exact: bool = False):
+                 allow_inexact: bool = False, progress: Callable[[str], None] | None = None):
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
-        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads, row_exact=row_exact)
+        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
+        # The step plan, measured on this machine (cached per CPU, ONNX Runtime version and bundle): plain
+        # and speculative decoding both follow it, whether or not this engine drafts.
+        self.plan: StepPlan = resolve_plan(self.backend, self.manifest, allow_inexact=allow_inexact,
+                                           progress=progress)
         self.draft_name = draft or "none"
-        drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads)
-        self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree, row_exact=row_exact)
+        if self.draft_name != "none" and not self.plan.speculate:
+            warnings.warn(f"The '{self.draft_name}' draft is not used: {self.plan.reason}", ExactnessWarning,
+                          stacklevel=3)
+            self.draft_name = "none"
+        drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads,
+                               chains=not self.plan.trees)
+        self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree, plan=self.plan)
+        self.backend.release_unused()
         self.cost_curve: dict[int, float] | None = None  # measured when the drafter trades length for cost
         if isinstance(drafter, PromptLookupDrafter) and drafter.adaptive:
             # Its draft length trades expected tokens against step cost: measure this backend's (~1 s).
@@ -381,12 +393,14 @@ class Engine:
 
 
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None, threads: int | None = None,
-         tree: str | None = None, max_tree: int | None = None, row_exact: bool = False) -> Engine:
+         tree: str | None = None, max_tree: int | None = None, allow_inexact: bool = False,
+         progress: Callable[[str], None] | None = None) -> Engine:
     """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle.
 
-    ``row_exact``: every step runs on one graph, drafts are chains, and a row is computed the same in
-    any step, so speculative greedy output is bitwise the plain output by construction (always on for
-    int8/int4/q4_1 bundles; see ``Decoder``).
+    Greedy speculative output is identical to plain output: at load a probe measures, bit for bit on this
+    machine, which step plan keeps it so (``engine.plan``, cached; see ``runtime/plan.py``). Where none
+    does, the engine decodes plainly and warns (:class:`ExactnessWarning`); ``allow_inexact`` speculates
+    anyway, and every generation's ``stats.lossy`` says so. ``progress`` receives a line while probing.
     """
     return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
-                  row_exact=row_exact)
+                  allow_inexact=allow_inexact, progress=progress)

@@ -50,3 +50,7 @@ class BackendUnavailableError(SpecDeployError):
 
 class TrainingError(SpecDeployError):
     """A training run cannot start or resume (missing data, corrupt checkpoint...)."""
+
+
+class ExactnessWarning(UserWarning):
+    """Speculation was asked for, but no step plan is bitwise exact here: the engine decodes plainly."""

@@ -18,6 +18,12 @@ TINY = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _verdict_cache(tmp_path_factory):
+    """Each test session probes step plans afresh, in a cache of its own (not the user's)."""
+    os.environ["SPECDEPLOY_CACHE"] = str(tmp_path_factory.mktemp("specdeploy_cache"))
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's real tokenizer (from the embedded GGUF), saved as a plain folder."""

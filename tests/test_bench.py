@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
-    "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts",
+    "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts", "lossy", "plan",
 }
 PROMPT_KEYS = {
     "index", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "steps",

@@ -272,9 +272,17 @@ def test_wrong_kind_wrong_base_and_corrupt_weights(chimera_bundle, tiny_weights,
         load(bundle, draft="chimera")
 
 
-def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_weights, tmp_path):
+def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_weights, tmp_path, monkeypatch):
+    """Where the step plan allows trees (forced here: which plan this machine gets is the probe's)."""
+    import dataclasses
+
     from specdeploy.exporter.calibrate_chimera import calibrate_chimera
+    from specdeploy.runtime import engine as engine_module
     from specdeploy.runtime.bundle import read_manifest
+
+    real = engine_module.resolve_plan
+    monkeypatch.setattr(engine_module, "resolve_plan", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), speculate=True, exact=True, trees=True))
 
     bundle = tmp_path / "b"
     shutil.copytree(chimera_bundle, bundle)
@@ -290,30 +298,42 @@ def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_we
         assert eng.decoder.drafter.tree is not None
 
 
-def test_row_exact_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path):
-    """On an int4 bundle the calibration times chains and lands under ``row_exact``; fp32 keeps its own."""
+@pytest.mark.parametrize("first_trees", [True, False])
+def test_chains_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path, monkeypatch, first_trees):
+    """Where the step plan verifies chains only, the calibration times chains and lands under
+    ``row_exact`` (the draft's ``default_chain``); where it allows trees, at the top (``default_tree``).
+    Each keeps the other's result. The plan is forced here: which one this machine gets is the probe's."""
+    import dataclasses
+
     from specdeploy.exporter.calibrate_chimera import calibrate_chimera
-    from specdeploy.exporter.quantize import quantize_bundle
+    from specdeploy.runtime import engine as engine_module
     from specdeploy.runtime.bundle import read_manifest
 
+    real = engine_module.resolve_plan
+    trees = {"on": first_trees}
+    monkeypatch.setattr(engine_module, "resolve_plan", lambda *a, **k: dataclasses.replace(
+        real(*a, **k), speculate=True, exact=True, trees=trees["on"]))
     draft = tmp_path / "chimera.safetensors"
     shutil.copy(tiny_weights, draft)
-    fp32 = tmp_path / "fp32"
-    shutil.copytree(chimera_bundle, fp32)
-    first = calibrate_chimera(fp32, draft, prompts=1, max_new_tokens=8, trees=("tree8",), progress=lambda m: None)
-    int4 = tmp_path / "int4"
-    quantize_bundle(chimera_bundle, int4, "int4")
-    calib = calibrate_chimera(int4, draft, prompts=1, max_new_tokens=8, trees=("chain1", "chain2"),
-                              progress=lambda m: None)
-    assert set(calib["sweep"]) == {"ar", "chain1", "chain2"}
-    assert all(v["identical"] == "1/1" for v in calib["sweep"].values())
+    bundle = tmp_path / "bundle"
+    shutil.copytree(chimera_bundle, bundle)
+    results = {}
+    for on in (first_trees, not first_trees):
+        trees["on"] = on
+        cands = ("tree8",) if on else ("chain1", "chain2")
+        results[on] = calibrate_chimera(bundle, draft, prompts=1, max_new_tokens=8, trees=cands,
+                                        progress=lambda m: None)
+        assert set(results[on]["sweep"]) == {"ar", *cands}
+        assert all(v["identical"] == "1/1" for v in results[on]["sweep"].values())
     saved = json.loads(draft.with_name("chimera.calibration.json").read_text())
-    assert saved["default_tree"] == first["default_tree"] == "tree8"  # the fp32 result stays
-    assert saved["row_exact"]["default_tree"] == calib["default_tree"]
-    assert read_manifest(int4).draft("chimera").setting("default_tree") == calib["default_tree"]
-    again = calibrate_chimera(fp32, draft, prompts=1, max_new_tokens=8, trees=("tree8",), progress=lambda m: None)
-    assert again["default_tree"] == "tree8"
-    assert json.loads(draft.with_name("chimera.calibration.json").read_text())["row_exact"] == saved["row_exact"]
+    assert saved["default_tree"] == results[True]["default_tree"] == "tree8"
+    assert saved["row_exact"]["default_tree"] == results[False]["default_tree"]
+    entry = read_manifest(bundle).draft("chimera")
+    assert entry.setting("default_tree") == "tree8"
+    assert entry.setting("default_chain") == results[False]["default_tree"]
+    trees["on"] = False
+    with load(bundle, draft="chimera") as eng:
+        assert eng.decoder.drafter.tree.depth == int(results[False]["default_tree"][-1])
 
 
 # --- the real model with the shipped weights -------------------------------------------------------------

@@ -10,6 +10,7 @@ from specdeploy.runtime import load
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
 from specdeploy.runtime.drafters.base import DraftContext, Drafter
 from specdeploy.runtime.errors import PromptError, TreeSpecError
+from specdeploy.runtime.plan import Candidate, StepPlan
 from specdeploy.runtime.tree import DraftTree
 from specdeploy.runtime.verify import warp_logits
 
@@ -194,8 +195,8 @@ def test_one_token_prompt_and_context_limit(tiny_bundle):
             engine.generate("", max_new_tokens=4)
 
 
-@pytest.mark.parametrize("row_exact", [False, True])
-def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, row_exact):
+@pytest.mark.parametrize("min_rows", [1, 2])
+def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, min_rows):
     """A draft that is always right must not carry the output past the context limit (it once did, by
     one token: a step's last emitted token needs no slot yet but counts towards the context)."""
 
@@ -206,13 +207,14 @@ def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, row_exac
             done = len(ctx.tokens) - len(ids)
             return DraftTree.chain(ctx.tokens[-1], ref[done : done + ctx.max_nodes - 1])
 
-    with load(tiny_bundle, row_exact=row_exact) as engine:
+    with load(tiny_bundle) as engine:
+        plan = StepPlan(Candidate("forced", False, min_rows), True, True, False, 16, "forced")
         limit = engine.manifest.limits.max_context
         ids = [5, 6, 7, 8] * ((limit - 10) // 4)
         stats = DecodeStats()
-        ref = list(engine.decoder.generate(ids, GenerationConfig(40), stats))
+        ref = list(Decoder(engine.backend, engine.manifest, None, plan=plan).generate(ids, GenerationConfig(40), stats))
         assert len(ids) + len(ref) <= limit
-        dec = Decoder(engine.backend, engine.manifest, Truth(), row_exact=row_exact)
+        dec = Decoder(engine.backend, engine.manifest, Truth(), plan=plan)
         spec_stats = DecodeStats()
         assert list(dec.generate(ids, GenerationConfig(40), spec_stats)) == ref
         assert spec_stats.finish_reason == stats.finish_reason

@@ -6,7 +6,6 @@ the end (slow) exports SmolLM2 at int4 and runs ``specdeploy validate`` on it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -197,74 +196,52 @@ def test_prompt_lookup_greedy_identical_on_quantized(quant_bundles, precision, t
     assert max(accepted) > 1  # some drafts were accepted, so the tree path was exercised
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_int8_activation_bundles_run_row_exact_steps(quant_bundles, precision):
-    """Every draft is a chain. Plain steps run one row on the exported graph, which pads its attention
-    itself; on a graph that does not (``attention_rows`` 1: older bundles) every step runs >= 2 rows, a
-    plain step with a dummy row. All four loops give the same tokens."""
-    from specdeploy.runtime.backends.ort import OrtBackend
+@pytest.mark.parametrize("precision", ["int8", "int4", "fp32"])
+def test_steps_follow_each_plan(quant_bundles, tiny_bundle, precision):
+    """Each candidate plan, forced: every step runs at least its rows (the lm_head too), a chains-only
+    plan verifies chain masks, and where the probe found the plan exact on this machine, speculative
+    greedy output equals plain output on it."""
     from specdeploy.runtime.decode import Decoder
     from specdeploy.runtime.drafters import PromptLookupDrafter
-
-    bundle = quant_bundles[precision]
-    manifest = read_manifest(bundle)
-    graph = manifest.cpu_base(multi_row=True)
-    assert graph.attention_rows == 2 and graph.int8_activations
-    with load(bundle) as engine:
-        prompt = [int(t) for t in engine.encode(PROMPTS[1])]
-    outputs = []
-    for attention_rows, fewest in ((2, 1), (1, 2)):
-        backend = OrtBackend(bundle, manifest, graph=dataclasses.replace(graph, attention_rows=attention_rows))
-        assert backend.row_exact and backend.min_rows == fewest
-        for drafter in (None, PromptLookupDrafter()):
-            dec = Decoder(backend, manifest, drafter)
-            assert dec.chains_only and dec.min_rows == fewest
-            rows: list[int] = []
-            masks: list[np.ndarray] = []
-            step = backend.step
-
-            def spy(inputs, cache, step=step, rows=rows, masks=masks, fewest=fewest):
-                rows.append(inputs.input_ids.shape[1])
-                masks.append(inputs.attention_mask)
-                assert len(inputs.logits_index) >= fewest  # the lm_head too
-                return step(inputs, cache)
-
-            backend.step = spy
-            outputs.append(list(dec.generate(prompt, GenerationConfig(24))))
-            backend.step = step
-            assert len(outputs[-1]) == 24 and min(rows) == fewest
-            for m in masks[1:]:  # decode steps: node i sees the past and nodes 0..i, a chain
-                t, p = m.shape[2], int((m[0, 0, 0] == 0).sum()) - 1
-                assert np.array_equal(m[0, 0, :, p : p + t] == 0, np.tril(np.ones((t, t), dtype=bool)))
-            if drafter is not None:
-                assert max(rows) > 2  # drafts were verified, as chains
-    assert all(out == outputs[0] for out in outputs)
-
-
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_steps_compute_rows_independently(quant_bundles, tiny_bundle, precision):
-    """What row-exact steps rest on: a row is bitwise the same for any row count, 1 included (the
-    exported graph pads a 1-row step's attention; see ``tests/test_ort_graph.py`` for the control)."""
-    from specdeploy.runtime.tree import DraftTree
+    from specdeploy.runtime.plan import StepPlan, candidates, probe
 
     bundle = tiny_bundle if precision == "fp32" else quant_bundles[precision]
-    with load(bundle, row_exact=True) as engine:
-        dec = engine.decoder
-        prompt = list(range(100, 131))
-        chain = DraftTree.chain(prompt[-1], [7, 8, 9, 10, 11])
-        assert dec.min_rows == 1
-        logits = {}
-        for n in (1, 2, 3, 6):
-            state, _ = dec.prefill(prompt)
-            sub = DraftTree(chain.tokens[:n], chain.parents[:n])
-            logits[n] = dec.verify(state, sub, sub.buffers()).logits[0]
-        np.testing.assert_array_equal(logits[1], logits[6][:1])
-        np.testing.assert_array_equal(logits[2], logits[6][:2])
-        np.testing.assert_array_equal(logits[3], logits[6][:3])
+    with load(bundle) as engine:
+        backend, manifest = engine.backend, engine.manifest
+        prompt = [int(t) for t in engine.encode(PROMPTS[1])]
+        for cand in candidates(backend):
+            exact = probe(backend, manifest, cand, 8).chains_exact
+            forced = StepPlan(cand, speculate=True, exact=exact, trees=False, max_rows=8, reason="forced")
+            outputs = []
+            for drafter in (None, PromptLookupDrafter()):
+                dec = Decoder(backend, manifest, drafter, plan=forced)
+                rows: list[int] = []
+                masks: list[np.ndarray] = []
+                step = backend.step
+
+                def spy(inputs, cache, step=step, rows=rows, masks=masks, fewest=cand.min_rows):
+                    rows.append(inputs.input_ids.shape[1])
+                    masks.append(inputs.attention_mask)
+                    assert len(inputs.logits_index) >= fewest  # the lm_head too
+                    return step(inputs, cache)
+
+                backend.step = spy
+                try:
+                    outputs.append(list(dec.generate(prompt, GenerationConfig(24))))
+                finally:
+                    backend.step = step
+                assert len(outputs[-1]) == 24 and min(rows) == cand.min_rows
+                for m in masks[1:]:  # decode steps: node i sees the past and nodes 0..i, a chain
+                    t, p = m.shape[2], int((m[0, 0, 0] == 0).sum()) - 1
+                    assert np.array_equal(m[0, 0, :, p : p + t] == 0, np.tril(np.ones((t, t), dtype=bool)))
+                if drafter is not None:
+                    assert max(rows) > 2  # drafts were verified, as chains
+            if exact:
+                assert outputs[0] == outputs[1], cand
 
 
-def test_row_exact_edges_on_int4(quant_bundles):
-    """A 1-token prompt, the end of the context and sampling, with row-exact steps."""
+def test_edges_on_int4(quant_bundles):
+    """A 1-token prompt, the end of the context and sampling, on the int4 bundle's step plan."""
     from specdeploy.runtime.decode import SamplingParams
 
     bundle = quant_bundles["int4"]
@@ -279,20 +256,6 @@ def test_row_exact_edges_on_int4(quant_bundles):
         assert ref_stats.finish_reason == "length" and len(ids) + len(ref) >= limit - 2  # ran into the limit
         config = GenerationConfig(24, SamplingParams(temperature=0.8, seed=3))
         assert spec.generate_ids([300, 301], config) == spec.generate_ids([300, 301], config)  # seeded
-
-
-def test_row_exact_on_an_fp32_bundle(tiny_bundle):
-    """``row_exact=True`` gives any bundle the int8 bundles' steps; greedy output is unchanged."""
-    with load(tiny_bundle, row_exact=True) as plain, \
-            load(tiny_bundle, draft="prompt-lookup", tree="tree16", row_exact=True) as spec, \
-            load(tiny_bundle) as default:
-        assert plain.decoder.min_rows == 1 and spec.decoder.chains_only and not default.decoder.chains_only
-        assert plain.backend.tree_session is None  # one graph for every step
-        for text in PROMPTS:
-            ids = plain.encode(text)
-            ref = plain.generate_ids(ids, GenerationConfig(32))
-            assert spec.generate_ids(ids, GenerationConfig(32)) == ref
-            assert default.generate_ids(ids, GenerationConfig(32)) == ref  # fp32: 1e-5 differences only
 
 
 def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
@@ -319,7 +282,7 @@ def test_q4_1_needs_a_q4_1_gguf(tiny_model_factory, tmp_path):
 # --- the real model --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, tmp_path):
-    """SmolLM2 as its own Q4_1 blocks with int8 activations: near-fp32 quality, row-exact speculation."""
+    """SmolLM2 as its own Q4_1 blocks with int8 activations: near-fp32 quality, lossless speculation."""
     from specdeploy.exporter.export import export_base
     from specdeploy.exporter.validate import validate_bundle
 
@@ -342,13 +305,13 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
-        assert plain.decoder.min_rows == 1 and plain.decoder.chains_only  # 1-row steps: the graph pads them
+        _check_plan(plain, spec, text)
         for p in prompts:
             ids = plain.encode(p, chat=True)
             assert spec.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
 @pytest.mark.slow
 def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
-    """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy via row-exact steps."""
+    """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy on the probed plan."""
     from specdeploy.exporter.export import export_base
     from specdeploy.exporter.validate import validate_bundle
 
@@ -363,52 +326,28 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[:4]]
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
-        assert plain.decoder.min_rows == 1 and spec.decoder.chains_only  # 1-row steps: the graph pads them
+        _check_plan(plain, spec, text)
         ids_all = [plain.encode(p, chat=True) for p in prompts]
         refs = [plain.generate_ids(ids, GenerationConfig(48)) for ids in ids_all]
         for ids, ref in zip(ids_all, refs):
             assert spec.generate_ids(ids, GenerationConfig(48)) == ref
-        _check_tree_rows_differ(spec.decoder, ids_all[0])
-
-    # The control: the same int4 graph without the attention padding, run with 1-row plain steps,
-    # flips tokens against chain verification (measured before the padding: 7 of 8 MT-bench prompts x
-    # 64 tokens differed), so the identity above is the padding's doing, not luck.
-    from specdeploy.exporter.ort_graph import build_ort_graph, save_graph
-    from specdeploy.exporter.quantize import quant_config, quantize_model
-    from specdeploy.exporter.source import load_model
-    from specdeploy.graphs.base_step import BaseStep
-    from specdeploy.runtime.backends.ort import OrtBackend
-    from specdeploy.runtime.decode import Decoder
-    from specdeploy.runtime.drafters import PromptLookupDrafter
-
-    step = BaseStep(load_model(manifest.source.path).model).eval()
-    bare = quantize_model(build_ort_graph(step, 2048 + 64, pad_attention=False), quant_config("int4"))
-    save_graph(bare, out / "unpadded.onnx")
-    quantized = read_manifest(out)
-    graph = dataclasses.replace(quantized.graph("base"), file="unpadded.onnx", attention_rows=2)  # as if padded
-    backend = OrtBackend(out, quantized, graph=graph)
-    assert backend.min_rows == 1
-    differ = 0
-    for ids, ref in zip(ids_all, refs):
-        bare_plain = list(Decoder(backend, quantized).generate(ids, GenerationConfig(48)))
-        bare_spec = list(Decoder(backend, quantized, PromptLookupDrafter()).generate(ids, GenerationConfig(48)))
-        differ += bare_plain != bare_spec
-    assert differ >= 1
+        refused = [r for r in spec.plan.probes if not r.chains_exact]
+    if refused:
+        # The control: speculation forced onto the fastest plan the probe refused (--allow-inexact)
+        # differs from plain decoding, so the identity above is the probe's doing, not luck.
+        with load(out, draft="prompt-lookup", allow_inexact=True) as lossy:
+            assert lossy.plan.lossy and lossy.plan.candidate == refused[0].candidate
+            differ = sum(lossy.generate_ids(ids, GenerationConfig(48)) != ref for ids, ref in zip(ids_all, refs))
+        assert differ >= 1
 
 
-def _check_tree_rows_differ(dec, prompt: list[int]) -> None:
-    """Why drafts are chains: a tree node whose ancestors are not adjacent slots is not bitwise the row
-    a chain computes for the same path (the attention sums its window in another order)."""
-    from specdeploy.runtime.tree import DraftTree
-
-    a, b, c = 17, 29, 31
-    chain = DraftTree.chain(prompt[-1], [a, c])  # root -> a -> c: c's ancestors at adjacent slots
-    tree = DraftTree(np.array([prompt[-1], a, b, c]), np.array([-1, 0, 0, 1]))  # c after sibling b
-    logits = []
-    for t in (chain, tree):
-        state, _ = dec.prefill(prompt)
-        logits.append(dec._step(state, t, t.buffers()).logits[0, -1])
-    assert not np.array_equal(logits[0], logits[1])
+def _check_plan(plain, spec, validate_text: str) -> None:
+    """Both engines run the plan the probe chose, and validate reported the same choice."""
+    assert plain.plan.candidate == spec.plan.candidate and plain.plan.exact == spec.plan.exact
+    said = f"step plan '{spec.plan.candidate.name}'" if spec.plan.exact else "plain decoding only"
+    assert f"runtime: {spec.plan.reason.split(':')[0]}" in validate_text and said in validate_text
+    assert (spec.decoder.drafter is not None) == spec.plan.speculate
+    assert spec.decoder.chains_only == (not spec.plan.trees) and spec.decoder.min_rows == spec.plan.min_rows
 
 
 def test_quantize_bundle_matches_export(quant_bundles, tiny_bundle, tmp_path):

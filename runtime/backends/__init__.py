@@ -25,10 +25,8 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _REGISTRY[name] = factory
 
 
-def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None,
-                 row_exact: bool = False) -> Backend:
-    """The backend ``name`` for the bundle; ``row_exact`` asks the ONNX Runtime CPU backends for row-exact
-    steps on one graph (other backends leave them to the ``Decoder``)."""
+def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> Backend:
+    """The backend ``name`` for the bundle (which graph serves which step is the step plan's choice)."""
     if name in _REGISTRY:
         return _REGISTRY[name](bundle_dir, manifest, threads=threads)
     if name in ("ort-cpu", "ort-cpu-fp32", "ort-cpu-traced"):
@@ -39,7 +37,7 @@ def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads:
             graph = manifest.cpu_base(multi_row=True)
         elif name == "ort-cpu-traced":  # only the standard-op traced graph, to compare with the fused ones
             graph = manifest.graph("base", "trt")
-        backend = OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph, row_exact=row_exact)
+        backend = OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph)
         backend.name = name
         return backend
     if name in ("ort-cuda", "ort-trt"):

@@ -34,18 +34,23 @@ class Backend(ABC):
 
     name: str = "backend"
     manifest: BundleManifest
-    # Row-exact steps (on by force for graphs that quantize activations to int8, or asked for): a
-    # chain node's row must be bitwise the row a plain step computes for the same token, so drafts
-    # are chains and every step runs at least ``min_rows`` rows. Rows of a multi-row step are
-    # bitwise independent of how many there are; a 1-row step is too only on a graph that pads its
-    # attention to two rows itself (``GraphEntry.attention_rows``), else ``min_rows`` is 2.
-    row_exact: bool = False
-    min_rows: int = 1
+    threads: int = 0  # intra-op threads, part of the exactness verdict's key (0: not applicable)
+    # Whether the backend has a second graph for 1-row steps (``split`` step plans, see runtime/plan.py).
+    can_split: bool = False
 
-    def set_row_exact(self, exact: bool, graph: GraphEntry) -> None:
-        """Turn row-exact steps on or off for steps run on ``graph`` (sets ``row_exact`` and ``min_rows``)."""
-        self.row_exact = exact
-        self.min_rows = graph.row_exact_rows if exact else 1
+    def use_split(self, on: bool) -> None:
+        """Run 1-row steps on the 1-row graph (``on``) or every step on the multi-row graph."""
+
+    def graphs(self, split: bool) -> tuple[GraphEntry, ...]:
+        """The graphs a step plan with or without ``split`` runs (their hashes key the exactness verdict)."""
+        return (self.manifest.base_graph("trt"),)
+
+    def release_unused(self) -> None:
+        """Free what the resolved step plan does not run (the 1-row graph of a non-split plan)."""
+
+    def runtime_version(self) -> str:
+        """The kernel library's name and version, part of the exactness verdict's key."""
+        return self.name
 
     @abstractmethod
     def new_cache(self, batch: int, capacity: int) -> KVCache:

@@ -94,29 +94,29 @@ class OrtBackend(Backend):
     """Runs the bundle's base step graph with ONNX Runtime."""
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cpu",
-                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None,
-                 row_exact: bool = False):
+                 threads: int | None = None, graph: GraphEntry | None = None, provider_options: dict | None = None):
         self.bundle_dir = Path(bundle_dir)
         self.manifest = manifest
         self.provider = provider
         self.name = f"ort-{provider}"
-        tree_graph = None
+        self.threads = threads or default_threads()
+        one_row = None
         if graph is None and provider == "cpu":
-            # One step, two graphs when the bundle has a GGUF-block graph: 1-row steps run it, steps
-            # of more rows the fp32 fused graph (BundleManifest.cpu_base); both bind the same cache.
-            graph, tree_graph = manifest.cpu_base(multi_row=False), manifest.cpu_base(multi_row=True)
-            tree_graph = None if tree_graph.file == graph.file else tree_graph
-            if row_exact and tree_graph is not None:  # one graph for every step, or rows could differ
-                graph, tree_graph = tree_graph, None
+            # Two graphs when the bundle has a GGUF-block graph (BundleManifest.cpu_base): 1-row steps may
+            # run it, steps of more rows the fused graph; both bind the same cache. Whether 1-row steps do
+            # is the step plan's choice (``use_split``), made by measurement (runtime/plan.py).
+            graph, one_row = manifest.cpu_base(multi_row=True), manifest.cpu_base(multi_row=False)
+            one_row = None if one_row.file == graph.file else one_row
         entry = graph or manifest.base_graph("trt")
-        self.graph, self.tree_graph = entry, tree_graph  # the graphs this backend runs
-        self.set_row_exact(row_exact or any(g is not None and g.int8_activations for g in (entry, tree_graph)), entry)
+        self.graph, self.one_row_graph = entry, one_row  # the graphs this backend runs
+        self.can_split = one_row is not None
         # Two sessions alternate on the same cores: neither may keep its threads spinning after a run
         # (the draft/base thread fight measured in make_draft_session).
-        spin = tree_graph is None
-        self.session = make_session(self.bundle_dir / entry.file, provider, threads, provider_options, spin=spin)
-        self.tree_session = (make_session(self.bundle_dir / tree_graph.file, provider, threads, provider_options,
-                                          spin=spin) if tree_graph is not None else None)
+        spin = one_row is None
+        self.session = make_session(self.bundle_dir / entry.file, provider, self.threads, provider_options, spin=spin)
+        self.one_row_session = (make_session(self.bundle_dir / one_row.file, provider, self.threads, provider_options,
+                                             spin=spin) if one_row is not None else None)
+        self._split = self.can_split
         m = manifest.model
         self._past = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
         self._present = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
@@ -130,6 +130,24 @@ class OrtBackend(Backend):
     @property
     def mask_dtype(self) -> np.dtype:
         return self._mask_dtype
+
+    def use_split(self, on: bool) -> None:
+        self._split = on and self.can_split
+
+    def graphs(self, split: bool) -> tuple[GraphEntry, ...]:
+        return (self.graph, self.one_row_graph) if split and self.can_split else (self.graph,)
+
+    def runtime_version(self) -> str:
+        import onnxruntime as ort
+
+        return f"onnxruntime {ort.__version__} {self.provider}"
+
+    def release_unused(self) -> None:
+        """Free the 1-row graph's session when the step plan does not use it."""
+        if not self._split and self.one_row_session is not None:
+            self._bindings.pop(id(self.one_row_session), None)
+            self.one_row_session = None
+            self.can_split = False
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
@@ -175,8 +193,8 @@ class OrtBackend(Backend):
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         session = self.session
-        if self.tree_session is not None and inputs.input_ids.shape[1] > 1:
-            session = self.tree_session
+        if self._split and inputs.input_ids.shape[1] == 1:
+            session = self.one_row_session
         binding = self._cache_binding(session, cache)
         binding.bind_cpu_input("input_ids", inputs.input_ids)
         binding.bind_cpu_input("position_ids", inputs.position_ids)
@@ -197,7 +215,7 @@ class OrtBackend(Backend):
     def close(self) -> None:
         self._bindings.clear()
         self._ortvalues.clear()
-        self.session = self.tree_session = None  # type: ignore[assignment]
+        self.session = self.one_row_session = None  # type: ignore[assignment]
 
 
 # --- GPU execution providers (UNTESTED here: needs a GPU with onnxruntime-gpu) ----------------------
@@ -277,7 +295,6 @@ class OrtCudaBackend(OrtBackend):
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
         entry = manifest.base_graph("trt")
-        self.set_row_exact(entry.int8_activations, entry)
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
         self._bindings: dict[tuple[int, int, int], _Binding] = {}

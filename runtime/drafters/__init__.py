@@ -22,7 +22,8 @@ def tree_spec(tree: str | None, manifest: BundleManifest, max_depth: int) -> Tre
 
 
 def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
-                 threads: int | None = None) -> Drafter | None:
+                 threads: int | None = None, chains: bool = False) -> Drafter | None:
+    """The drafter ``name``; ``chains``: the step plan verifies chains only, so take the calibrated chain."""
     if name in (None, "", "none"):
         return None
     if name == "prompt-lookup":
@@ -35,11 +36,11 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
     if name == "chimera":
         from .chimera import make_chimera_drafter
 
-        return make_chimera_drafter(bundle_dir, manifest, tree=tree, threads=threads)
+        return make_chimera_drafter(bundle_dir, manifest, tree=tree, threads=threads, chains=chains)
     if name in ("medusa", "cerberus", "cerberus-nogate"):
         from .heads import make_heads_drafter
 
-        return make_heads_drafter(name, bundle_dir, manifest, tree=tree, threads=threads)
+        return make_heads_drafter(name, bundle_dir, manifest, tree=tree, threads=threads, chains=chains)
     raise DraftMismatchError(f"Unknown draft '{name}'; choose one of {', '.join(DRAFTS)}.")
 
 

@@ -133,14 +133,14 @@ class ChimeraDrafter(Drafter):
 
 
 def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
-                         threads: int | None = None, precision: str = "auto") -> ChimeraDrafter:
+                         threads: int | None = None, precision: str = "auto", chains: bool = False) -> ChimeraDrafter:
     """The bundle's Chimera drafter; ``precision`` "auto" takes the int8 draft graph when there is one."""
     from ..backends.ort import make_draft_session
 
     entry: DraftEntry = manifest.draft("chimera")
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
-    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads)
+    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
     roles = {g.role for g in entry.graphs}
     role = "chimera-int8" if precision in ("auto", "int8") and "chimera-int8" in roles else "chimera"
     if precision == "int8" and role != "chimera-int8":

@@ -199,9 +199,10 @@ def gate_from_entry(entry: DraftEntry, vocab_size: int) -> GateSpec:
     return GateSpec(str(kind), float(threshold), vocab_size)
 
 
-def default_tree(entry: DraftEntry) -> str:
-    """The calibrated tree, else the cost model's choice under the draft's measured acceptance."""
-    name = entry.setting("default_tree")
+def default_tree(entry: DraftEntry, chains: bool = False) -> str:
+    """The calibrated tree (the calibrated chain under a chains-only step plan), else the cost model's
+    choice under the draft's measured acceptance."""
+    name = (chains and entry.setting("default_chain")) or entry.setting("default_tree")
     if name:
         return str(name)
     accept = entry.setting("accept")
@@ -213,10 +214,10 @@ def default_tree(entry: DraftEntry) -> str:
     return choose_default_tree(CPU_COST_CURVE, accept, fits)
 
 
-def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, num_heads: int
-                 ) -> tuple[TreeSpec | None, int | None]:
+def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, num_heads: int,
+                 chains: bool = False) -> tuple[TreeSpec | None, int | None]:
     """``--tree`` (or the draft's default) as a static spec or a dynamic node budget, checked against limits."""
-    tree = tree if tree not in (None, "", "auto") else default_tree(entry)
+    tree = tree if tree not in (None, "", "auto") else default_tree(entry, chains)
     if tree == "dynamic" or tree.startswith("dynamic:"):
         dynamic = int(tree.split(":", 1)[1]) if ":" in tree else DYNAMIC_DEFAULT_NODES
         if not (2 <= dynamic <= manifest.limits.max_tree):
@@ -226,7 +227,7 @@ def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, 
 
 
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
-                       threads: int | None = None) -> HeadsDrafter:
+                       threads: int | None = None, chains: bool = False) -> HeadsDrafter:
     """``medusa``, ``cerberus`` (with its calibrated gate) or ``cerberus-nogate`` from the bundle."""
     from ..backends.ort import make_draft_session
 
@@ -238,7 +239,7 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
     gate = gate_from_entry(entry, manifest.model.vocab_size) if name == "cerberus" else None
 
-    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads)
+    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
 
     session = make_draft_session(Path(bundle_dir) / draft_graph(entry, kind).file)
     gate_session = None

@@ -1,0 +1,170 @@
+"""The step plan (``runtime/plan.py``): the probe catches a row that differs, the runtime runs the plan
+the probe allows, the verdict is cached per machine, and without an exact plan speculation is refused
+with one sentence (or runs labelled lossy when allowed).
+
+No test here asserts what this machine's kernels do: only that the runtime's choice follows the probe.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from specdeploy.exporter.cli import main
+from specdeploy.runtime import load, plan
+from specdeploy.runtime.backends.base import Backend, StepOutputs
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+from specdeploy.runtime.errors import ExactnessWarning
+from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult, choose, probe, resolve_plan
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "one two three four one two three four one two",
+]
+
+
+class OneRowSkew(Backend):
+    """The bundle's backend, but a 1-row step's logits are one ulp off, as some CPUs' 1-row kernels are."""
+
+    def __init__(self, inner: Backend):
+        self.inner, self.manifest, self.name, self.threads = inner, inner.manifest, "skew", inner.threads
+
+    @property
+    def mask_dtype(self):
+        return self.inner.mask_dtype
+
+    def new_cache(self, batch, capacity):
+        return self.inner.new_cache(batch, capacity)
+
+    def step(self, inputs, cache):
+        out = self.inner.step(inputs, cache)
+        if inputs.input_ids.shape[1] == 1:
+            return StepOutputs(np.nextafter(out.logits, np.float32(np.inf)), out.hidden_states)
+        return out
+
+
+def test_probe_catches_a_one_ulp_row_difference(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        skew = OneRowSkew(engine.backend)
+        res = probe(skew, engine.manifest, Candidate("one-graph", False, 1), depth=6)
+        assert not res.chains_exact and 0 < res.worst().max_abs < 1e-3
+        assert res.checks[0].what == "chain T=2"  # the first failing length ends the probe
+        # Two rows per step never runs a 1-row step, so the skew cannot reach it: its verdict is the
+        # inner backend's, the same as the inner backend's own probe of that candidate.
+        two = Candidate("two-rows", False, 2)
+        assert probe(skew, engine.manifest, two, 6).chains_exact == probe(engine.backend, engine.manifest, two,
+                                                                           6).chains_exact
+        chosen = resolve_plan(skew, engine.manifest, use_cache=False)
+        assert chosen.candidate.name != "one-graph" and "one-graph" in chosen.reason
+
+
+def test_runtime_runs_the_plan_the_probe_allows(tiny_bundle):
+    with load(tiny_bundle, draft="prompt-lookup") as engine:
+        fresh = resolve_plan(engine.backend, engine.manifest, use_cache=False)
+        got = engine.plan
+        assert (got.candidate, got.speculate, got.exact, got.trees) == (fresh.candidate, fresh.speculate,
+                                                                         fresh.exact, fresh.trees)
+        dec = engine.decoder
+        assert dec.plan is got and dec.min_rows == got.min_rows and dec.chains_only == (not got.trees)
+        assert (dec.drafter is not None) == got.speculate
+        if got.speculate:
+            assert got.exact and not got.lossy and dec.max_tree <= plan.PROBE_DEPTH
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_chosen_plan_gives_speculative_equal_plain(tiny_bundle, skewed):
+    """Whatever the plan, greedy speculation on it equals plain decoding on it; on the skewed backend
+    the 1-row plan is refused, and the plan the probe picks instead keeps the identity."""
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
+    with load(tiny_bundle) as engine:
+        backend = OneRowSkew(engine.backend) if skewed else engine.backend
+        chosen = resolve_plan(backend, engine.manifest, use_cache=False)
+        plain = Decoder(backend, engine.manifest, None, plan=chosen)
+        spec = Decoder(backend, engine.manifest, PromptLookupDrafter(), plan=chosen)
+        for text in PROMPTS:
+            ids = engine.encode(text)
+            stats = DecodeStats()
+            assert list(spec.generate(ids, GenerationConfig(32), stats)) == list(plain.generate(ids, GenerationConfig(32)))
+            assert not stats.lossy
+
+
+def _failing(cand: Candidate) -> ProbeResult:
+    return ProbeResult(cand, (ProbeCheck("chain T=2", 0.25),), 1.0)
+
+
+def test_no_exact_plan_falls_back_to_plain_with_one_sentence(tiny_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))  # no verdict cached by other tests
+    monkeypatch.setattr(plan, "probe", lambda backend, manifest, cand, depth: _failing(cand))
+    with load(tiny_bundle) as ref_engine:
+        ids = ref_engine.encode(PROMPTS[1])
+        ref = ref_engine.generate_ids(ids, GenerationConfig(24))
+        assert not ref_engine.plan.speculate
+    with pytest.warns(ExactnessWarning) as caught:
+        engine = load(tiny_bundle, draft="prompt-lookup")
+    with engine:
+        [w] = caught
+        msg = str(w.message)
+        assert msg.count(". ") == 0 and msg.endswith(".") and "plain decoding only" in msg and "0.25" in msg
+        assert engine.draft_name == "none" and engine.decoder.drafter is None
+        stats = DecodeStats()
+        assert engine.generate_ids(ids, GenerationConfig(24), stats) == ref
+        assert not stats.lossy and stats.steps == 23  # plain: one token a step
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExactnessWarning)  # allowed: no warning, but labelled
+        with load(tiny_bundle, draft="prompt-lookup", allow_inexact=True) as lossy:
+            assert lossy.plan.lossy and lossy.plan.trees and "LOSSY" in lossy.plan.reason
+            stats = DecodeStats()
+            lossy.generate_ids(ids, GenerationConfig(24), stats)
+            assert stats.lossy and stats.steps < 23  # it did speculate
+            assert lossy.generate("one two three", max_new_tokens=8).stats.lossy  # the API's stats say so
+
+
+def test_cli_says_the_fallback_in_one_line_and_labels_lossy(tiny_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
+    monkeypatch.setattr(plan, "probe", lambda backend, manifest, cand, depth: _failing(cand))
+    args = ["generate", str(tiny_bundle), "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--draft", "prompt-lookup"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "plain decoding only" in warning[0] and "Traceback" not in res.output
+    assert "LOSSY" not in res.stderr
+    res = CliRunner().invoke(main, [*args, "--allow-inexact"])
+    assert res.exit_code == 0, res.output
+    assert "[LOSSY: inexact speculation, --allow-inexact]" in res.stderr
+
+
+def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
+    calls = []
+    real = plan.probe
+
+    def counting(*args):
+        calls.append(args[2].name)
+        return real(*args)
+
+    monkeypatch.setattr(plan, "probe", counting)
+    with load(tiny_bundle) as engine:
+        first = engine.plan
+        assert calls and (tmp_path / "exactness.json").is_file()
+        n = len(calls)
+        again = resolve_plan(engine.backend, engine.manifest)
+        assert len(calls) == n and again.candidate == first.candidate and again.exact == first.exact
+        monkeypatch.setattr(plan, "machine_id", lambda: "another CPU | x86_64 | 000")
+        resolve_plan(engine.backend, engine.manifest)
+        assert len(calls) == 2 * n  # another machine: probed again
+    (tmp_path / "exactness.json").write_text("{not json")  # a corrupt cache is ignored
+    with load(tiny_bundle) as engine:
+        assert engine.plan.candidate == first.candidate
+
+
+def test_choose_orders_and_explains():
+    one, two = Candidate("one-graph", False, 1), Candidate("two-rows", False, 2)
+    ok = ProbeResult(two, (ProbeCheck("chain T=2", 0.0), ProbeCheck("tree", 3e-5)), 2.0)
+    picked = choose([_failing(one), ok], 16)
+    assert picked.candidate == two and picked.exact and not picked.trees and picked.speculate
+    assert "'one-graph' differs by 0.25 at chain T=2" in picked.reason
+    assert choose([ProbeResult(one, (ProbeCheck("chain T=2", 0.0), ProbeCheck("tree", 0.0)), 1.0)], 16).trees
