@@ -388,8 +388,10 @@ class _Server:
     async def health(self, request: Request) -> Response:
         st = self.engine.stats()
         status = "shutting down" if self.closing or self.engine.closed else "ok"
+        plan = self.engine.plan
         return JSONResponse({"status": status, "model": self.model_id, "queue_depth": st.queue_depth,
-                             "running": st.running}, status_code=200 if status == "ok" else 503)
+                             "running": st.running, "draft": self.engine.draft_name, "lossy": plan.lossy,
+                             "step_plan": plan.reason}, status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(self.engine), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -139,7 +139,8 @@ def _sse_text(lines: list[str]) -> tuple[str, list[dict], bool]:
 # --- openai client ----------------------------------------------------------------------------
 def test_models_health_metrics(server, model_id):
     assert model_id == "bundle"
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # no key needed
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and not health["lossy"] and "step plan" in health["step_plan"]  # no key needed
     text = httpx.get(server.url + "/metrics").text
     for name in ("specdeploy_requests_total", "specdeploy_errors_total", "specdeploy_generated_tokens_total",
                  "specdeploy_tokens_per_second", "specdeploy_tau", "specdeploy_queue_depth",
