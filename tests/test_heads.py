@@ -370,5 +370,5 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
                 assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, (draft, tree)
                 tokens += st.new_tokens - 1
                 steps += st.steps
-            if tree == "tree16":
-                assert tokens / steps > 1.3, (draft, tokens / steps)
+            if tree == "tree16":  # a chains-only step plan verifies the tree's best chain only
+                assert tokens / steps > (1.3 if eng.plan.trees else 1.1), (draft, tokens / steps, eng.plan.reason)
