@@ -128,10 +128,9 @@ def candidates(backend: Backend) -> list[Candidate]:
 def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: int) -> ProbeResult:
     """Plain steps against chain steps of every length 2..``depth`` and one tree, bit for bit.
 
-    From one prefilled context, ``depth`` plain steps feed tokens ``t_0..t_{depth-1}`` one at a time
-    (teacher-forced, the way plain decoding would emit them); then, from the same context, a chain
-    step of each length T must give every row's logits, hidden state and K/V exactly as the plain steps
-    did. The tree ``[t_0, z, t_1, t_2]`` (``z`` a sibling of ``t_1``) puts ``t_1`` and ``t_2`` at cache
+    From one prefilled context, plain steps feed tokens ``t_0..t_{depth-1}`` one at a time
+    (teacher-forced, the way plain decoding would emit them); from the same context, a chain step of
+    each length T must give every row's logits, hidden state and K/V exactly as the plain steps did. The tree ``[t_0, z, t_1, t_2]`` (``z`` a sibling of ``t_1``) puts ``t_1`` and ``t_2`` at cache
     slots whose ancestors are not adjacent, as a branching draft does.
     """
     from .decode import Decoder
@@ -146,32 +145,30 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
         state, _ = dec.prefill(prompt)
         cache, p = state.cache, state.cache.length
         cache.ensure_capacity(p + depth + 2, dec.buckets)
-        saved = [b.clone() if hasattr(b, "clone") else b.copy() for b in cache.buffers()]  # numpy or torch
 
-        def restore() -> None:
-            for b, s in zip(cache.buffers(), saved):
-                b[...] = s
-            cache.length = p
-
-        def run(tree: DraftTree) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-            start, n = cache.length, len(tree.tokens)
+        def run(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+            cache.length, n = start, len(tree.tokens)
             out = dec.verify(state, tree, tree.buffers())
             kv = [_host(b[:, :, start : start + n]) for b in cache.buffers()]  # the rows this step wrote
             return out.logits[0, :n], out.hidden_states[0, :n], kv
 
-        times, plain_logits, plain_hidden, plain_kv = [], [], [], []
-        for i in range(depth):
-            cache.length = p + i
+        def plain_step(i: int) -> None:
             t0 = time.perf_counter()
-            lg, hd, kv = run(DraftTree.root(tokens[i]))
+            lg, hd, kv = run(DraftTree.root(tokens[i]), p + i)
             times.append(time.perf_counter() - t0)
             plain_logits.append(lg[0])
             plain_hidden.append(hd[0])
             plain_kv.append([k[:, :, 0] for k in kv])
+
+        # Plain steps are taken as the chains need them: plain step i reads slots p..p+i-1, which the
+        # chain of length i (checked just before) wrote bit for bit as plain steps would have, so a
+        # failing candidate costs a few steps, not the whole depth.
+        times, plain_logits, plain_hidden, plain_kv = [], [], [], []
+        plain_step(0)
         checks = []
         for t in range(2, depth + 1):
-            restore()
-            lg, hd, kv = run(DraftTree(np.asarray(tokens[:t]), np.arange(-1, t - 1)))
+            plain_step(t - 1)
+            lg, hd, kv = run(DraftTree(np.asarray(tokens[:t]), np.arange(-1, t - 1)), p)
             gap = max(_gap(lg, np.stack(plain_logits[:t])), _gap(hd, np.stack(plain_hidden[:t])),
                       max(_gap(kv[j], np.stack([plain_kv[i][j] for i in range(t)], axis=2))
                           for j in range(len(kv))))
@@ -179,9 +176,8 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
             if gap:  # the candidate fails: the rest would not change the verdict
                 break
         if depth >= 3 and not checks[-1].max_abs:
-            restore()
             tree = DraftTree(np.asarray([tokens[0], tokens[depth], tokens[1], tokens[2]]), np.array([-1, 0, 0, 2]))
-            lg, hd, kv = run(tree)
+            lg, hd, kv = run(tree, p)
             keep = [0, 2, 3]  # the nodes on the path t_0 -> t_1 -> t_2
             gap = max(_gap(lg[keep], np.stack(plain_logits[:3])), _gap(hd[keep], np.stack(plain_hidden[:3])),
                       max(_gap(kv[j][:, :, keep], np.stack([plain_kv[i][j] for i in range(3)], axis=2))
