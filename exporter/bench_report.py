@@ -10,7 +10,7 @@ JSON schema (stable; CI and other tools read it)::
     created: ISO-8601 UTC time
     config: bundle, model (source path), num_prompts, max_new_tokens, threads, tree, prompts_file,
             baseline ("ar"), baseline_added (ar was not asked for but ran as the baseline),
-            machine {cpu_count, usable_cpus, cpu_model, platform, python}, versions {package: version|null}
+            machine {cpu_count, usable_cpus, cpu_model, cpu_isa, platform, python}, versions {package: version|null}
     variants: [ in run order, skipped ones included
       name, description, skipped, note (why skipped, or how outputs differ from ar; else null),
       tokens_per_s, decode_tokens_per_s, speedup_vs_ar, mean_accepted_tokens (tau),
@@ -175,8 +175,10 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from specdeploy.runtime.plan import cpu_isa
+
     return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model or platform.processor(),
-            "platform": platform.platform(), "python": sys.version.split()[0]}
+            "cpu_isa": cpu_isa(), "platform": platform.platform(), "python": sys.version.split()[0]}
 
 
 def package_versions() -> dict[str, str | None]:
@@ -224,7 +226,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [
         (f"specdeploy bench: {_subject(c)}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
-         f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']})"),
+         f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']}; "
+         f"{c['machine'].get('cpu_isa', '?')})"),
         "",
         ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | gate: draft / AR "
          "| identical to ar | loop overhead | note |"),

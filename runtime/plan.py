@@ -265,21 +265,37 @@ def cache_dir() -> Path:
     return Path(base) / "specdeploy"
 
 
-def machine_id() -> str:
-    """The CPU model and instruction-set flags, which decide the kernels ONNX Runtime picks."""
-    model, flags = platform.processor() or platform.machine(), ""
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_bf16", "asimddp", "sve")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``; empty where it is not readable)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model in ("", platform.machine(), platform.processor()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
     except OSError:
         pass
-    return f"{model} | {platform.machine()} | {hashlib.sha1(flags.encode()).hexdigest()[:12]}"
+    return frozenset()
+
+
+def cpu_isa() -> str:
+    """The kernel-relevant instruction sets, e.g. ``avx2`` or ``avx2 avx512f avx512_vnni``, to print beside figures."""
+    return " ".join(f for f in ISA_FLAGS if f in cpu_flags()) or "unknown"
+
+
+def machine_id() -> str:
+    """The CPU model and instruction-set flags, which decide the kernels ONNX Runtime picks."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = " ".join(sorted(cpu_flags()))
+    return f"{model} | {platform.machine()} | {cpu_isa()} | {hashlib.sha1(flags.encode()).hexdigest()[:12]}"
 
 
 def verdict_key(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: int) -> str:

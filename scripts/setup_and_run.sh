@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One command from a fresh clone: set up .venv, export the embedded SmolLM2-135M-Instruct to a bundle,
-# add the shipped Chimera draft, validate both against torch, then stream a generation with plain
-# greedy decoding, Chimera and prompt-lookup speculative decoding, each with its tokens/s, and check
-# that the three outputs are identical. Idempotent.
+# One command from a fresh clone: set up .venv, export the embedded SmolLM2-135M-Instruct to a bundle
+# (its own Q4_1 blocks with int8 activations: the fastest exact bundle measured, see README "Which
+# bundle"), add the shipped Chimera draft, validate both against torch, then stream a generation with
+# plain greedy decoding, Chimera and prompt-lookup speculative decoding, each with its tokens/s, and
+# check that the three outputs are identical. Idempotent. PRECISION=fp32 (or int4) picks another bundle.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-BUNDLE="${BUNDLE:-bundles/smollm2}"
+PRECISION="${PRECISION:-q4_1}"
+if [ "$PRECISION" = fp32 ]; then BUNDLE="${BUNDLE:-bundles/smollm2}"; else BUNDLE="${BUNDLE:-bundles/smollm2-$PRECISION}"; fi
 PROMPT="${PROMPT:-Explain in three sentences why the sky is blue.}"
 if [ -f "$BUNDLE/manifest.json" ]; then
   echo "[main] bundle $BUNDLE exists; reusing it (delete it or run 'specdeploy export base --force' to redo)" >&2
 else
-  specdeploy export base --out "$BUNDLE"
+  specdeploy export base --precision "$PRECISION" --out "$BUNDLE"
 fi
 specdeploy export draft --kind chimera --draft graphs/weights/chimera.safetensors "$BUNDLE"
 specdeploy validate "$BUNDLE"
