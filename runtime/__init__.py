@@ -5,6 +5,7 @@
 """
 
 from .engine import Completion, Engine, TextStream, load
-from .errors import SpecDeployError
+from .errors import ExactnessWarning, SpecDeployError
+from .plan import StepPlan
 
-__all__ = ["Completion", "Engine", "SpecDeployError", "TextStream", "load"]
+__all__ = ["Completion", "Engine", "ExactnessWarning", "SpecDeployError", "StepPlan", "TextStream", "load"]

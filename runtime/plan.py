@@ -112,12 +112,6 @@ class StepPlan:
         return self.candidate.split
 
 
-def unprobed_plan(backend: Backend, reason: str = "not probed") -> StepPlan:
-    """The fastest plan with trees, trusted without a probe: for measurements and tests, never for users."""
-    cand = candidates(backend)[0]
-    return StepPlan(cand, speculate=True, exact=False, trees=True, max_rows=1 << 30, reason=reason)
-
-
 def candidates(backend: Backend) -> list[Candidate]:
     """The plans this backend can run, fastest plain step first."""
     out = [Candidate("split", True, 1)] if backend.can_split else []
@@ -345,4 +339,4 @@ def _store(key: str, res: ProbeResult) -> None:
 
 
 __all__ = ["Candidate", "ProbeCheck", "ProbeResult", "StepPlan", "cache_dir", "candidates", "choose",
-           "machine_id", "probe", "resolve_plan", "unprobed_plan"]
+           "cpu_isa", "machine_id", "probe", "resolve_plan"]
