@@ -414,7 +414,7 @@ def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
     started = threading.Event()
 
     def stream(i: int) -> None:
-        payload = {"model": model, "prompt": PROMPTS[i], "max_tokens": 480, "temperature": 0, "stream": True}
+        payload = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 480, "temperature": 0, "stream": True}
         lines = []
         with httpx.stream("POST", srv.url + "/v1/completions", json=payload, timeout=60) as r:
             for line in r.iter_lines():
@@ -422,19 +422,22 @@ def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
                 lines.append(line)
         results[i] = _sse_text(lines)
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    # Ten long requests: the tiny model decodes 480 tokens in ~0.2 s on a fast core, so fewer could all
+    # finish within the 1 s shutdown timeout and leave nothing to cancel.
+    n = 10
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     assert started.wait(30)
-    # All four admitted (running, queued or done) before the signal: a client still connecting when
+    # All admitted (running, queued or done) before the signal: a client still connecting when
     # the server stops gets "connection refused", which is not what this test is about.
-    assert _wait_for(lambda: srv.metrics()["specdeploy_requests_in_flight"] + len(results) >= 4, 30)
+    assert _wait_for(lambda: srv.metrics()["specdeploy_requests_in_flight"] + len(results) >= n, 30)
     t0 = time.monotonic()
     assert srv.stop(timeout=30) in (0, -signal.SIGTERM)
     assert time.monotonic() - t0 < 15
     for t in threads:
         t.join(10)
-    assert len(results) == 4 and all(done for _, _, done in results.values())  # each got a clean end
+    assert len(results) == n and all(done for _, _, done in results.values())  # each got a clean end
     ended = [any("error" in ev for ev in events) for _, events, _ in results.values()]
     assert any(ended), "queued requests past the shutdown timeout should have been cancelled"
     assert "Traceback" not in srv.log() and "Finished server process" in srv.log()
