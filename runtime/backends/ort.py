@@ -307,6 +307,7 @@ class OrtCudaBackend(OrtBackend):
         else:
             raise BackendUnavailableError(f"OrtCudaBackend runs the cuda or tensorrt provider, not '{provider}'.")
         super().__init__(bundle_dir, manifest, provider, threads, provider_options=options)
+        self._session("base")  # now: a missing provider or GPU is one sentence at load
         from ..capture import tree_buckets
         from ..kvcache import capacity_buckets
         from .trt import CachePool, check, cudart
