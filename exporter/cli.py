@@ -465,12 +465,13 @@ def load_engine(bundle: Path, **options):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ExactnessWarning)
         engine = load(bundle, progress=say, **options)
+    refused = [w for w in caught if issubclass(w.category, ExactnessWarning)]
     for w in caught:
-        if issubclass(w.category, ExactnessWarning):
-            click.echo(f"warning: {w.message}", err=True)
-        else:
+        if w not in refused:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    if not caught:
+    for w in refused:  # the refusal carries the plan's reason
+        click.echo(f"warning: {w.message}", err=True)
+    if not refused:
         say(engine.plan.reason)
     return engine
 
