@@ -123,22 +123,6 @@ def draft_topk(module: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, torch.
     return idx, values
 
 
-def head_logits(z: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-    """``z [..., K, H] @ lm_weight.T`` -> [..., K, V]: the shared projection, used by training."""
-    return torch.matmul(z, lm_weight.t())
-
-
-def build_heads(config: HeadsConfig) -> HeadsModule:
-    """A fresh (zero-initialised, i.e. identity) heads module of ``config.kind``."""
-    from .cerberus import CerberusHeads
-    from .medusa import MedusaHeads
-
-    builders = {"medusa": MedusaHeads, "cerberus": CerberusHeads}
-    if config.kind not in builders:
-        raise ValueError(f"unknown heads kind {config.kind!r}; choose one of {', '.join(builders)}")
-    return builders[config.kind](config)
-
-
 def example_hidden(hidden_size: int, batch: int = 2, rows: int = 3) -> torch.Tensor:
     """Trace input with every dynamic dimension >= 2 (dynamo specialises dimensions of 0 and 1)."""
     return torch.randn(batch, rows, hidden_size)

@@ -21,7 +21,7 @@ from .bundle import BundleManifest
 from .drafters.base import DraftContext, Drafter
 from .errors import PromptError, TreeSpecError
 from .kvcache import KVCache, capacity_buckets
-from .plan import StepPlan, resolve_plan
+from .plan import StepPlan
 from .tree import DraftTree, TreeBuffers
 from .verify import Acceptance, greedy_accept, sample_accept, typical_accept
 
@@ -113,14 +113,14 @@ class Decoder:
     """Runs generations against one backend, optionally with a drafter."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, drafter: Drafter | None = None,
-                 max_tree: int | None = None, plan: StepPlan | None = None):
+                 max_tree: int | None = None, *, plan: StepPlan):
         self.backend = backend
         self.manifest = manifest
-        # The step plan (runtime/plan.py), measured on this machine when not given: which graph serves
+        # The step plan (runtime/plan.py), measured on this machine (probe.resolve_plan): which graph serves
         # 1-row steps, the fewest rows a step runs (dummy rows after the real ones), chains or trees, and
         # whether speculation is exact. Plain decoding follows the same plan, so a speculative run and a
         # plain run compute every emitted token's row the same way.
-        self.plan = plan if plan is not None else resolve_plan(backend, manifest)
+        self.plan = plan
         backend.use_split(self.plan.split)
         self.drafter = drafter if self.plan.speculate else None
         limit = manifest.limits.max_tree

@@ -39,7 +39,8 @@ from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
 from .drafters import PromptLookupDrafter, make_drafter
 from .errors import ExactnessWarning, PromptError, SpecDeployError
-from .plan import StepPlan, resolve_plan
+from .plan import StepPlan
+from .probe import resolve_plan
 from .text import TextCodec
 
 _POLL_S = 0.05  # how often a queued caller looks at its cancel flag

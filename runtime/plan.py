@@ -8,7 +8,7 @@ and differs by up to 0.49 in the logits on an AVX2 EPYC. So nothing is assumed. 
 plan, from the fastest plain step to the slowest, :func:`probe` runs plain steps and chain steps of
 every length the plan allows (and one tree) through the real :class:`~.decode.Decoder` and backend,
 and compares logits, hidden states and K/V bit for bit. The first candidate whose chains agree is the
-plan; trees are allowed only if the tree agrees too. The verdict is cached per (CPU model and flags,
+plan; trees are allowed only if the tree agrees too (the probe itself is :mod:`.probe`). The verdict is cached per (CPU model and flags,
 ONNX Runtime version, threads, backend, graph hashes) in the user cache (:func:`cache_dir`).
 
 Candidates (:func:`candidates`):
@@ -30,13 +30,9 @@ import hashlib
 import json
 import os
 import platform
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -118,116 +114,7 @@ def candidates(backend: Backend) -> list[Candidate]:
     return out + [Candidate("one-graph", False, 1), Candidate("two-rows", False, 2)]
 
 
-# --- the probe ------------------------------------------------------------------------------------
-def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: int) -> ProbeResult:
-    """Plain steps against chain steps of every length 2..``depth`` and one tree, bit for bit.
-
-    From one prefilled context, plain steps feed tokens ``t_0..t_{depth-1}`` one at a time
-    (teacher-forced, the way plain decoding would emit them); from the same context, a chain step of
-    each length T must give every row's logits, hidden state and K/V exactly as the plain steps did. The tree ``[t_0, z, t_1, t_2]`` (``z`` a sibling of ``t_1``) puts ``t_1`` and ``t_2`` at cache
-    slots whose ancestors are not adjacent, as a branching draft does.
-    """
-    from .decode import Decoder
-    from .tree import DraftTree
-
-    dec = Decoder(backend, manifest, None, plan=_probe_plan(cand, depth))
-    v = manifest.model.vocab_size
-    prompt = [(17 + 7919 * i) % v for i in range(PROBE_PROMPT)]
-    tokens = [(101 + 104729 * i) % v for i in range(depth + 1)]
-    backend.use_split(cand.split)
-    try:
-        state, _ = dec.prefill(prompt)
-        cache, p = state.cache, state.cache.length
-        cache.ensure_capacity(p + depth + 2, dec.buckets)
-
-        def run(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-            cache.length, n = start, len(tree.tokens)
-            out = dec.verify(state, tree, tree.buffers())
-            kv = [_host(b[:, :, start : start + n]) for b in cache.buffers()]  # the rows this step wrote
-            return out.logits[0, :n], out.hidden_states[0, :n], kv
-
-        def plain_step(i: int) -> None:
-            t0 = time.perf_counter()
-            lg, hd, kv = run(DraftTree.root(tokens[i]), p + i)
-            times.append(time.perf_counter() - t0)
-            plain_logits.append(lg[0])
-            plain_hidden.append(hd[0])
-            plain_kv.append([k[:, :, 0] for k in kv])
-
-        # Plain steps are taken as the chains need them: plain step i reads slots p..p+i-1, which the
-        # chain of length i (checked just before) wrote bit for bit as plain steps would have, so a
-        # failing candidate costs a few steps, not the whole depth.
-        times, plain_logits, plain_hidden, plain_kv = [], [], [], []
-        plain_step(0)
-        checks = []
-        for t in range(2, depth + 1):
-            plain_step(t - 1)
-            lg, hd, kv = run(DraftTree(np.asarray(tokens[:t]), np.arange(-1, t - 1)), p)
-            gap = max(_gap(lg, np.stack(plain_logits[:t])), _gap(hd, np.stack(plain_hidden[:t])),
-                      max(_gap(kv[j], np.stack([plain_kv[i][j] for i in range(t)], axis=2))
-                          for j in range(len(kv))))
-            checks.append(ProbeCheck(f"chain T={t}", gap))
-            if gap:  # the candidate fails: the rest would not change the verdict
-                break
-        if depth >= 3 and not checks[-1].max_abs:
-            tree = DraftTree(np.asarray([tokens[0], tokens[depth], tokens[1], tokens[2]]), np.array([-1, 0, 0, 2]))
-            lg, hd, kv = run(tree, p)
-            keep = [0, 2, 3]  # the nodes on the path t_0 -> t_1 -> t_2
-            gap = max(_gap(lg[keep], np.stack(plain_logits[:3])), _gap(hd[keep], np.stack(plain_hidden[:3])),
-                      max(_gap(kv[j][:, :, keep], np.stack([plain_kv[i][j] for i in range(3)], axis=2))
-                          for j in range(len(kv))))
-            checks.append(ProbeCheck("tree", gap))
-        return ProbeResult(cand, tuple(checks), 1000 * float(np.median(times)))
-    finally:
-        backend.use_split(True)
-
-
-def _host(x) -> np.ndarray:
-    """A host copy of a cache buffer (numpy here; a torch tensor on the torch backend)."""
-    if hasattr(x, "detach"):
-        return x.detach().cpu().numpy().copy()
-    return np.array(x, copy=True)
-
-
-def _gap(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return float("inf")
-    if np.array_equal(a, b):  # bitwise, NaN-free fast path
-        return 0.0
-    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    return float(d.max()) if np.isfinite(d).all() else float("inf")
-
-
-def _probe_plan(cand: Candidate, depth: int) -> StepPlan:
-    return StepPlan(cand, speculate=True, exact=False, trees=True, max_rows=max(depth, 4), reason="probing")
-
-
-# --- resolution and the verdict cache -----------------------------------------------------------------
-def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool = False, use_cache: bool = True,
-                 progress: Callable[[str], None] | None = None) -> StepPlan:
-    """Probe the candidates in order (cached per machine) and return the fastest exact plan.
-
-    No exact candidate: plain decoding with the fastest candidate, or with ``allow_inexact`` speculation
-    there, labelled lossy. The probe depth is the bundle's tree limit, at most :data:`PROBE_DEPTH`.
-    """
-    depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
-    results: list[ProbeResult] = []
-    for cand in candidates(backend):
-        key = verdict_key(backend, manifest, cand, depth)
-        res = _cached(key) if use_cache else None
-        if res is None:
-            if progress is not None:
-                progress(f"probing exactness of the '{cand.name}' step plan on this machine ...")
-            res = probe(backend, manifest, cand, depth)
-            if use_cache:
-                _store(key, res)
-        results.append(res)
-        if res.chains_exact:
-            break
-    return choose(results, depth, allow_inexact)
-
-
+# --- choosing and the verdict cache --------------------------------------------------------------
 def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) -> StepPlan:
     """The plan the probe results allow (the first exact candidate, in the order probed)."""
     failed = [r for r in results if not r.chains_exact]
@@ -310,7 +197,7 @@ def _read_verdicts() -> dict:
         return {}
 
 
-def _cached(key: str) -> ProbeResult | None:
+def cached_verdict(key: str) -> ProbeResult | None:
     raw = _read_verdicts().get(key)
     if not isinstance(raw, dict):
         return None
@@ -322,7 +209,7 @@ def _cached(key: str) -> ProbeResult | None:
         return None
 
 
-def _store(key: str, res: ProbeResult) -> None:
+def store_verdict(key: str, res: ProbeResult) -> None:
     """Best effort: an unwritable cache only means the probe runs again next time."""
     try:
         path = _verdict_file()
@@ -338,5 +225,5 @@ def _store(key: str, res: ProbeResult) -> None:
         pass
 
 
-__all__ = ["Candidate", "ProbeCheck", "ProbeResult", "StepPlan", "cache_dir", "candidates", "choose",
-           "cpu_isa", "machine_id", "probe", "resolve_plan"]
+__all__ = ["Candidate", "ProbeCheck", "ProbeResult", "StepPlan", "cache_dir", "cached_verdict", "candidates",
+           "choose", "cpu_isa", "machine_id", "store_verdict", "verdict_key"]

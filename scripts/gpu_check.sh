@@ -69,12 +69,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdeploy.exporter.export import export_base
-from specdeploy.exporter.torch_backend import TorchBackend
+from specdeploy.exporter.export.base import export_base
+from specdeploy.exporter.reference.torch_backend import TorchBackend
 from specdeploy.runtime.backends.base import StepInputs
 from specdeploy.runtime.bundle import read_manifest
 from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
+from specdeploy.runtime.probe import resolve_plan
 from specdeploy.runtime.text import TextCodec
 
 out_path, work = Path(sys.argv[1]), Path(sys.argv[2])
@@ -133,7 +134,7 @@ def step_ms(backend, n: int, iters: int = 30) -> float:
 
 
 def decode(backend, drafter) -> dict:
-    dec = Decoder(backend, manifest, drafter)
+    dec = Decoder(backend, manifest, drafter, plan=resolve_plan(backend, manifest, use_cache=False))
     list(dec.generate(IDS[2][:20], GenerationConfig(max_new_tokens=8)))  # warm-up
     outs, tps, taus = [], [], []
     for ids in IDS:
@@ -198,7 +199,7 @@ if importlib.util.find_spec("onnxruntime"):
     else:
         results["errors"]["ort-cuda"] = "not installed (no CUDAExecutionProvider)"
 if importlib.util.find_spec("tensorrt"):
-    from specdeploy.exporter.trt_build import BuildConfig, build_engines
+    from specdeploy.exporter.build.trt import BuildConfig, build_engines
     from specdeploy.runtime.backends.trt import TrtBackend
 
     try:

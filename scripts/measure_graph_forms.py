@@ -86,8 +86,8 @@ def main() -> None:
 
 def measure(hf, tmp: Path, forms: list[str], args: argparse.Namespace) -> None:
     import torch
-    from specdeploy.exporter.export import export_graph
-    from specdeploy.exporter.ort_graph import export_ort_graph
+    from specdeploy.exporter.export.ort_graph import export_ort_graph
+    from specdeploy.exporter.export.staging import export_graph
     from specdeploy.graphs.base_step import BaseStep, example_inputs
     from torch.export import Dim
 
@@ -95,7 +95,7 @@ def measure(hf, tmp: Path, forms: list[str], args: argparse.Namespace) -> None:
     for form in forms:
         print(f"exporting the {form} form ...", file=sys.stderr, flush=True)
         if form == "gguf":
-            from specdeploy.exporter.gguf_blocks import read_q4_1_linears
+            from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
             from specdeploy.exporter.source import resolve_model_path
 
             blocks = read_q4_1_linears(resolve_model_path(args.model), hf)

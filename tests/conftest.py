@@ -88,7 +88,7 @@ def tiny_model_factory(tmp_path_factory, smol_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_bundle_factory(tmp_path_factory, tiny_model_factory):
-    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.export.base import export_base
 
     cache: dict[str, Path] = {}
 
@@ -111,7 +111,7 @@ def tiny_bundle(tiny_bundle_factory) -> Path:
 @pytest.fixture(scope="session")
 def real_bundle(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct bundle (exported once; ~80 s on 2 cores)."""
-    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.export.base import export_base
 
     pre = os.environ.get("SPECDEPLOY_TEST_BUNDLE")
     if pre and Path(pre, "manifest.json").is_file():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from specdeploy.exporter import bench as bench_mod
-from specdeploy.exporter.bench import BenchError, Worker, default_prompts_file, read_prompts
+from specdeploy.exporter.bench import run as bench_mod
+from specdeploy.exporter.bench.run import BenchError, Worker, default_prompts_file, read_prompts
 from specdeploy.exporter.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

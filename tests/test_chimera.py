@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.train import LoopConfig, load_draft_weights, train
-from specdeploy.exporter.train_chimera import ChimeraTask, ChimeraTrainConfig, chimera_from_weights
-from specdeploy.exporter.train_data import DataConfig, build_cache
+from specdeploy.exporter.train.chimera import ChimeraTask, ChimeraTrainConfig
+from specdeploy.exporter.train.data import DataConfig, build_cache
+from specdeploy.exporter.train.modules import chimera_from_weights
+from specdeploy.exporter.train.weights import LoopConfig, load_draft_weights, train
 from specdeploy.graphs.chimera import ChimeraConfig, ChimeraDraft, ChimeraStepGraph, trigram_ids
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
@@ -168,7 +169,7 @@ def test_bad_training_settings_get_one_sentence():
 # --- export, parity, drafter -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chimera_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
-    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.exporter.export.draft import export_draft
 
     bundle = tmp_path_factory.mktemp("chimera_bundle") / "b"
     shutil.copytree(tiny_bundle_factory("llama"), bundle)
@@ -177,7 +178,7 @@ def chimera_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
 
 
 def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_setup):
-    from specdeploy.exporter.validate import compare_drafts
+    from specdeploy.exporter.check.validate import compare_drafts
     from specdeploy.runtime.bundle import read_manifest
 
     manifest = read_manifest(chimera_bundle)
@@ -197,7 +198,7 @@ def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_set
 
 
 def test_fp32_only_export_and_explicit_precision(chimera_bundle, tiny_weights, tmp_path):
-    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters.chimera import make_chimera_drafter
 
@@ -253,7 +254,7 @@ def test_drafter_state_matches_a_fresh_catch_up(chimera_bundle):
 
 
 def test_wrong_kind_wrong_base_and_corrupt_weights(chimera_bundle, tiny_weights, tmp_path):
-    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest, write_manifest
 
     with pytest.raises(DraftMismatchError, match="not a medusa draft"):
@@ -276,7 +277,7 @@ def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_we
     """Where the step plan allows trees (forced here: which plan this machine gets is the probe's)."""
     import dataclasses
 
-    from specdeploy.exporter.calibrate_chimera import calibrate_chimera
+    from specdeploy.exporter.calibrate.chimera import calibrate_chimera
     from specdeploy.runtime import engine as engine_module
     from specdeploy.runtime.bundle import read_manifest
 
@@ -305,7 +306,7 @@ def test_chains_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path
     Each keeps the other's result. The plan is forced here: which one this machine gets is the probe's."""
     import dataclasses
 
-    from specdeploy.exporter.calibrate_chimera import calibrate_chimera
+    from specdeploy.exporter.calibrate.chimera import calibrate_chimera
     from specdeploy.runtime import engine as engine_module
     from specdeploy.runtime.bundle import read_manifest
 
@@ -338,7 +339,7 @@ def test_chains_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path
 
 # --- the real model with the shipped weights -------------------------------------------------------------
 def _mtbench(n: int) -> list[str]:
-    from specdeploy.exporter.bench import default_prompts_file
+    from specdeploy.exporter.bench.run import default_prompts_file
 
     lines = default_prompts_file().read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines[:n]]
@@ -347,8 +348,8 @@ def _mtbench(n: int) -> list[str]:
 @pytest.mark.slow
 def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
-    from specdeploy.exporter.export_draft import export_draft
-    from specdeploy.exporter.validate import validate_bundle
+    from specdeploy.exporter.check.validate import validate_bundle
+    from specdeploy.exporter.export.draft import export_draft
 
     bundle = tmp_path / "real"
     shutil.copytree(real_bundle, bundle)

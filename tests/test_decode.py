@@ -58,7 +58,7 @@ def test_speculative_greedy_matches_plain_with_random_trees(tiny_bundle):
             ids = engine.encode(text)
             ref = _plain(engine, ids, 40)
             drafter = OracleDrafter(len(ids), ref, seed=seed)
-            dec = Decoder(engine.backend, engine.manifest, drafter)
+            dec = Decoder(engine.backend, engine.manifest, drafter, plan=engine.plan)
             stats = DecodeStats()
             out = list(dec.generate(ids, GenerationConfig(40), stats))
             assert out == ref
@@ -148,9 +148,9 @@ def test_eos_inside_accepted_path_stops_there(tiny_bundle):
         manifest = engine.manifest.replace(
             model=engine.manifest.model.__class__(**{**engine.manifest.model.__dict__, "eos_token_ids": (ref[eos_at],)})
         )
-        plain = list(Decoder(engine.backend, manifest).generate(ids, GenerationConfig(30)))
+        plain = list(Decoder(engine.backend, manifest, plan=engine.plan).generate(ids, GenerationConfig(30)))
         assert plain == ref[: ref.index(ref[eos_at]) + 1]
-        dec = Decoder(engine.backend, manifest, OracleDrafter(len(ids), ref, max_nodes=16, seed=3))
+        dec = Decoder(engine.backend, manifest, OracleDrafter(len(ids), ref, max_nodes=16, seed=3), plan=engine.plan)
         stats = DecodeStats()
         assert list(dec.generate(ids, GenerationConfig(30), stats)) == plain
         assert stats.finish_reason == "stop"
@@ -168,7 +168,7 @@ def test_max_tokens_reached_mid_path(tiny_bundle):
 
         for n in (1, 2, 5, 11, 13):
             stats = DecodeStats()
-            out = list(Decoder(engine.backend, engine.manifest, Chain()).generate(ids, GenerationConfig(n), stats))
+            out = list(Decoder(engine.backend, engine.manifest, Chain(), plan=engine.plan).generate(ids, GenerationConfig(n), stats))
             assert out == ref[:n] and stats.new_tokens == n and stats.finish_reason == "length"
 
 
@@ -178,7 +178,7 @@ def test_cache_bucket_boundary(tiny_bundle):
         ids = engine.encode("word " * 120)[:240]
         ref = _plain(engine, ids, 40)
         drafter = OracleDrafter(len(ids), ref, max_nodes=16, seed=5)
-        dec = Decoder(engine.backend, engine.manifest, drafter)
+        dec = Decoder(engine.backend, engine.manifest, drafter, plan=engine.plan)
         assert list(dec.generate(ids, GenerationConfig(40))) == ref
 
 
@@ -228,7 +228,7 @@ def test_drafter_that_breaks_the_contract_is_refused(tiny_bundle):
             return DraftTree.chain(ctx.tokens[-1], [1] * (ctx.max_nodes + 3))
 
     with load(tiny_bundle) as engine:
-        dec = Decoder(engine.backend, engine.manifest, TooBig())
+        dec = Decoder(engine.backend, engine.manifest, TooBig(), plan=engine.plan)
         with pytest.raises(TreeSpecError):
             list(dec.generate(engine.encode("hi there"), GenerationConfig(8)))
 
@@ -246,7 +246,7 @@ def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
     with load(tiny_bundle) as engine:
         ids = engine.encode("Once upon a time")
         sampling = SamplingParams(temperature=1.5, top_k=8)
-        dec0 = Decoder(engine.backend, engine.manifest)
+        dec0 = Decoder(engine.backend, engine.manifest, plan=engine.plan)
         state, out = dec0.prefill(ids)
         first = int(np.argmax(out.logits[0, -1]))
         # The distribution of the 2nd emitted token given the 1st is `first`: one step from the root.
@@ -263,7 +263,7 @@ def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
 
         counts = np.zeros(len(p))
         rng = np.random.default_rng(0)
-        dec = Decoder(engine.backend, engine.manifest, Fixed())
+        dec = Decoder(engine.backend, engine.manifest, Fixed(), plan=engine.plan)
         n = 3000
         for _ in range(n):
             st, _ = dec.prefill(ids)

@@ -26,7 +26,7 @@ ARCHS = ["llama", "mistral", "qwen2"]
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
-    from specdeploy.exporter.validate import validate_bundle
+    from specdeploy.exporter.check.validate import validate_bundle
 
     bundle = tiny_bundle_factory(arch)
     manifest = read_manifest(bundle)
@@ -107,7 +107,7 @@ def test_corrupt_bundles_are_refused(tiny_bundle, tmp_path):
 
 
 def test_bad_model_sources(tmp_path):
-    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.export.base import export_base
 
     with pytest.raises(ModelSourceError, match="does not exist"):
         export_base(str(tmp_path / "missing"), tmp_path / "out")
@@ -124,7 +124,7 @@ def test_bad_model_sources(tmp_path):
 
 def test_force_and_interrupted_export_leave_nothing_half_written(tiny_bundle, tiny_model_factory, tmp_path,
                                                                   monkeypatch):
-    from specdeploy.exporter import export as export_mod
+    from specdeploy.exporter.export import base as export_mod
 
     out = tmp_path / "b"
     out.mkdir()
@@ -145,7 +145,8 @@ def test_full_disk_is_one_sentence_and_leaves_nothing(tiny_bundle, tiny_model_fa
     """ENOSPC mid-export (a real CI failure) becomes a BundleError naming the path; the partial files go."""
     import errno
 
-    from specdeploy.exporter import export as export_mod
+    from specdeploy.exporter.export import base as export_mod
+    from specdeploy.exporter.export import staging
     from specdeploy.runtime.errors import BundleError
 
     def full(*a, **k):
@@ -157,12 +158,12 @@ def test_full_disk_is_one_sentence_and_leaves_nothing(tiny_bundle, tiny_model_fa
         export_mod.export_base(str(tiny_model_factory("llama")), out)
     assert list(tmp_path.iterdir()) == []
     before = sorted(p.name for p in tiny_bundle.iterdir())
-    with pytest.raises(BundleError, match="ran out of space"), export_mod.updated_bundle(tiny_bundle):
+    with pytest.raises(BundleError, match="ran out of space"), staging.updated_bundle(tiny_bundle):
         full()
     assert sorted(p.name for p in tiny_bundle.iterdir()) == before
     assert not [p for p in tiny_bundle.parent.iterdir() if ".tmp-" in p.name]
     # any other OSError keeps its own message
-    with pytest.raises(OSError, match="other"), export_mod.staged_bundle(tmp_path / "x", force=False):
+    with pytest.raises(OSError, match="other"), staging.staged_bundle(tmp_path / "x", force=False):
         raise OSError(errno.EIO, "other")
 
 

@@ -16,7 +16,7 @@ from specdeploy.exporter.cli import main
 from specdeploy.runtime import backends
 from specdeploy.runtime.backends.base import StepInputs
 from specdeploy.runtime.backends.ort import OrtBackend, trt_ep_options
-from specdeploy.runtime.backends.trt import (
+from specdeploy.runtime.backends.trt_profiles import (
     DeviceInfo,
     engine_dir_name,
     engine_file,
@@ -37,6 +37,7 @@ from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
 from specdeploy.runtime.kvcache import KVCache, capacity_buckets
+from specdeploy.runtime.probe import resolve_plan
 from specdeploy.runtime.tree import build_buffers
 
 torch = pytest.importorskip("torch")
@@ -188,7 +189,7 @@ def test_padded_step_matches_unpadded_on_ort(tiny_bundle):
 
 @pytest.fixture(scope="module")
 def torch_cpu(tiny_bundle):
-    from specdeploy.exporter.torch_backend import TorchBackend
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
 
     manifest = read_manifest(tiny_bundle)
     with TorchBackend(tiny_bundle, manifest, device="cpu", cuda_graphs=False, threads=2) as backend:
@@ -217,7 +218,8 @@ def test_padded_step_matches_unpadded_on_torch_cpu(torch_cpu, tiny_bundle):
 
 # --- torch reference backend == ORT on the CPU ---------------------------------------------------------
 def _greedy(backend, manifest, drafter=None, n: int = 24) -> list[int]:
-    return list(Decoder(backend, manifest, drafter).generate(PROMPT, GenerationConfig(max_new_tokens=n)))
+    plan = resolve_plan(backend, manifest, use_cache=False)
+    return list(Decoder(backend, manifest, drafter, plan=plan).generate(PROMPT, GenerationConfig(max_new_tokens=n)))
 
 
 def test_torch_eager_cpu_matches_ort_greedy(torch_cpu, tiny_bundle):
@@ -235,7 +237,7 @@ def test_torch_eager_cpu_matches_ort_greedy(torch_cpu, tiny_bundle):
 
 
 def test_torch_backend_refuses_cuda_graphs_on_cpu(tiny_bundle):
-    from specdeploy.exporter.torch_backend import TorchBackend
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
 
     if HAS_CUDA:
         pytest.skip("this machine has CUDA")
@@ -276,7 +278,7 @@ def test_select_engine_one_sentence_errors():
 
 def test_build_bookkeeping_with_a_stand_in_tensorrt(tiny_bundle, tmp_path, monkeypatch):
     """Everything ``build`` does around TensorRT: paths, timing cache, manifest records, atomic update."""
-    from specdeploy.exporter import trt_build
+    from specdeploy.exporter.build import trt as trt_build
 
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, bundle)
@@ -312,7 +314,7 @@ def test_build_bookkeeping_with_a_stand_in_tensorrt(tiny_bundle, tmp_path, monke
 
 
 def test_build_failure_leaves_bundle_untouched(tiny_bundle, tmp_path, monkeypatch):
-    from specdeploy.exporter import trt_build
+    from specdeploy.exporter.build import trt as trt_build
 
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, bundle)
@@ -367,10 +369,24 @@ def test_cli_gpu_backends_without_gpu_are_one_line(tiny_bundle, backend, needle)
     _one_line_error(r, needle)
 
 
-def test_torch_backend_needs_registration(tiny_bundle, monkeypatch):
-    monkeypatch.setattr(backends, "_REGISTRY", {})
-    with pytest.raises(BackendUnavailableError, match="import specdeploy.exporter.torch_backend"):
+def test_torch_backends_are_plugins_named_in_the_package_metadata(tiny_bundle, monkeypatch):
+    """The runtime finds the torch backends through entry points, imported only when chosen."""
+    assert {"torch", "torch-eager", "torch-graphs"} <= set(backends.backend_names())
+    engine_backend = backends.make_backend("torch-eager", tiny_bundle, read_manifest(tiny_bundle))
+    assert type(engine_backend).__name__ == "TorchBackend"
+    engine_backend.close()
+
+    class Missing:  # a plugin whose package is not installed here
+        name = "torch"
+
+        def load(self):
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(backends, "_plugins", lambda: {"torch": Missing()})
+    with pytest.raises(BackendUnavailableError, match="needs the package 'torch', which is not installed"):
         backends.make_backend("torch", tiny_bundle, read_manifest(tiny_bundle))
+    with pytest.raises(BackendUnavailableError, match="Unknown backend 'nope'"):
+        backends.make_backend("nope", tiny_bundle, read_manifest(tiny_bundle))
 
 
 def test_runtime_imports_neither_torch_nor_exporter():
@@ -386,7 +402,7 @@ def test_validate_comparison_catches_a_drift(tiny_bundle):
     """The polygraphy comparison used by ``validate --backend``: ORT vs itself passes, a drift fails."""
     from polygraphy.backend.base import BaseRunner
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from specdeploy.exporter.validate_trt import compare_runners, output_names, reference_feeds
+    from specdeploy.exporter.check.trt import compare_runners, output_names, reference_feeds
 
     manifest = read_manifest(tiny_bundle)
     feeds = reference_feeds(tiny_bundle, manifest, capacity=256)
@@ -429,7 +445,7 @@ def test_validate_comparison_catches_a_drift(tiny_bundle):
 @pytest.mark.gpu
 @needs_cuda
 def test_torch_cuda_graphs_match_eager_and_ort(tiny_bundle):
-    from specdeploy.exporter.torch_backend import TorchBackend
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
 
     manifest = read_manifest(tiny_bundle)
     with OrtBackend(tiny_bundle, manifest, threads=2) as ort_backend:
@@ -447,7 +463,7 @@ def test_torch_cuda_graphs_match_eager_and_ort(tiny_bundle):
 @pytest.mark.gpu
 @needs_cuda
 def test_torch_cuda_padded_step_matches_unpadded(tiny_bundle):
-    from specdeploy.exporter.torch_backend import TorchBackend
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
 
     manifest = read_manifest(tiny_bundle)
     with TorchBackend(tiny_bundle, manifest, device="cuda", cuda_graphs=True) as backend:
@@ -479,8 +495,8 @@ def test_ort_cuda_graph_backend_matches_cpu(tiny_bundle):
 @pytest.mark.gpu
 @needs_trt
 def test_trt_build_validate_and_decode(tiny_bundle, tmp_path):
-    from specdeploy.exporter.trt_build import BuildConfig, build_engines
-    from specdeploy.exporter.validate_trt import validate_backend
+    from specdeploy.exporter.build.trt import BuildConfig, build_engines
+    from specdeploy.exporter.check.trt import validate_backend
 
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle, bundle)

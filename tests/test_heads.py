@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.train import LoopConfig, load_draft_weights, train
-from specdeploy.exporter.train_data import DataConfig, build_cache
-from specdeploy.exporter.train_heads import HeadsTask, HeadsTrainConfig
-from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock, build_heads
+from specdeploy.exporter.train.data import DataConfig, build_cache
+from specdeploy.exporter.train.heads import HeadsTask, HeadsTrainConfig
+from specdeploy.exporter.train.weights import LoopConfig, load_draft_weights, train
+from specdeploy.graphs.build import build_heads
+from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
@@ -122,7 +123,7 @@ def test_training_lowers_the_loss_and_logs_heldout_accuracy(tiny_setup, tiny_wei
     idx = np.arange(min(256, task.num_examples()))
     before = float(task.loss(model, idx)[0].detach())
     w = load_draft_weights(tiny_weights["cerberus"], "cerberus")
-    from specdeploy.exporter.train_heads import heads_from_weights
+    from specdeploy.exporter.train.modules import heads_from_weights
 
     after = float(task.loss(heads_from_weights(w), idx)[0].detach())
     assert after < before
@@ -183,7 +184,7 @@ def test_weights_file_errors(tiny_weights, tmp_path):
 @pytest.fixture(scope="module")
 def heads_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
     """A copy of the tiny bundle with both drafts; Cerberus gets a hand-made calibration."""
-    from specdeploy.exporter.export_draft import calibration_path, export_draft
+    from specdeploy.exporter.export.draft import calibration_path, export_draft
     from specdeploy.runtime.bundle import hash_files
 
     bundle = tmp_path_factory.mktemp("heads_bundle") / "b"
@@ -197,7 +198,7 @@ def heads_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
 
 
 def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
-    from specdeploy.exporter.validate import compare_drafts
+    from specdeploy.exporter.check.validate import compare_drafts
     from specdeploy.runtime.bundle import read_manifest
 
     manifest = read_manifest(heads_bundle)
@@ -216,7 +217,7 @@ def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
 @pytest.mark.parametrize("draft,tree", [("medusa", None), ("medusa", "chain4"), ("cerberus-nogate", "dynamic:12"),
                                         ("cerberus", None)])
 def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
-    from specdeploy.exporter.calibrate_draft import record_traces
+    from specdeploy.exporter.calibrate.heads import record_traces
     from specdeploy.runtime.drafters.heads import GateSpec
 
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
@@ -289,7 +290,7 @@ def test_gate_threshold_range_and_missing_calibration(heads_bundle, tiny_weights
 
 
 def test_wrong_kind_and_wrong_base_get_one_sentence(heads_bundle, tiny_weights, tmp_path):
-    from specdeploy.exporter.export_draft import export_draft
+    from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest, write_manifest
 
     with pytest.raises(DraftMismatchError, match="not a cerberus draft"):
@@ -311,7 +312,7 @@ def test_wrong_kind_and_wrong_base_get_one_sentence(heads_bundle, tiny_weights, 
 
 
 def test_calibration_picks_tree_and_gate_on_the_tiny_bundle(heads_bundle, tiny_weights, tmp_path):
-    from specdeploy.exporter.calibrate_draft import calibrate
+    from specdeploy.exporter.calibrate.heads import calibrate
 
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
@@ -339,7 +340,7 @@ def test_runtime_drafter_module_imports_no_torch():
 
 # --- the real model with the shipped weights -------------------------------------------------------
 def _mtbench(n: int) -> list[str]:
-    from specdeploy.exporter.bench import default_prompts_file
+    from specdeploy.exporter.bench.run import default_prompts_file
 
     lines = default_prompts_file().read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines[:n]]
@@ -348,8 +349,8 @@ def _mtbench(n: int) -> list[str]:
 @pytest.mark.slow
 def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
-    from specdeploy.exporter.export_draft import export_draft
-    from specdeploy.exporter.validate import validate_bundle
+    from specdeploy.exporter.check.validate import validate_bundle
+    from specdeploy.exporter.export.draft import export_draft
 
     bundle = tmp_path / "real"
     shutil.copytree(real_bundle, bundle)

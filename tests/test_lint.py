@@ -9,8 +9,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
-from specdeploy.exporter.cli import main
-from specdeploy.exporter.lint import (
+from specdeploy.exporter.check.lint import (
     MAX_OPSET,
     MIN_OPSET,
     RULE_CONTROL_FLOW,
@@ -22,6 +21,7 @@ from specdeploy.exporter.lint import (
     lint_graph,
     lint_model,
 )
+from specdeploy.exporter.cli import main
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 

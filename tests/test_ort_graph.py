@@ -13,7 +13,7 @@ import onnx
 import pytest
 from specdeploy.runtime import load
 from specdeploy.runtime.bundle import read_manifest
-from specdeploy.runtime.decode import GenerationConfig
+from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BundleError
 
 PROMPTS = [
@@ -50,10 +50,10 @@ def _run_aliased(path, feed: dict[str, np.ndarray]):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_ort_graph_parity(arch, flavour, tiny_model_factory, tmp_path):
     import torch
-    from specdeploy.exporter.export import model_config
-    from specdeploy.exporter.ort_graph import build_ort_graph, save_graph
+    from specdeploy.exporter.check.validate import _FlatStep, base_cases
+    from specdeploy.exporter.export.base import model_config
+    from specdeploy.exporter.export.ort_graph import build_ort_graph, save_graph
     from specdeploy.exporter.source import load_model
-    from specdeploy.exporter.validate import _FlatStep, base_cases
     from specdeploy.graphs.base_step import BaseStep
 
     loaded = load_model(str(tiny_model_factory(arch)))
@@ -93,8 +93,8 @@ def test_padded_attention_is_recorded_and_one_row_steps_match_two_row_steps(prec
     computes a 1-row step as row 0 of a 2-row step up to rounding. Whether bit for bit is the CPU's
     kernels' business (measured at load by ``runtime/plan.py``, not asserted here): an AVX-512 Xeon
     gave 0 with the padding, an AVX2 EPYC 7.7e-07 on int4."""
-    from specdeploy.exporter.ort_graph import ATTENTION_ROWS_KEY, build_ort_graph, save_graph
-    from specdeploy.exporter.quantize import quant_config, quantize_model
+    from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY, build_ort_graph, save_graph
+    from specdeploy.exporter.export.quantize import quant_config, quantize_model
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep
 
@@ -145,19 +145,24 @@ def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
 def test_greedy_and_speculative_identity_on_ort_graph(tiny_bundle):
     """Plain greedy on the fused graph matches the traced graph, and speculative matches plain."""
     cfg = GenerationConfig(max_new_tokens=24)
-    with load(tiny_bundle) as fused, load(tiny_bundle, backend="ort-cpu-traced") as traced, \
-            load(tiny_bundle, draft="prompt-lookup") as spec:
+    from specdeploy.runtime.backends.ort import OrtBackend
+    from specdeploy.runtime.probe import resolve_plan
+
+    manifest = read_manifest(tiny_bundle)
+    with load(tiny_bundle) as fused, load(tiny_bundle, draft="prompt-lookup") as spec, \
+            OrtBackend(tiny_bundle, manifest, graph=manifest.graph("base", "trt")) as traced_backend:
+        traced = Decoder(traced_backend, manifest, plan=resolve_plan(traced_backend, manifest, use_cache=False))
         for prompt in PROMPTS:
             ids = fused.encode(prompt)
             plain = fused.generate_ids(ids, cfg)
-            assert traced.generate_ids(ids, cfg) == plain
+            assert list(traced.generate(ids, cfg)) == plain
             assert spec.generate_ids(ids, cfg) == plain
 
 
 def test_ort_only_bundle(tiny_model_factory, tmp_path):
     """--target ort skips the trace; TensorRT paths then say what is missing in one sentence."""
-    from specdeploy.exporter.export import export_base
-    from specdeploy.exporter.lint import lint_bundle
+    from specdeploy.exporter.check.lint import lint_bundle
+    from specdeploy.exporter.export.base import export_base
 
     out = tmp_path / "ort-only"
     export_base(str(tiny_model_factory("llama")), out, max_context=256, target="ort", progress=lambda m: None)
@@ -182,7 +187,7 @@ def _random_q4_1(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]
 
 
 def test_q4_1_blocks_decode_like_gguf():
-    from specdeploy.exporter.gguf_blocks import _parse_q4_1, _row_order
+    from specdeploy.exporter.export.gguf_blocks import _parse_q4_1, _row_order
 
     raw, want = _random_q4_1(24, 96)
     blocks = _parse_q4_1(raw, 24, 96)
@@ -198,8 +203,8 @@ def test_q4_linear_matches_the_dequantized_weights(t, accuracy):
     level 0), or to the rounding of x to int8 per block of 32 (level 4, the ``q4_1`` precision)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
-    from specdeploy.exporter.gguf_blocks import _parse_q4_1
-    from specdeploy.exporter.ort_graph import MS, _Builder, q4_linear
+    from specdeploy.exporter.export.gguf_blocks import _parse_q4_1
+    from specdeploy.exporter.export.ort_graph import MS, _Builder, q4_linear
 
     n, k = 40, 128
     raw, w = _random_q4_1(n, k, seed=2)
@@ -242,7 +247,7 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path):
     the same fp32 graph under two names)."""
     import shutil
 
-    from specdeploy.exporter.export import graph_entry
+    from specdeploy.exporter.export.staging import graph_entry
     from specdeploy.runtime.bundle import GGUF_Q4_1, write_manifest
 
     bundle = tmp_path / "two"

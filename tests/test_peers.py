@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from specdeploy.exporter import bench_variants
-from specdeploy.exporter.bench_peers import PEERS_INSTALL, LlamaCppRunner, genai_model_dir
-from specdeploy.exporter.bench_variants import RUNNERS, VARIANTS
+from specdeploy.exporter.bench import spec as bench_spec
+from specdeploy.exporter.bench.peers import PEERS_INSTALL, LlamaCppRunner, genai_model_dir
+from specdeploy.exporter.bench.registry import RUNNERS, VARIANTS, unavailable
 from specdeploy.exporter.cli import main
 from specdeploy.runtime.bundle import read_manifest
 
@@ -33,7 +33,7 @@ def _hide(monkeypatch, *modules: str) -> None:
     def find_spec(name, *args, **kwargs):
         return None if name in modules else real(name, *args, **kwargs)
 
-    monkeypatch.setattr(bench_variants.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(bench_spec.importlib.util, "find_spec", find_spec)
 
 
 def test_peers_are_registered():
@@ -47,7 +47,7 @@ def test_missing_peer_packages_skip_with_a_note(monkeypatch, tiny_bundle):
     _hide(monkeypatch, "onnxruntime_genai", "llama_cpp")
     manifest = read_manifest(tiny_bundle)
     for name in PEERS:
-        note = VARIANTS[name].unavailable(manifest)
+        note = unavailable(VARIANTS[name], manifest)
         assert note is not None and note.startswith("skipped: needs the Python package(s)")
         assert PEERS_INSTALL in note
 
@@ -55,9 +55,9 @@ def test_missing_peer_packages_skip_with_a_note(monkeypatch, tiny_bundle):
 def test_llama_cpp_needs_a_gguf_source(monkeypatch, tiny_bundle):
     """The tiny bundle comes from a HF folder: llama.cpp is skipped even when its package is present."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(bench_variants.importlib.util, "find_spec",
+    monkeypatch.setattr(bench_spec.importlib.util, "find_spec",
                         lambda name, *a, **k: real("json") if name == "llama_cpp" else real(name, *a, **k))
-    note = VARIANTS["llama.cpp"].unavailable(read_manifest(tiny_bundle))
+    note = unavailable(VARIANTS["llama.cpp"], read_manifest(tiny_bundle))
     assert note is not None and "not a GGUF" in note
     assert LlamaCppRunner.unavailable(VARIANTS["llama.cpp"], read_manifest(tiny_bundle)) == note
 
@@ -108,7 +108,7 @@ def _gguf_manifest(tiny_bundle):
 
 
 def test_llama_cpp_that_crashes_here_is_skipped(monkeypatch, tiny_bundle):
-    from specdeploy.exporter import bench_peers
+    from specdeploy.exporter.bench import peers as bench_peers
 
     manifest = _gguf_manifest(tiny_bundle)
     monkeypatch.setattr(bench_peers, "llama_cpp_mode", lambda gguf: None)
@@ -121,7 +121,7 @@ def test_llama_cpp_that_crashes_here_is_skipped(monkeypatch, tiny_bundle):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="llama-cpp-python is not installed (pip install 'specdeploy[peers]')")
 def test_llama_cpp_runner_decodes_the_gguf(monkeypatch, tmp_path, tiny_bundle):
-    from specdeploy.exporter.bench_peers import LLAMA_MODES
+    from specdeploy.exporter.bench.peers import LLAMA_MODES
 
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path / "cache"))
     manifest = _gguf_manifest(tiny_bundle)

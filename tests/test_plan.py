@@ -14,10 +14,12 @@ import pytest
 from click.testing import CliRunner
 from specdeploy.exporter.cli import main
 from specdeploy.runtime import load, plan
+from specdeploy.runtime import probe as probe_mod
 from specdeploy.runtime.backends.base import Backend, StepOutputs
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import ExactnessWarning
-from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult, choose, probe, resolve_plan
+from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult, choose
+from specdeploy.runtime.probe import probe, resolve_plan
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
@@ -98,7 +100,7 @@ def _failing(cand: Candidate) -> ProbeResult:
 
 def test_no_exact_plan_falls_back_to_plain_with_one_sentence(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))  # no verdict cached by other tests
-    monkeypatch.setattr(plan, "probe", lambda backend, manifest, cand, depth: _failing(cand))
+    monkeypatch.setattr(probe_mod, "probe", lambda backend, manifest, cand, depth: _failing(cand))
     with load(tiny_bundle) as ref_engine:
         ids = ref_engine.encode(PROMPTS[1])
         ref = ref_engine.generate_ids(ids, GenerationConfig(24))
@@ -125,7 +127,7 @@ def test_no_exact_plan_falls_back_to_plain_with_one_sentence(tiny_bundle, tmp_pa
 
 def test_cli_says_the_fallback_in_one_line_and_labels_lossy(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
-    monkeypatch.setattr(plan, "probe", lambda backend, manifest, cand, depth: _failing(cand))
+    monkeypatch.setattr(probe_mod, "probe", lambda backend, manifest, cand, depth: _failing(cand))
     args = ["generate", str(tiny_bundle), "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--draft", "prompt-lookup"]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
@@ -140,13 +142,13 @@ def test_cli_says_the_fallback_in_one_line_and_labels_lossy(tiny_bundle, tmp_pat
 def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
     calls = []
-    real = plan.probe
+    real = probe_mod.probe
 
     def counting(*args):
         calls.append(args[2].name)
         return real(*args)
 
-    monkeypatch.setattr(plan, "probe", counting)
+    monkeypatch.setattr(probe_mod, "probe", counting)
     with load(tiny_bundle) as engine:
         first = engine.plan
         assert calls and (tmp_path / "exactness.json").is_file()

@@ -13,9 +13,9 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
+from specdeploy.exporter.check.lint import RULE_DOMAIN, lint_bundle, lint_graph
 from specdeploy.exporter.cli import main
-from specdeploy.exporter.lint import RULE_DOMAIN, lint_bundle, lint_graph
-from specdeploy.exporter.quantize import (
+from specdeploy.exporter.export.quantize import (
     PrecisionError,
     QuantConfig,
     graph_quantization,
@@ -36,7 +36,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def quant_bundles(tmp_path_factory, tiny_model_factory) -> dict[str, Path]:
-    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.export.base import export_base
 
     model = str(tiny_model_factory("llama"))
     out = {}
@@ -152,7 +152,7 @@ TINY_MIN_TOP1 = {"int8": 0.90, "int4": 0.40}
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_quality_report_on_tiny(quant_bundles, tiny_source, precision):
-    from specdeploy.exporter.quality import quality_report
+    from specdeploy.exporter.check.quality import quality_report
 
     step, tokenizer = tiny_source
     bundle = quant_bundles[precision]
@@ -165,7 +165,7 @@ def test_quality_report_on_tiny(quant_bundles, tiny_source, precision):
 
 
 def test_fp32_bundle_has_perfect_quality(tiny_bundle, tiny_source):
-    from specdeploy.exporter.quality import quality_report
+    from specdeploy.exporter.check.quality import quality_report
 
     step, tokenizer = tiny_source
     report = quality_report(tiny_bundle, read_manifest(tiny_bundle), step, tokenizer, texts=["Hello world. " * 8])
@@ -203,7 +203,8 @@ def test_steps_follow_each_plan(quant_bundles, tiny_bundle, precision):
     greedy output equals plain output on it."""
     from specdeploy.runtime.decode import Decoder
     from specdeploy.runtime.drafters import PromptLookupDrafter
-    from specdeploy.runtime.plan import StepPlan, candidates, probe
+    from specdeploy.runtime.plan import StepPlan, candidates
+    from specdeploy.runtime.probe import probe
 
     bundle = tiny_bundle if precision == "fp32" else quant_bundles[precision]
     with load(bundle) as engine:
@@ -260,7 +261,7 @@ def test_edges_on_int4(quant_bundles):
 
 def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
     """The int4 graph really computes with other weights (else the identity test proves nothing new)."""
-    from specdeploy.exporter.quality import ort_logits_fn
+    from specdeploy.exporter.check.quality import ort_logits_fn
 
     ids = list(range(100, 140))
     ref = ort_logits_fn(tiny_bundle, read_manifest(tiny_bundle))(ids)
@@ -269,7 +270,7 @@ def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
 
 
 def test_q4_1_needs_a_q4_1_gguf(tiny_model_factory, tmp_path):
-    from specdeploy.exporter.export import export_base
+    from specdeploy.exporter.export.base import export_base
 
     with pytest.raises(PrecisionError, match="Q4_1 GGUF's own blocks.*--precision int4"):
         export_base(str(tiny_model_factory("llama")), tmp_path / "b", precision="q4_1", progress=lambda m: None)
@@ -283,8 +284,8 @@ def test_q4_1_needs_a_q4_1_gguf(tiny_model_factory, tmp_path):
 @pytest.mark.slow
 def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, tmp_path):
     """SmolLM2 as its own Q4_1 blocks with int8 activations: near-fp32 quality, lossless speculation."""
-    from specdeploy.exporter.export import export_base
-    from specdeploy.exporter.validate import validate_bundle
+    from specdeploy.exporter.check.validate import validate_bundle
+    from specdeploy.exporter.export.base import export_base
 
     manifest = read_manifest(real_bundle)
     out = tmp_path / "smollm2-q4_1"
@@ -301,7 +302,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
     text = "\n".join(lines)
     top1 = float(next(line for line in lines if "top-1 agreement" in line).split()[3])
     assert top1 >= 0.88, text  # measured 0.919 (int4: 0.617): no second rounding of the weights
-    from specdeploy.exporter.bench import default_prompts_file
+    from specdeploy.exporter.bench.run import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
@@ -312,8 +313,8 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
 @pytest.mark.slow
 def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy on the probed plan."""
-    from specdeploy.exporter.export import export_base
-    from specdeploy.exporter.validate import validate_bundle
+    from specdeploy.exporter.check.validate import validate_bundle
+    from specdeploy.exporter.export.base import export_base
 
     manifest = read_manifest(real_bundle)
     out = tmp_path / "smollm2-int4"
@@ -322,7 +323,7 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     validate_bundle(out, progress=lines.append)  # raises ValidationFailed on any failure
     text = "\n".join(lines)
     assert "quality (int4 vs torch fp32" in text, text
-    from specdeploy.exporter.bench import default_prompts_file
+    from specdeploy.exporter.bench.run import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[:4]]
     with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
@@ -359,8 +360,8 @@ def _check_plan(plain, spec, validate_text: str) -> None:
 
 def test_quantize_bundle_matches_export(quant_bundles, tiny_bundle, tmp_path):
     """Quantizing an exported fp32 bundle gives the graph `export base --precision int4` writes."""
-    from specdeploy.exporter.quality import ort_logits_fn
-    from specdeploy.exporter.quantize import quantize_bundle
+    from specdeploy.exporter.check.quality import ort_logits_fn
+    from specdeploy.exporter.export.quantize import quantize_bundle
 
     out = tmp_path / "int4"
     quantize_bundle(tiny_bundle, out, "int4")
@@ -379,8 +380,8 @@ def test_fp32_activation_graphs_make_no_row_exact_claim(tiny_model_factory):
     """``MatMulNBits`` at accuracy level 0 has its own 1-row path, so a graph quantized at level 0 does
     not claim row-exact 1-row steps. (Level-0 GGUF blocks are not padded at all; on the real model,
     ``validate``'s bitwise check would fail if they claimed it.)"""
-    from specdeploy.exporter.ort_graph import ATTENTION_ROWS_KEY, build_ort_graph
-    from specdeploy.exporter.quantize import quant_config, quantize_model
+    from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY, build_ort_graph
+    from specdeploy.exporter.export.quantize import quant_config, quantize_model
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep
 

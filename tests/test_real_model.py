@@ -13,14 +13,14 @@ pytestmark = pytest.mark.slow
 
 
 def _mtbench_prompts(n: int) -> list[str]:
-    from specdeploy.exporter.bench import default_prompts_file
+    from specdeploy.exporter.bench.run import default_prompts_file
 
     lines = default_prompts_file().read_text().splitlines()
     return [json.loads(line)["turns"][0] for line in lines[:n]]
 
 
 def test_validate_real_bundle(real_bundle):
-    from specdeploy.exporter.validate import validate_bundle
+    from specdeploy.exporter.check.validate import validate_bundle
 
     checks = validate_bundle(real_bundle, progress=lambda m: None)
     assert all(c.passed for c in checks)
@@ -102,7 +102,7 @@ def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
                     return DraftTree(tree.tokens[:n], tree.parents[:n])
 
             stats = DecodeStats()
-            out = list(Decoder(engine.backend, engine.manifest, Oracle()).generate(ids, GenerationConfig(48), stats))
+            out = list(Decoder(engine.backend, engine.manifest, Oracle(), plan=engine.plan).generate(ids, GenerationConfig(48), stats))
             assert out == ref
             assert stats.mean_accepted > 1.0
 

@@ -7,14 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from specdeploy.exporter import train_data as td
-from specdeploy.exporter.train_data import (
+from specdeploy.exporter.train import data as td
+from specdeploy.exporter.train.data import DataConfig, HiddenCache, build_cache
+from specdeploy.exporter.train.sharegpt import (
     Conversation,
-    DataConfig,
-    HiddenCache,
-    build_cache,
     conversation,
     encode_conversation,
+    is_heldout,
     iter_conversations,
     iter_json_array,
 )
@@ -173,7 +172,7 @@ def test_heldout_split_is_per_conversation():
     a, b = Conversation("abc_0", (("user", "q"), ("assistant", "a"))), Conversation("abc_7", (("user", "q"),
                                                                                            ("assistant", "a")))
     for seed in range(20):
-        assert td.is_heldout(a, 0.5, seed) == td.is_heldout(b, 0.5, seed)
+        assert is_heldout(a, 0.5, seed) == is_heldout(b, 0.5, seed)
 
 
 def test_self_generated_replies_are_the_base_models_own_greedy_text(tiny_model_factory, tmp_path):

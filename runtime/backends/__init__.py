@@ -1,20 +1,23 @@
 """Backend registry. Heavy or GPU-only packages are imported only when their backend is chosen.
 
-The runtime never imports torch, so the torch reference backend lives in the exporter and joins the
-registry through :func:`register_backend` when ``specdeploy.exporter.torch_backend`` is imported
-(the CLI does that on demand).
+Built in: ``ort-cpu``, ``ort-cuda``, ``ort-trt`` and ``trt``. Other backends are plugins, declared as
+entry points in the ``specdeploy.backends`` group (``name = "module:factory"``) and imported only when
+chosen: the torch reference backend is one (it needs torch, which the runtime never imports, so it
+lives in ``specdeploy.exporter.reference``). :func:`register_backend` adds one from code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from ..bundle import BundleManifest
 from ..errors import BackendUnavailableError
 from .base import Backend, StepInputs, StepOutputs
 
-BACKENDS = ("ort-cpu", "ort-cpu-fp32", "ort-cpu-traced", "ort-cuda", "ort-trt", "trt", "torch")
+BUILTIN_BACKENDS = ("ort-cpu", "ort-cuda", "ort-trt", "trt")
+ENTRY_POINT_GROUP = "specdeploy.backends"
 
 BackendFactory = Callable[..., Backend]  # (bundle_dir, manifest, threads=None) -> Backend
 _REGISTRY: dict[str, BackendFactory] = {}
@@ -25,21 +28,24 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _REGISTRY[name] = factory
 
 
+def _plugins() -> dict:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend name ``make_backend`` knows: built in, registered, or installed as a plugin."""
+    extra = sorted((set(_REGISTRY) | set(_plugins())) - set(BUILTIN_BACKENDS))
+    return (*BUILTIN_BACKENDS, *extra)
+
+
 def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> Backend:
     """The backend ``name`` for the bundle (which graph serves which step is the step plan's choice)."""
     if name in _REGISTRY:
         return _REGISTRY[name](bundle_dir, manifest, threads=threads)
-    if name in ("ort-cpu", "ort-cpu-fp32", "ort-cpu-traced"):
+    if name == "ort-cpu":
         from .ort import OrtBackend
 
-        graph = None  # ort-cpu: the bundle's CPU graphs for 1-row and multi-row steps (cpu_base)
-        if name == "ort-cpu-fp32":  # only the fused graph with fp32 weights
-            graph = manifest.cpu_base(multi_row=True)
-        elif name == "ort-cpu-traced":  # only the standard-op traced graph, to compare with the fused ones
-            graph = manifest.graph("base", "trt")
-        backend = OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph)
-        backend.name = name
-        return backend
+        return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads)
     if name in ("ort-cuda", "ort-trt"):
         from .ort import OrtCudaBackend
 
@@ -49,12 +55,17 @@ def make_backend(name: str, bundle_dir: Path, manifest: BundleManifest, threads:
         from .trt import TrtBackend
 
         return TrtBackend(bundle_dir, manifest)
-    if name.startswith("torch"):
-        raise BackendUnavailableError(
-            f"The '{name}' backend needs PyTorch and is not part of the lean runtime: use the specdeploy CLI, "
-            "or import specdeploy.exporter.torch_backend before loading."
-        )
-    raise BackendUnavailableError(f"Unknown backend '{name}'; choose one of {', '.join(BACKENDS)}.")
+    plugin = _plugins().get(name)
+    if plugin is not None:
+        try:
+            factory = plugin.load()
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"The '{name}' backend needs the package '{exc.name}', which is not installed here "
+                f"(it is not part of the lean runtime).") from None
+        return factory(bundle_dir, manifest, threads=threads)
+    raise BackendUnavailableError(f"Unknown backend '{name}'; choose one of {', '.join(backend_names())}.")
 
 
-__all__ = ["BACKENDS", "Backend", "StepInputs", "StepOutputs", "make_backend", "register_backend"]
+__all__ = ["BUILTIN_BACKENDS", "Backend", "StepInputs", "StepOutputs", "backend_names", "make_backend",
+           "register_backend"]

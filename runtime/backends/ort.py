@@ -253,7 +253,7 @@ def trt_ep_options(bundle_dir: Path, manifest: BundleManifest, precision: str = 
     Each input is listed once per profile (prefill, then tree), which is how the EP takes several
     optimization profiles.
     """
-    from .trt import optimization_profiles
+    from .trt_profiles import optimization_profiles
 
     profiles = optimization_profiles(manifest.limits)
     entry = manifest.base_graph("trt")

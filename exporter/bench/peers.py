@@ -32,10 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdeploy.exporter.bench.spec import Runner, RunResult, VariantSpec
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.errors import SpecDeployError
-
-from .bench_variants import RUNNERS, VARIANTS, Runner, RunResult, VariantSpec
 
 PEERS_INSTALL = "pip install 'specdeploy[peers]'"
 GENAI_BUILD_TIMEOUT_S = 1800
@@ -51,7 +50,7 @@ def _gguf_source(manifest: BundleManifest) -> Path | None:
         return None
     path = Path(manifest.source.path)
     if not path.is_file():
-        from .source import resolve_model_path
+        from specdeploy.exporter.source import resolve_model_path
 
         try:  # the embedded default model is recorded by path; resolve it again if it moved
             path = resolve_model_path(None)
@@ -63,7 +62,7 @@ def _gguf_source(manifest: BundleManifest) -> Path | None:
 # --- onnxruntime-genai -----------------------------------------------------------------------------
 def genai_model_dir(manifest: BundleManifest, precision: str) -> Path:
     """Where the genai build of the bundle's source model at ``precision`` is cached."""
-    from .source import cache_root
+    from specdeploy.exporter.source import cache_root
 
     version = importlib.metadata.version("onnxruntime-genai")
     return cache_root() / "peers" / manifest.source.weight_sha[:16] / f"ort-genai-{precision}-{version}"
@@ -71,7 +70,7 @@ def genai_model_dir(manifest: BundleManifest, precision: str) -> Path:
 
 def build_genai_model(manifest: BundleManifest, precision: str, threads: int) -> Path:
     """Run onnxruntime-genai's model builder once (offline) and return the model folder."""
-    from .source import cached_hf_folder
+    from specdeploy.exporter.source import cached_hf_folder
 
     dest = genai_model_dir(manifest, precision)
     if (dest / "genai_config.json").is_file():
@@ -171,7 +170,7 @@ def llama_cpp_mode(gguf: Path) -> str | None:
     refuses (SIGILL, seen here): without the extra buffer types llama.cpp uses its plain CPU kernels.
     Each mode is tried once in a subprocess; the answer is cached per llama-cpp-python version and GGUF.
     """
-    from .source import cache_root
+    from specdeploy.exporter.source import cache_root
 
     version = importlib.metadata.version("llama_cpp_python")
     key = f"{version}:{gguf.resolve()}:{gguf.stat().st_size}"
@@ -262,5 +261,3 @@ PEER_VARIANTS = (
                 requires=("llama_cpp",), install=PEERS_INSTALL),
 )
 PEER_RUNNERS: dict[str, type[Runner]] = {"ort-genai": OrtGenaiRunner, "llama.cpp": LlamaCppRunner}
-RUNNERS.update(PEER_RUNNERS)
-VARIANTS.update({v.name: v for v in PEER_VARIANTS})

@@ -5,9 +5,7 @@ Plugs into the generic loop of :mod:`.train`.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -15,21 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.runtime.errors import TrainingError
-
-from .train import (
+from specdeploy.exporter.train.weights import (
     TRIM_EVAL_SIZES,
     VOCAB_ORDER_SIZE,
     DraftTask,
-    DraftWeights,
     LoopConfig,
     TrainResult,
     draft_weights_meta,
-    load_checked_state,
     save_draft_weights,
     train,
     training_vocab,
 )
+from specdeploy.runtime.errors import TrainingError
 
 
 # --- Medusa / Cerberus heads ---------------------------------------------------------------------
@@ -78,7 +73,7 @@ class HeadsTask(DraftTask):
         self.weights = torch.tensor([config.head_decay**k for k in range(config.num_heads)])
 
     def build(self):
-        from specdeploy.graphs.heads import build_heads
+        from specdeploy.graphs.build import build_heads
 
         return build_heads(self.heads_config)
 
@@ -160,26 +155,16 @@ class HeadsTask(DraftTask):
         save_draft_weights(out, self.heads_config, tensors, meta)
 
 
-def heads_from_weights(weights: DraftWeights):
-    """Rebuild the heads module from a weights file, every key and shape checked."""
-    from specdeploy.graphs.heads import build_heads
-
-    return load_checked_state(build_heads(weights.config), weights.prefixed("heads."), weights,
-                              f"a {weights.config.kind} draft with {weights.config.num_heads} heads")
-
-
 def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, layers: int = 1, epochs: int = 3,
                        batch_size: int = 256, lr: float = 1e-3, max_seqs: int = 256, max_len: int = 512,
                        vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
-                       resume: str = "auto", calibrate: bool = True, bundle: Path | None = None,
-                       calib_prompts: int = 24, calib_tokens: int = 128, show_progress: bool = True,
+                       resume: str = "auto", show_progress: bool = True,
                        log: Callable[[str], None] | None = None, replies: str = "sharegpt",
                        reply_tokens: int = 256) -> TrainResult:
-    """``specdeploy train medusa|cerberus``: cache the data, train, then calibrate tree (and gate)."""
+    """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step)."""
     import torch
-
-    from .source import load_model
-    from .train_data import data_config, ensure_cache, vocab_order
+    from specdeploy.exporter.source import load_model
+    from specdeploy.exporter.train.data import data_config, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
@@ -197,28 +182,4 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
     task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg, order)
     result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)
     log(f"wrote {out} ({result.steps} steps, {result.seconds:.0f} s)")
-    if calibrate:
-        calibrate_with_bundle(kind, out, model, bundle, calib_prompts, calib_tokens, threads, log)
     return result
-
-
-def calibrate_with_bundle(kind: str, draft: Path, model: str | None, bundle: Path | None, prompts: int,
-                          max_new_tokens: int, threads: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Calibrate against ``bundle`` (the draft is added to it), or a temporary base export."""
-    from .calibrate_draft import calibrate
-    from .export import export_base
-    from .export_draft import export_draft
-
-    scratch = None
-    try:
-        if bundle is None:
-            scratch = Path(tempfile.mkdtemp(prefix="specdeploy-calib-"))
-            bundle = scratch / "bundle"
-            log("exporting a temporary base bundle for calibration ...")
-            export_base(model, bundle, max_context=2048, progress=lambda m: None)
-        export_draft(bundle, kind, draft, model=model, progress=lambda m: None, use_calibration=False)
-        return calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads,
-                         progress=log)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)

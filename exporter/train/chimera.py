@@ -27,20 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.runtime.errors import TrainingError
-
-from .train import (
+from specdeploy.exporter.train.weights import (
     VOCAB_ORDER_SIZE,
     DraftTask,
-    DraftWeights,
     LoopConfig,
     TrainResult,
     draft_weights_meta,
-    load_checked_state,
     save_draft_weights,
     train,
     training_vocab,
 )
+from specdeploy.runtime.errors import TrainingError
 
 
 @dataclass(frozen=True)
@@ -234,16 +231,6 @@ class ChimeraTask(DraftTask):
         save_draft_weights(out, self.chimera_config, tensors, meta)
 
 
-def chimera_from_weights(weights: DraftWeights):
-    """Rebuild the fp32 Chimera draft from a weights file, every key and shape checked."""
-    import torch
-    from specdeploy.graphs.chimera import ChimeraDraft
-
-    state = {k: v.to(torch.float32) for k, v in weights.prefixed("chimera.").items()}
-    return load_checked_state(ChimeraDraft(weights.config), state, weights,
-                              f"a Chimera draft with {weights.config.num_heads} heads")
-
-
 def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 6, batch_size: int = 4,
                          lr: float = 1e-3, max_seqs: int = 1024, max_len: int = 512, vocab_trim: int = 8192,
                          feature_weight: float = 0.1, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
@@ -252,9 +239,8 @@ def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: i
                          reply_tokens: int = 256) -> TrainResult:
     """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
     import torch
-
-    from .source import load_model
-    from .train_data import data_config, ensure_cache, vocab_order
+    from specdeploy.exporter.source import load_model
+    from specdeploy.exporter.train.data import data_config, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)

@@ -7,145 +7,38 @@ error leaves nothing half-written. Progress is printed stage by stage.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import gc
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
+from specdeploy.exporter.export.staging import (
+    export_graph,
+    graph_entry,
+    package_versions,
+    staged_bundle,
+)
 from specdeploy.runtime.bundle import (
     GGUF_Q4_1,
     BundleManifest,
-    GraphEntry,
     Limits,
     ModelConfig,
     SourceInfo,
-    TensorSpec,
     TokenizerInfo,
-    hash_files,
     write_manifest,
 )
-from specdeploy.runtime.errors import BundleError, BundleExistsError, SpecDeployError
-
-from .ort_graph import ATTENTION_ROWS_KEY
+from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
 
 Progress = Callable[[str], None]
 
-# Pinned opset: 18 is what TensorRT's parser and ORT's CUDA EP both handle well for these ops.
-OPSET = 18
 DEFAULT_MAX_TREE = 64
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _staging_dir(dest: Path) -> Path:
-    """A private temporary directory next to ``dest``, made world-readable like a normal directory
-    (mkdtemp creates it 0700, and the rename would carry that mode over to the bundle)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    tmp.chmod(0o755)
-    return tmp
-
-
-def _disk_full(exc: BaseException, dest: Path) -> BundleError | None:
-    """The one-sentence error for a write that ran out of disk space, or None for any other error."""
-    if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return None
-    try:
-        free = shutil.disk_usage(dest.parent).free / 2**30
-    except OSError:
-        return BundleError(f"The disk ran out of space while writing '{dest}'; nothing was kept.")
-    return BundleError(f"The disk ran out of space while writing '{dest}' ({free:.1f} GiB free now that "
-                       "the partial files are removed); free some space or write the bundle elsewhere.")
-
-
-@contextmanager
-def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary directory next to ``out``; on success it atomically becomes ``out``."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _staging_dir(out)
-    try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(exc, out)
-        if full is not None:
-            raise full from exc
-        raise
-
-
-@contextmanager
-def updated_bundle(bundle: Path) -> Iterator[Path]:
-    """Stage a copy of an existing bundle (hard links for big files) to add graphs to it atomically."""
-    bundle = Path(bundle)
-    tmp = _staging_dir(bundle)
-    try:
-        for src in bundle.rglob("*"):
-            dst = tmp / src.relative_to(bundle)
-            if src.is_dir():
-                dst.mkdir(parents=True, exist_ok=True)
-                continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
-        yield tmp
-        old = bundle.with_name(f".{bundle.name}.old-{os.getpid()}")
-        os.replace(bundle, old)
-        os.replace(tmp, bundle)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(exc, bundle)
-        if full is not None:
-            raise full from exc
-        raise
-
-
-def package_versions(*names: str) -> tuple[tuple[str, str], ...]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = []
-    for n in names:
-        try:
-            out.append((n, version(n)))
-        except PackageNotFoundError:
-            continue
-    return tuple(out)
-
-
-def io_specs(model_proto) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """Read names, dtypes and (symbolic) shapes of a graph's inputs and outputs."""
-    import onnx
-    from onnx import helper
-
-    def spec(vi) -> TensorSpec:
-        tt = vi.type.tensor_type
-        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type).name
-        dims = tuple(d.dim_param if d.dim_param else int(d.dim_value) for d in tt.shape.dim)
-        return TensorSpec(vi.name, dtype, dims)
-
-    assert isinstance(model_proto, onnx.ModelProto)
-    return tuple(spec(i) for i in model_proto.graph.input), tuple(spec(o) for o in model_proto.graph.output)
 
 
 def model_config(hf_model, tokenizer, arch: str) -> ModelConfig:
@@ -194,47 +87,6 @@ def write_tokenizer(tokenizer, dest: Path) -> TokenizerInfo:
     )
 
 
-def export_graph(module, args: tuple, path: Path, input_names: list[str], output_names: list[str],
-                 dynamic_shapes: dict) -> None:
-    """Dynamo export to ``path`` with weights as external data next to it (standard ai.onnx ops)."""
-    import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
-            module,
-            args,
-            dynamo=True,
-            input_names=input_names,
-            output_names=output_names,
-            dynamic_shapes=dynamic_shapes,
-            opset_version=OPSET,
-            external_data=True,
-            optimize=True,
-            verbose=False,
-        )
-        prog.save(str(path), external_data=True)
-
-
-def graph_entry(bundle_dir: Path, role: str, file: str, target: str = "trt", precision: str = "fp32") -> GraphEntry:
-    import onnx
-
-    path = bundle_dir / file
-    proto = onnx.load(str(path), load_external_data=False)
-    data = sorted({
-        t.external_data[i].value
-        for t in proto.graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for i in range(len(t.external_data))
-        if t.external_data[i].key == "location"
-    })
-    inputs, outputs = io_specs(proto)
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), OPSET)
-    sha = hash_files([path, *(bundle_dir / d for d in data)])
-    rows = next((int(p.value) for p in proto.metadata_props if p.key == ATTENTION_ROWS_KEY), 1)
-    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows)
-
-
 def export_base(
     model: str | None,
     out: Path,
@@ -266,10 +118,15 @@ def export_base(
     arithmetic llama.cpp uses for this file. Its quality stays near fp32 (no second rounding of the
     weights, unlike "int4").
     """
+    from specdeploy.exporter.export.quantize import (
+        GGUF_INT8,
+        QUANTIZED,
+        PrecisionError,
+        quant_config,
+        resolve_target,
+    )
+    from specdeploy.exporter.source import check_architecture, load_model
     from specdeploy.graphs.base_step import BaseStep
-
-    from .quantize import GGUF_INT8, QUANTIZED, PrecisionError, quant_config, resolve_target
-    from .source import check_architecture, load_model
 
     target = resolve_target(precision, target)
     qconfig = quant_config(precision, block_size) if precision in QUANTIZED else None
@@ -285,7 +142,7 @@ def export_base(
     ctx = min(max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     step = BaseStep(hf).eval()
     if precision == GGUF_INT8:
-        from .gguf_blocks import read_q4_1_linears
+        from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
 
         blocks = read_q4_1_linears(loaded.path, hf) if loaded.format == "gguf" else None
         if not blocks:
@@ -307,14 +164,14 @@ def export_base(
             entries.append(graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision))
             blocks = None
             if qconfig is None and gguf_blocks and loaded.format == "gguf":
-                from .gguf_blocks import read_q4_1_linears
+                from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
 
                 blocks = read_q4_1_linears(loaded.path, hf)
                 progress("      the GGUF's Q4_1 blocks decode bit for bit to the model's weights: writing them as "
                          f"4-bit blocks too ({GGUF_BASE_FILE}, for plain decoding)"
                          if blocks else "      the GGUF's weights are not all Q4_1: no block graph")
             if blocks:
-                from .ort_graph import export_ort_graph
+                from specdeploy.exporter.export.ort_graph import export_ort_graph
 
                 export_ort_graph(step, tmp / GGUF_BASE_FILE, ctx + max_tree, progress=progress, blocks=blocks)
                 entries.append(graph_entry(tmp, "base", GGUF_BASE_FILE, target="ort", precision=GGUF_Q4_1))
@@ -380,8 +237,8 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
 
 def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, progress: Progress) -> None:
     """The ``q4_1`` precision: the GGUF's Q4_1 blocks with int8 activations, the lm_head at 8 bits."""
-    from .ort_graph import export_ort_graph
-    from .quantize import quantize_lm_head
+    from specdeploy.exporter.export.ort_graph import export_ort_graph
+    from specdeploy.exporter.export.quantize import quantize_lm_head
 
     progress("[2/4] writing the ONNX Runtime graph from the GGUF's Q4_1 blocks (int8 activations) ...")
     (tmp / "blocks").mkdir()
@@ -396,8 +253,8 @@ def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, pro
 
 def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress) -> None:
     """The ``ort`` target: the op-by-op fused graph, weight-quantized when ``qconfig`` is given."""
-    from .ort_graph import export_ort_graph
-    from .quantize import quantize_file
+    from specdeploy.exporter.export.ort_graph import export_ort_graph
+    from specdeploy.exporter.export.quantize import quantize_file
 
     progress("[2/4] writing the ONNX Runtime graph (fused GQA, rotary and norms) ...")
     if qconfig is None:

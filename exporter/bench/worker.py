@@ -11,7 +11,7 @@ Protocol (one JSON object per line):
     parent -> {"op": "quit"} or EOF                        the worker exits 0
 Any other failure prints its traceback on stderr and exits 1; the parent reports the stderr tail.
 
-    python -m specdeploy.exporter.bench_worker --variant ar --bundle bundles/smollm2 --threads 2
+    python -m specdeploy.exporter.bench.worker --variant ar --bundle bundles/smollm2 --threads 2
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _send(channel: TextIO, message: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdeploy.exporter.bench_worker")
+    parser = argparse.ArgumentParser(prog="python -m specdeploy.exporter.bench.worker")
     parser.add_argument("--variant", required=True)
     parser.add_argument("--bundle", required=True, type=Path)
     parser.add_argument("--threads", required=True, type=int)
@@ -55,10 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     channel = _protocol_channel()
 
+    from specdeploy.exporter.bench.registry import RUNNERS, VARIANTS
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.errors import SpecDeployError
-
-    from .bench_variants import RUNNERS, VARIANTS
 
     spec = VARIANTS[args.variant]
     try:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specdeploy.exporter.train.modules import heads_from_weights
+from specdeploy.exporter.train.weights import DraftWeights, check_draft_base, load_draft_weights
 from specdeploy.runtime.bundle import (
     DraftEntry,
     config_pairs,
@@ -25,9 +27,6 @@ from specdeploy.runtime.bundle import (
     write_manifest,
 )
 from specdeploy.runtime.errors import DraftMismatchError
-
-from .train import DraftWeights, check_draft_base, load_draft_weights
-from .train_heads import heads_from_weights
 
 HEADS_KINDS = ("medusa", "cerberus")
 DRAFT_KINDS = ("chimera", "medusa", "cerberus")
@@ -114,12 +113,11 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
     False ignores it (the calibration step itself exports the uncalibrated draft first).
     """
     import torch
+    from specdeploy.exporter.export.staging import export_graph, graph_entry, updated_bundle
+    from specdeploy.exporter.source import load_model
     from specdeploy.graphs.gate import example_gate_inputs
     from specdeploy.graphs.heads import example_hidden
     from torch.export import Dim
-
-    from .export import export_graph, graph_entry, updated_bundle
-    from .source import load_model
 
     if kind == "chimera":
         return export_chimera(bundle, draft, vocab_trim=vocab_trim, topk=topk, model=model, progress=progress,
@@ -185,9 +183,8 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
 def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: int = DEFAULT_TOPK,
                          vocab_trim: int | None = None):
     """The traced torch module of a Chimera draft step: trigram + layer + one residual head + TopK."""
+    from specdeploy.exporter.train.modules import chimera_from_weights
     from specdeploy.graphs.chimera import ChimeraStepGraph
-
-    from .train_chimera import chimera_from_weights
 
     vocab_map = vocab_map_for(weights, vocab_trim)
     return ChimeraStepGraph(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
@@ -197,7 +194,7 @@ CHIMERA_PRECISIONS = ("int8", "fp32")
 
 
 def _chimera_int8():
-    from .quantize import QuantConfig
+    from specdeploy.exporter.export.quantize import QuantConfig
 
     # int8 activations too (accuracy level 4): the fastest CPU kernel; safe here because the draft's
     # rounding can only change which tokens are proposed, never the verified output.
@@ -218,11 +215,10 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     if precision not in CHIMERA_PRECISIONS:
         raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(CHIMERA_PRECISIONS)}.")
     import torch
+    from specdeploy.exporter.export.staging import export_graph, graph_entry, updated_bundle
+    from specdeploy.exporter.source import load_model
     from specdeploy.graphs.chimera import example_step_inputs
     from torch.export import Dim
-
-    from .export import export_graph, graph_entry, updated_bundle
-    from .source import load_model
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
@@ -271,7 +267,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
                          ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
         graphs = (graph_entry(tmp, "chimera", "chimera.onnx"),)
         if precision == "int8":
-            from .quantize import quantize_file
+            from specdeploy.exporter.export.quantize import quantize_file
 
             progress("[2/3] quantizing the draft step's weights to int8 (chimera-int8.onnx) ...")
             quantize_file(tmp / "chimera.onnx", tmp / "chimera-int8.onnx", _chimera_int8())

@@ -6,9 +6,9 @@ following :mod:`specdeploy.runtime.capture`: warm up on a side stream, capture, 
 inputs copied into fixed buffers. The cache buffers come from a per-shape pool, so the addresses baked
 into a graph stay valid across generations.
 
-It lives in the exporter because the runtime never imports torch; importing this module registers
-``torch`` (CUDA graphs when CUDA is present), ``torch-eager`` and ``torch-graphs`` with
-:func:`specdeploy.runtime.backends.register_backend`.
+It lives in the exporter because the runtime never imports torch. It joins the runtime's backend registry
+as three plugins declared in ``pyproject.toml`` (entry points ``specdeploy.backends``): ``torch`` (CUDA
+graphs when CUDA is present), ``torch-eager`` and ``torch-graphs``.
 
 ``BaseStep`` writes the cache out of place (that is what exports to a scatter), so each step copies its
 T new rows back into the cache buffers in place; in a graph that copy is captured with the step.
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from specdeploy.graphs.base_step import BaseStep
-from specdeploy.runtime.backends import Backend, StepInputs, StepOutputs, register_backend
+from specdeploy.runtime.backends import Backend, StepInputs, StepOutputs
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.capture import CaptureKey, prepare_captured_step, tree_buckets
 from specdeploy.runtime.errors import BackendUnavailableError, DraftMismatchError
@@ -47,7 +47,7 @@ class TorchBackend(Backend):
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, device: str | None = None,
                  precision: str = "fp32", cuda_graphs: bool | None = None, model: str | None = None,
                  threads: int | None = None):
-        from .source import load_model
+        from specdeploy.exporter.source import load_model
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -168,13 +168,14 @@ class TorchBackend(Backend):
         self._pool.clear()
 
 
-def _factory(cuda_graphs: bool | None):
-    def make(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
-        return TorchBackend(bundle_dir, manifest, cuda_graphs=cuda_graphs, threads=threads)
-
-    return make
+def make_torch(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
+    """``torch``: CUDA graphs when CUDA is present, eager on the CPU."""
+    return TorchBackend(bundle_dir, manifest, cuda_graphs=None, threads=threads)
 
 
-register_backend("torch", _factory(None))  # CUDA graphs when CUDA is present, eager on the CPU
-register_backend("torch-eager", _factory(False))
-register_backend("torch-graphs", _factory(True))
+def make_torch_eager(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
+    return TorchBackend(bundle_dir, manifest, cuda_graphs=False, threads=threads)
+
+
+def make_torch_graphs(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
+    return TorchBackend(bundle_dir, manifest, cuda_graphs=True, threads=threads)

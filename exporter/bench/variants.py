@@ -2,8 +2,8 @@
 
 A variant is one declarative :class:`VariantSpec` entry; the runner kind it names does the work.
 Adding a peer that runs like an existing kind (a new draft kind in the bundle, another
-``transformers.generate`` option) is one entry in ``VARIANTS``. A new kind of peer (onnxruntime-genai,
-llama.cpp) is one :class:`Runner` subclass registered in ``RUNNERS`` plus its entries, e.g.::
+``transformers.generate`` option) is one entry in ``OWN_VARIANTS``. A new kind of peer (onnxruntime-genai,
+llama.cpp) is one :class:`Runner` subclass in ``registry.RUNNERS`` plus its entries, e.g.::
 
     VariantSpec("llama.cpp", "llama.cpp", "llama.cpp greedy on the source GGUF",
                 requires=("llama_cpp",), install="pip install llama-cpp-python")
@@ -15,55 +15,18 @@ inside the runner that needs them, so a worker for our runtime never loads torch
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import warnings
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from specdeploy.runtime.bundle import BundleManifest
-
-
-@dataclass(frozen=True)
-class VariantSpec:
-    """One benchmark variant: how to run it and what it needs."""
-
-    name: str
-    runner: str  # key of RUNNERS
-    description: str
-    draft: str | None = None  # "ours": the runtime drafter (None = plain autoregressive)
-    options: tuple[tuple[str, Any], ...] = ()  # runner-specific settings, e.g. extra generate() kwargs
-    requires: tuple[str, ...] = ()  # importable modules; a missing one skips the variant
-    install: str = ""  # how to get the missing modules
-    bundle_draft: bool = False  # needs a draft of kind ``draft`` stored in the bundle
-    draft_kind: str | None = None  # the bundle's draft kind when it differs from the drafter name
-
-    def unavailable(self, manifest: BundleManifest) -> str | None:
-        """Why this variant cannot run here (missing package or draft), or None when it can."""
-        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
-        if missing:
-            hint = f" ({self.install})" if self.install else ""
-            return f"skipped: needs the Python package(s) {', '.join(missing)}{hint}."
-        kind = self.draft_kind or self.draft
-        if self.bundle_draft and kind not in {d.kind for d in manifest.drafts}:
-            return (f"skipped: the bundle has no '{kind}' draft; add one with "
-                    f"'specdeploy export draft --kind {kind}'.")
-        runner = RUNNERS.get(self.runner)
-        return runner.unavailable(self, manifest) if runner is not None else None
-
+from specdeploy.exporter.bench.spec import Runner, RunResult, VariantSpec
 
 _HF = ("torch", "transformers")
 _HF_INSTALL = "pip install torch transformers"
 
-VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
+OWN_VARIANTS = (
     VariantSpec("ar", "ours", "specdeploy ORT CPU, plain autoregressive (the baseline)",
                 requires=("onnxruntime",)),
-    VariantSpec("ar-fp32", "ours", "specdeploy ORT CPU, plain autoregressive on the fused fp32 graph only",
-                options=(("backend", "ort-cpu-fp32"),), requires=("onnxruntime",)),
-    VariantSpec("ar-traced", "ours", "specdeploy ORT CPU, plain autoregressive on the traced standard-op graph",
-                options=(("backend", "ort-cpu-traced"),), requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
                 draft="prompt-lookup", requires=("onnxruntime",)),
     VariantSpec("prompt-lookup-inexact", "ours", "specdeploy ORT CPU, prompt-lookup trees on the fastest step plan "
@@ -80,59 +43,11 @@ VARIANTS: dict[str, VariantSpec] = {v.name: v for v in (
     VariantSpec("hf", "hf", "transformers generate, greedy, fp32 torch", requires=_HF, install=_HF_INSTALL),
     VariantSpec("hf-prompt-lookup", "hf", "transformers assisted generation, prompt_lookup_num_tokens=10",
                 options=(("prompt_lookup_num_tokens", 10),), requires=_HF, install=_HF_INSTALL),
-)}
-
-BASELINE = "ar"
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One timed generation, as a worker reports it (JSON-serialisable)."""
-
-    tokens: list[int]  # new token ids, EOS included when reached
-    seconds: float  # end to end: prompt ids in -> new ids out, prefill included
-    first_tokens: int  # tokens produced by the first forward pass (1 for a plain prefill)
-    decode_seconds: float  # after the first forward pass
-    accepted: list[int] | None  # tokens emitted per decode step (first forward excluded)
-    backend_seconds: float | None = None  # decode time inside the backend's step (ours only)
-    finish_reason: str = ""
-    gate_parallel: int | None = None  # decode steps the drafter's gate sent to draft + verify (ours only)
-    gate_ar: int | None = None  # decode steps the gate ran as plain T=1 decoding (ours only)
-    lossy: bool = False  # inexact speculation, allowed by the variant (ours only)
-    plan: str | None = None  # the step plan's one line (ours only)
-    refused: bool = False  # the variant's draft was refused: no exact step plan here, so plain decoding
-
-
-class Runner(ABC):
-    """Loads one variant once and times generations on token ids."""
-
-    def __init__(self, bundle: Path, manifest: BundleManifest, spec: VariantSpec, threads: int,
-                 tree: str | None):
-        self.bundle, self.manifest, self.spec = bundle, manifest, spec
-        self.threads, self.tree = threads, tree
-
-    @classmethod
-    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
-        """Why this runner cannot run ``spec`` on this bundle (beyond missing packages), or None."""
-        return None
-
-    @abstractmethod
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
-        """Greedy generation of up to ``max_new_tokens`` after the prompt ``ids``."""
-
-    def close(self) -> None:
-        pass
+)
 
 
 class OursRunner(Runner):
     """The specdeploy runtime (``specdeploy.runtime.load``), plain or with a drafter."""
-
-    @classmethod
-    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
-        if dict(spec.options).get("backend") == "ort-cpu-traced" and not any(
-                g.role == "base" and g.target == "trt" for g in manifest.graphs):
-            return "skipped: the bundle has no traced (target trt) base graph; export with --target all."
-        return None
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -181,8 +96,7 @@ class HfRunner(Runner):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         import torch
-
-        from .source import load_model
+        from specdeploy.exporter.source import load_model
 
         torch.set_num_threads(self.threads)
         self.torch = torch
@@ -229,8 +143,4 @@ class _StepClock:
         pass
 
 
-RUNNERS: dict[str, type[Runner]] = {"ours": OursRunner, "hf": HfRunner}
-
-# Peers (onnxruntime-genai, llama.cpp) register their runners and variants on import; their packages
-# are optional and imported only inside the runners.
-from . import bench_peers  # noqa: F401
+OWN_RUNNERS: dict[str, type[Runner]] = {"ours": OursRunner, "hf": HfRunner}

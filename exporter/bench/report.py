@@ -40,7 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 
-from .bench_variants import BASELINE, RunResult, VariantSpec
+from specdeploy.exporter.bench.spec import BASELINE, RunResult, VariantSpec
 
 _VERSIONED = ("specdeploy", "onnxruntime", "onnxruntime-gpu", "numpy", "tokenizers", "torch", "transformers",
               "onnxruntime-genai", "llama-cpp-python", "nvidia-mtbench-evaluator")

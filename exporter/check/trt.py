@@ -1,7 +1,7 @@
 """``specdeploy validate --backend trt|ort-cuda|ort-trt``: a GPU backend against ONNX Runtime on the CPU.
 
 Polygraphy runners and the Comparator do the work: the ORT CPU runner is the reference, the same
-feeds (prefill, one-token step, branching tree step; :func:`specdeploy.exporter.validate.base_cases`)
+feeds (prefill, one-token step, branching tree step; :func:`specdeploy.exporter.check.validate.base_cases`)
 go to both, and ``CompareFunc.simple`` checks every output against its own tolerance for the engine's
 precision; logits must also agree on the argmax. For TensorRT every engine this GPU may load is
 checked, under each optimization profile whose ranges hold the feeds. All failures are collected,
@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.check.validate import OutputCheck, base_cases, report
 from specdeploy.runtime.backends.trt import current_device, engine_profiles, require_tensorrt
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.errors import BackendUnavailableError, ValidationFailed
 from specdeploy.runtime.kvcache import capacity_buckets
 from specdeploy.runtime.text import TextCodec
-
-from .validate import OutputCheck, base_cases, report
 
 GPU_BACKENDS = ("trt", "ort-cuda", "ort-trt")
 # Per precision: max |delta| allowed for logits, hidden states and the written KV cache.
@@ -108,7 +107,7 @@ def _trt_runners(bundle_dir: Path, manifest: BundleManifest, feeds) -> list[tupl
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
     device = current_device(trt.__version__)
-    from specdeploy.runtime.backends.trt import select_engine
+    from specdeploy.runtime.backends.trt_profiles import select_engine
 
     select_engine(manifest.engines, "base", device)  # one clear sentence when none fits this machine
     out = []

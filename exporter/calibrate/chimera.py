@@ -20,9 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specdeploy.exporter.train.weights import load_draft_weights
 from specdeploy.runtime.bundle import hash_files
-
-from .train import load_draft_weights
 
 # The registered trees are 4 deep; shallower ones save one draft call per level they drop, which pays
 # when the deeper heads are rarely accepted.
@@ -47,15 +46,13 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     file (the chains section), and the bundle's draft takes it as ``default_chain``.
     Returns this run's result (``default_tree``, ``sweep``, ``speedup``, ...).
     """
+    from specdeploy.exporter.export.draft import calibration_path, export_draft, read_calibration
+    from specdeploy.exporter.train.sharegpt import heldin_prompts
     from specdeploy.runtime import load
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
     from specdeploy.runtime.errors import DraftMismatchError
 
-    from .export_draft import calibration_path, export_draft, read_calibration
-    from .train_data import heldin_prompts
-
-    os.environ.setdefault("SPECDEPLOY_THREADS", str(threads))
     bundle, draft = Path(bundle), Path(draft)
     weights = load_draft_weights(draft, "chimera")
     sha = hash_files([draft])

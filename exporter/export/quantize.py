@@ -231,7 +231,7 @@ def quantize_model(model, config: QuantConfig):
 
 def drop_row_exact_claim(model) -> None:
     """Remove the graph's claim that its 1-row steps are row-exact (``GraphEntry.attention_rows``)."""
-    from .ort_graph import ATTENTION_ROWS_KEY
+    from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY
 
     kept = [p for p in model.metadata_props if p.key != ATTENTION_ROWS_KEY]
     del model.metadata_props[:]
@@ -245,8 +245,7 @@ def quantize_lm_head(src: Path, dst: Path, bits: int = 8, accuracy_level: int = 
     per 32), so 8-bit symmetric blocks of 32 hold it again up to the rounding of each scale.
     """
     import onnx
-
-    from .ort_graph import save_graph
+    from specdeploy.exporter.export.ort_graph import save_graph
 
     model = onnx.load(str(src), load_external_data=True)
     inits = {i.name for i in model.graph.initializer}
@@ -262,8 +261,7 @@ def quantize_lm_head(src: Path, dst: Path, bits: int = 8, accuracy_level: int = 
 def quantize_file(src: Path, dst: Path, config: QuantConfig) -> None:
     """Quantize the graph at ``src`` into ``dst`` (weights in ``<dst name>.data`` next to it)."""
     import onnx
-
-    from .ort_graph import save_graph
+    from specdeploy.exporter.export.ort_graph import save_graph
 
     src, dst = Path(src), Path(dst)
     model = onnx.load(str(src), load_external_data=True)
@@ -313,9 +311,8 @@ def quantize_bundle(src: Path, out: Path, precision: str, config: QuantConfig | 
     """
     import shutil
 
+    from specdeploy.exporter.export.staging import graph_entry, staged_bundle
     from specdeploy.runtime.bundle import graph_paths, read_manifest, write_manifest
-
-    from .export import graph_entry, staged_bundle
 
     src, out = Path(src), Path(out)
     manifest = read_manifest(src)

@@ -199,7 +199,8 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     and acts on at load, not the export's.
     """
     from specdeploy.runtime.backends import make_backend
-    from specdeploy.runtime.plan import PROBE_DEPTH, candidates, choose, machine_id, probe
+    from specdeploy.runtime.plan import PROBE_DEPTH, candidates, choose, machine_id
+    from specdeploy.runtime.probe import probe
 
     depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
     progress(f"probing step plans bit for bit on this machine ({machine_id()}), chains of 2..{depth} rows ...")
@@ -231,9 +232,8 @@ def report(checks: list[OutputCheck], out: Callable[[str], None] = print) -> Non
 def validate_bundle(bundle_dir: str | Path, model: str | None = None,
                     progress: Callable[[str], None] = print) -> list[OutputCheck]:
     """Check the bundle's graphs against torch; raises ValidationFailed listing every failure."""
+    from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep
-
-    from .source import load_model
 
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
@@ -264,7 +264,7 @@ def quality_failures(bundle_dir: Path, manifest: BundleManifest, step, tokenizer
     precision = manifest.base_graph("ort").precision
     if precision not in QUANTIZED_PRECISIONS:
         return []
-    from .quality import quality_report
+    from specdeploy.exporter.check.quality import quality_report
 
     progress(f"measuring {precision} quality against fp32 (teacher-forced, held-in text) ...")
     quality = quality_report(bundle_dir, manifest, step, tokenizer)
@@ -291,9 +291,8 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
     graph: entropy and gate probability.
     """
     import torch
+    from specdeploy.exporter.export.draft import HEADS_KINDS, torch_draft_modules
     from specdeploy.runtime.backends.ort import make_session
-
-    from .export_draft import HEADS_KINDS, torch_draft_modules
 
     with torch.no_grad():
         out = loaded.model.model(input_ids=torch.tensor([prompt_ids]))
@@ -334,10 +333,9 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
 def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hidden: np.ndarray) -> list[OutputCheck]:
     """One catch-up step over the prompt's real base states (head 2 on the last row), torch vs ORT."""
     import torch
+    from specdeploy.exporter.export.draft import torch_draft_modules
     from specdeploy.graphs.chimera import trigram_ids
     from specdeploy.runtime.backends.ort import make_session
-
-    from .export_draft import torch_draft_modules
 
     module = torch_draft_modules(entry, loaded.model.lm_head.weight.detach(),
                                  loaded.model.model.embed_tokens.weight.detach())["chimera"]

@@ -44,19 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdeploy.runtime.backends.trt import (
-    DeviceInfo,
-    Profile,
-    current_device,
-    engine_file,
-    optimization_profiles,
-    require_tensorrt,
-)
+from specdeploy.exporter.check.lint import lint_bundle
+from specdeploy.exporter.export.staging import updated_bundle
+from specdeploy.runtime.backends.trt import current_device, require_tensorrt
+from specdeploy.runtime.backends.trt_profiles import DeviceInfo, Profile, engine_file, optimization_profiles
 from specdeploy.runtime.bundle import BundleManifest, EngineEntry, GraphEntry, read_manifest, write_manifest
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
-
-from .export import updated_bundle
-from .lint import lint_bundle
 
 Progress = Callable[[str], None]
 PRECISIONS = ("fp32", "fp16", "bf16")

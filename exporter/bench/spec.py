@@ -1,0 +1,79 @@
+"""The types every ``specdeploy bench`` variant shares: its declaration, one timed result, and the runner ABC."""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdeploy.runtime.bundle import BundleManifest
+
+BASELINE = "ar"
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One benchmark variant: how to run it and what it needs."""
+
+    name: str
+    runner: str  # key of registry.RUNNERS
+    description: str
+    draft: str | None = None  # "ours": the runtime drafter (None = plain autoregressive)
+    options: tuple[tuple[str, Any], ...] = ()  # runner-specific settings, e.g. extra generate() kwargs
+    requires: tuple[str, ...] = ()  # importable modules; a missing one skips the variant
+    install: str = ""  # how to get the missing modules
+    bundle_draft: bool = False  # needs a draft of kind ``draft`` stored in the bundle
+    draft_kind: str | None = None  # the bundle's draft kind when it differs from the drafter name
+
+    def unavailable(self, manifest: BundleManifest) -> str | None:
+        """Why this variant cannot run here (missing package or draft), or None; the registry adds the runner's own check."""
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            hint = f" ({self.install})" if self.install else ""
+            return f"skipped: needs the Python package(s) {', '.join(missing)}{hint}."
+        kind = self.draft_kind or self.draft
+        if self.bundle_draft and kind not in {d.kind for d in manifest.drafts}:
+            return (f"skipped: the bundle has no '{kind}' draft; add one with "
+                    f"'specdeploy export draft --kind {kind}'.")
+        return None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One timed generation, as a worker reports it (JSON-serialisable)."""
+
+    tokens: list[int]  # new token ids, EOS included when reached
+    seconds: float  # end to end: prompt ids in -> new ids out, prefill included
+    first_tokens: int  # tokens produced by the first forward pass (1 for a plain prefill)
+    decode_seconds: float  # after the first forward pass
+    accepted: list[int] | None  # tokens emitted per decode step (first forward excluded)
+    backend_seconds: float | None = None  # decode time inside the backend's step (ours only)
+    finish_reason: str = ""
+    gate_parallel: int | None = None  # decode steps the drafter's gate sent to draft + verify (ours only)
+    gate_ar: int | None = None  # decode steps the gate ran as plain T=1 decoding (ours only)
+    lossy: bool = False  # inexact speculation, allowed by the variant (ours only)
+    plan: str | None = None  # the step plan's one line (ours only)
+    refused: bool = False  # the variant's draft was refused: no exact step plan here, so plain decoding
+
+
+class Runner(ABC):
+    """Loads one variant once and times generations on token ids."""
+
+    def __init__(self, bundle: Path, manifest: BundleManifest, spec: VariantSpec, threads: int,
+                 tree: str | None):
+        self.bundle, self.manifest, self.spec = bundle, manifest, spec
+        self.threads, self.tree = threads, tree
+
+    @classmethod
+    def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
+        """Why this runner cannot run ``spec`` on this bundle (beyond missing packages), or None."""
+        return None
+
+    @abstractmethod
+    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+        """Greedy generation of up to ``max_new_tokens`` after the prompt ``ids``."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,168 @@
+"""The decoding commands of the ``specdeploy`` CLI: ``generate``, ``bench`` and ``serve``.
+
+``generate`` and ``serve`` import only the lean runtime (no torch). The ``specdeploy`` group
+(:mod:`specdeploy.exporter.cli`) adds these commands to itself.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from specdeploy.runtime.backends import backend_names
+
+BACKEND_CHOICE = click.Choice(list(backend_names()))
+
+
+# --- generate --------------------------------------------------------------------------------
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--draft", default="none", show_default=True, help="none, prompt-lookup, or a draft kind in the bundle.")
+@click.option("--tree", default=None, help="Tree name (tree8/16/32/64, chain4...) or JSON choices; default auto.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--seed", default=None, type=int)
+@click.option("--typical", is_flag=True, help="LOSSY: Medusa typical acceptance instead of exact rejection sampling.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
+@click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
+@click.option("--allow-inexact", is_flag=True,
+              help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
+def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: str, tree: str | None,
+             temperature: float, top_p: float, top_k: int, seed: int | None, typical: bool, stop: tuple[str, ...],
+             backend: str, threads: int | None, allow_inexact: bool) -> None:
+    """Stream a completion and finish with tokens/s.
+
+    \b
+    Example:
+      specdeploy generate bundles/smollm2 --chat --prompt "Name three prime numbers." --draft prompt-lookup
+    """
+    with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
+                     allow_inexact=allow_inexact) as engine:
+        stream = engine.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_p=top_p, top_k=top_k, seed=seed, stop=stop, typical=typical)
+        for delta in stream:
+            click.echo(delta, nl=False)
+        click.echo()
+        st = stream.completion.stats
+        lossy = ""
+        if st.lossy:
+            lossy = "  [LOSSY typical acceptance]" if typical else "  [LOSSY: inexact speculation, --allow-inexact]"
+        click.echo(
+            f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s end-to-end, "
+            f"{st.decode_tokens_per_s:.1f} tok/s decode, tau {st.mean_accepted:.2f}, "
+            f"finish: {stream.completion.finish_reason}{lossy}",
+            err=True,
+        )
+
+
+def load_engine(bundle: Path, **options):
+    """``runtime.load`` for a command: the step plan's one line on stderr (and its warning, if any)."""
+    import warnings
+
+    from specdeploy.runtime import load
+    from specdeploy.runtime.errors import ExactnessWarning
+
+    say = lambda msg: click.echo(f"[plan] {msg}", err=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExactnessWarning)
+        engine = load(bundle, progress=say, **options)
+    refused = [w for w in caught if issubclass(w.category, ExactnessWarning)]
+    for w in caught:
+        if w not in refused:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    for w in refused:  # the refusal carries the plan's reason
+        click.echo(f"warning: {w.message}", err=True)
+    if not refused:
+        say(engine.plan.reason)
+    return engine
+
+
+# --- bench -----------------------------------------------------------------------------------
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--variants", default="ar,hf", show_default=True,
+              help="Comma-separated variant names (ar, prompt-lookup, hf, hf-prompt-lookup, ...).")
+@click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
+              help="JSONL of {'prompt': ...} or MT-bench records (default: MT-bench question.jsonl).")
+@click.option("--num-prompts", default=20, show_default=True, type=int)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--tree", default=None, help="Tree for speculative variants (default auto).")
+@click.option("--json", "json_out", default=Path("bench.json"), show_default=True, type=click.Path(path_type=Path))
+def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: int, max_new_tokens: int,
+          threads: int, tree: str | None, json_out: Path) -> None:
+    """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
+
+    Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
+    and identity columns), prompt-lookup, chimera, cerberus, medusa (drafts stored in the bundle),
+    hf (transformers generate, greedy fp32) and hf-prompt-lookup. A variant whose package or draft
+    is missing is skipped with a note. Prompts are first turns rendered with the chat template;
+    all variants decode the same token ids greedily.
+
+    Writes JSON (--json), a Markdown table (same stem, .md, also printed), a tokens/s plot
+    (<stem>.png) and acceptance histograms (<stem>_acceptance.png).
+
+    \b
+    Example:
+      specdeploy bench bundles/smollm2 --variants ar,hf,prompt-lookup --num-prompts 20 --json out/bench.json
+    """
+    from specdeploy.exporter.bench.run import run_bench
+
+    t0 = time.time()
+    run_bench(bundle, [v.strip() for v in variants.split(",") if v.strip()], prompts_file, num_prompts,
+              max_new_tokens, threads, tree, json_out)
+    click.echo(f"bench finished in {time.time() - t0:.0f}s; wrote {json_out}")
+
+
+# --- serve -----------------------------------------------------------------------------------
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--draft", default="none", show_default=True, help="none, prompt-lookup, or a draft kind in the bundle.")
+@click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
+@click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
+@click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
+@click.option("--api-key", default=None, envvar="SPECDEPLOY_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (or set SPECDEPLOY_API_KEY).")
+@click.option("--model-name", default=None, help="Model id on /v1/models (default: the bundle folder's name).")
+@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1),
+              help="Longest prompt accepted, in tokens (default: the bundle's context - 1).")
+@click.option("--max-tokens-limit", default=None, type=click.IntRange(min=1),
+              help="Largest max_tokens a request may ask for (default: the bundle's context).")
+@click.option("--max-body-bytes", default=1_000_000, show_default=True, type=click.IntRange(min=1),
+              help="Larger request bodies get a 413.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Generation requests admitted at once (running + queued); more get a 503.")
+@click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
+@click.option("--allow-inexact", is_flag=True,
+              help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
+def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
+          api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
+          max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool) -> None:
+    """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
+
+    Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
+    GET /v1/models, GET /health, GET /metrics (Prometheus). Requests queue for the one decode slot.
+
+    \b
+    Example:
+      specdeploy serve bundles/smollm2 --draft prompt-lookup --port 8000
+      curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+    """
+    from specdeploy.runtime.server import ServerConfig, run_server
+
+    config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
+                          max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+                          max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+    with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
+                     allow_inexact=allow_inexact) as engine:
+        run_server(engine, config)

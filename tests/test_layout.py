@@ -1,0 +1,129 @@
+"""The package's shape: its import graph (every import, lazy ones included) and the size of its files."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ("exporter", "runtime", "graphs")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["specdeploy", *parts])
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every module (of ours, or third-party top-level name) that `path` imports, wherever the import sits."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when one exists.
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known]
+            found.update(subs or [mod])
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for dep in imports_of(name, path, known):
+            # An import of a.b.c also runs a and a.b; count the deepest module of ours it names.
+            while dep and dep not in known and dep.startswith("specdeploy."):
+                dep = dep.rpartition(".")[0]
+            if dep and dep != name:
+                deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among our modules, ignoring a package's imports of its own submodules (re-exports)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def edges(node):
+        return [d for d in graph.get(node, ()) if d in graph and not d.startswith(node + ".")]
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for dep in edges(node):
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state:
+                cycle = visit(dep)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_import_directions():
+    """runtime/ imports neither graphs/ nor exporter/ (nor torch/transformers); graphs/ imports neither."""
+    rules = {"specdeploy.runtime": ("specdeploy.graphs", "specdeploy.exporter", "torch", "transformers"),
+             "specdeploy.graphs": ("specdeploy.runtime", "specdeploy.exporter")}
+    bad = []
+    for name, path in modules().items():
+        for folder, banned in rules.items():
+            if name == folder or name.startswith(folder + "."):
+                raw = imports_of(name, path, set(modules()))
+                bad += [f"{name}: {dep}" for dep in sorted(raw) if dep.split(".")[0] in banned
+                        or dep.startswith(banned)]
+    assert not bad, bad
+
+
+def test_the_graph_reader_sees_lazy_and_relative_imports(tmp_path):
+    """The checks above cannot pass by reading nothing: the reader finds a known lazy import and cycle."""
+    graph = import_graph()
+    assert "specdeploy.runtime.errors" in graph["specdeploy.runtime.engine"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in ("exporter", "runtime")
+            for p in (ROOT / folder).rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
+
+
+def test_every_package_is_installed():
+    """pyproject's explicit package list names every folder of code (a new room is not forgotten)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
