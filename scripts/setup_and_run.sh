@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command from a fresh clone: set up .venv, export the embedded SmolLM2-135M-Instruct to a bundle
-# (its own Q4_1 blocks with int8 activations: the fastest exact bundle measured, see README "Which
-# bundle"), add the shipped Chimera draft, validate both against torch, then stream a generation with
-# plain greedy decoding, Chimera and prompt-lookup speculative decoding, each with its tokens/s, and
-# check that the three outputs are identical. Idempotent. PRECISION=fp32 (or int4) picks another bundle.
+# for ONNX Runtime on this CPU (its own Q4_1 blocks with int8 activations: near-fp32 quality at
+# llama.cpp's arithmetic; see docs/benchmarks.md), add the shipped Chimera draft, validate both against
+# torch, then stream a generation with plain greedy decoding, Chimera and prompt-lookup speculative
+# decoding, each with its tokens/s, and check that the three outputs are identical. Idempotent.
+# PRECISION=fp32 (or int4) picks another bundle.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 PRECISION="${PRECISION:-q4_1}"
 if [ "$PRECISION" = fp32 ]; then BUNDLE="${BUNDLE:-bundles/smollm2}"; else BUNDLE="${BUNDLE:-bundles/smollm2-$PRECISION}"; fi
@@ -19,8 +20,11 @@ OUT_DIR="$(mktemp -d)"
 trap 'rm -rf "$OUT_DIR"' EXIT
 run() {  # run NAME [generate options...]: stream the completion, keep its text for the identity check
   local name="$1"; shift
+  # stderr (the plan line before the text, the stats line after it) shares stdout's pipe, so the
+  # lines keep their order on the terminal; the text alone is kept for the comparison.
   specdeploy generate "$BUNDLE" --chat --prompt "$PROMPT" --max-new-tokens 128 --threads "${THREADS:-2}" "$@" \
-    | tee "$OUT_DIR/$name.txt"
+    2>&1 | tee "$OUT_DIR/$name.log"
+  grep -v -e '^\[plan\] ' -e '^warning: ' -e '^-- [0-9]* tokens, ' "$OUT_DIR/$name.log" > "$OUT_DIR/$name.txt" || true
 }
 echo "[main] plain greedy decoding:" >&2
 run plain
