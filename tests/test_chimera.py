@@ -143,7 +143,7 @@ def test_feature_regression_term_is_part_of_the_loss(tiny_setup):
     without = _task(tiny_setup, feature_weight=0.0)
     model = with_f.build()
     idx = np.arange(4)
-    assert float(with_f.loss(model, idx)[0]) > float(without.loss(model, idx)[0])
+    assert float(with_f.loss(model, idx)[0].detach()) > float(without.loss(model, idx)[0].detach())
 
 
 def test_interrupted_training_resumes_to_the_same_weights(tiny_setup, tmp_path):
@@ -195,6 +195,44 @@ def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_set
     assert all(c.passed for c in checks), checks
     fp32 = [c for c in checks if c.case == "chimera"]
     assert all(c.atol == 1e-3 for c in fp32)
+
+
+def _graph_files(bundle):
+    from specdeploy.runtime.bundle import read_manifest
+
+    m = read_manifest(bundle)
+    return [g.file for g in m.graphs] + [g.file for d in m.drafts for g in d.graphs]
+
+
+def test_the_draft_stores_no_base_weight_again(chimera_bundle, tiny_weights, tiny_model_factory, tmp_path):
+    """The embedding table is the base graph's own bytes; an ort-only bundle gets only the int8 draft."""
+    import onnx
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.exporter.export.shared_data import stored_twice
+    from specdeploy.runtime.bundle import read_manifest
+
+    assert stored_twice(chimera_bundle, _graph_files(chimera_bundle)) == []
+    embed = next(t for t in onnx.load(str(chimera_bundle / "chimera-int8.onnx"), load_external_data=False)
+                 .graph.initializer if t.name == "embed_weight")
+    assert {e.key: e.value for e in embed.external_data}["location"] == "base-ort.onnx.data"
+    ort_only = tmp_path / "ort"
+    export_base(str(tiny_model_factory("llama")), ort_only, max_context=512, target="ort", progress=lambda m: None)
+    before = sum(f.stat().st_size for f in ort_only.iterdir())
+    export_draft(ort_only, "chimera", tiny_weights, progress=lambda m: None)
+    manifest = read_manifest(ort_only)
+    assert [g.role for g in manifest.draft("chimera").graphs] == ["chimera-int8"]  # what the CPU runtime uses
+    assert "base-ort.onnx.data" in manifest.draft("chimera").graphs[0].data_files  # so the hash covers it
+    assert not (ort_only / "chimera.onnx").exists() and not list(ort_only.glob(".chimera*"))
+    assert stored_twice(ort_only, _graph_files(ort_only)) == []
+    added = sum(f.stat().st_size for f in ort_only.iterdir()) - before
+    embed_bytes = 4 * manifest.model.vocab_size * manifest.model.hidden_size
+    assert added < embed_bytes  # the table was not written again
+    with load(ort_only) as plain, load(ort_only, draft="chimera") as spec:
+        ids = plain.encode("The quick brown fox")
+        assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
+    export_draft(ort_only, "chimera", tiny_weights, progress=lambda m: None, precision="fp32")  # replace it
+    read_manifest(ort_only)  # the base's data file, which the old draft also read, is still there
 
 
 def test_fp32_only_export_and_explicit_precision(chimera_bundle, tiny_weights, tmp_path):

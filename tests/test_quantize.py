@@ -358,24 +358,6 @@ def _check_plan(plain, spec, validate_text: str) -> None:
     assert spec.decoder.chains_only == (not spec.plan.trees) and spec.decoder.min_rows == spec.plan.min_rows
 
 
-def test_quantize_bundle_matches_export(quant_bundles, tiny_bundle, tmp_path):
-    """Quantizing an exported fp32 bundle gives the graph `export base --precision int4` writes."""
-    from specdeploy.exporter.check.quality import ort_logits_fn
-    from specdeploy.exporter.export.quantize import quantize_bundle
-
-    out = tmp_path / "int4"
-    quantize_bundle(tiny_bundle, out, "int4")
-    manifest = read_manifest(out)
-    assert (manifest.graph("base").precision, manifest.graph("base").target) == ("int4", "ort")
-    assert manifest.source == read_manifest(tiny_bundle).source
-    ids = list(range(200, 230))
-    got = ort_logits_fn(out, manifest)(ids)
-    ref = ort_logits_fn(quant_bundles["int4"], read_manifest(quant_bundles["int4"]))(ids)
-    np.testing.assert_array_equal(got, ref)
-    with pytest.raises(PrecisionError, match="already quantized"):
-        quantize_bundle(out, tmp_path / "again", "int8")
-
-
 def test_fp32_activation_graphs_make_no_row_exact_claim(tiny_model_factory):
     """``MatMulNBits`` at accuracy level 0 has its own 1-row path, so a graph quantized at level 0 does
     not claim row-exact 1-row steps. (Level-0 GGUF blocks are not padded at all; on the real model,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specdeploy.exporter.export.shared_data import store_once
 from specdeploy.exporter.export.staging import (
     export_graph,
     graph_entry,
@@ -174,11 +175,13 @@ def export_base(
                 from specdeploy.exporter.export.ort_graph import export_ort_graph
 
                 export_ort_graph(step, tmp / GGUF_BASE_FILE, ctx + max_tree, progress=progress, blocks=blocks)
+                store_once(tmp, GGUF_BASE_FILE, [ORT_BASE_FILE], progress)
                 entries.append(graph_entry(tmp, "base", GGUF_BASE_FILE, target="ort", precision=GGUF_Q4_1))
             del blocks
             gc.collect()
         if target in ("trt", "all"):
             _trace_base(step, tmp / "base.onnx", arch, progress)
+            store_once(tmp, "base.onnx", [e.file for e in entries], progress)
             entries.insert(0, graph_entry(tmp, "base", "base.onnx", target="trt", precision="fp32"))
         return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision, target,
                               qconfig, t0, progress)

@@ -19,6 +19,7 @@ from typing import Any
 from specdeploy.exporter.train.modules import heads_from_weights
 from specdeploy.exporter.train.weights import DraftWeights, check_draft_base, load_draft_weights
 from specdeploy.runtime.bundle import (
+    BundleManifest,
     DraftEntry,
     config_pairs,
     graph_paths,
@@ -96,11 +97,24 @@ def gate_module(weights: DraftWeights):
     return gate.eval(), bool(state)
 
 
-def _drop_graph_files(staged: Path, old: DraftEntry | None) -> None:
-    """Unlink a replaced draft's files from the staged copy (they are hard links to the live bundle's)."""
-    for g in old.graphs if old is not None else ():
+def _drop_graph_files(staged: Path, old: DraftEntry | None, manifest: BundleManifest) -> None:
+    """Unlink a replaced draft's files from the staged copy (they are hard links to the live bundle's),
+    except data files that another graph of the bundle still reads (shared weights)."""
+    if old is None:
+        return
+    others = [g for g in manifest.graphs] + [g for d in manifest.drafts if d is not old for g in d.graphs]
+    still_read = {p.name for g in others for p in graph_paths(staged, g)}
+    for g in old.graphs:
         for p in graph_paths(staged, g):
-            p.unlink(missing_ok=True)
+            if p.name not in still_read:
+                p.unlink(missing_ok=True)
+
+
+def _share(tmp: Path, manifest: BundleManifest, file: str, earlier: list[str], progress: Callable[[str], None]) -> None:
+    """Store ``file``'s weights that the bundle's base graphs (or ``earlier`` new graphs) hold only once."""
+    from specdeploy.exporter.export.shared_data import store_once
+
+    store_once(tmp, file, [g.file for g in manifest.graphs] + earlier, progress)
 
 
 def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
@@ -156,12 +170,13 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
 
     old = next((d for d in manifest.drafts if d.kind == kind), None)
     with updated_bundle(bundle) as tmp:
-        _drop_graph_files(tmp, old)
+        _drop_graph_files(tmp, old, manifest)
         progress(f"[2/3] tracing the {kind} heads ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
         batch, rows = Dim("batch"), Dim("rows")
         with torch.no_grad():
             export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / f"{kind}.onnx", ["hidden_states"],
                          ["topk_ids", "topk_logprobs"], {"hidden_states": {0: batch, 1: rows}})
+        _share(tmp, manifest, f"{kind}.onnx", [], progress)
         graphs = [graph_entry(tmp, kind, f"{kind}.onnx")]
         if kind == "cerberus":
             gate, trained = gate_module(weights)
@@ -171,6 +186,7 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
                 export_graph(gate, example_gate_inputs(cfg.hidden_size, cfg.vocab_size), tmp / "cerberus-gate.onnx",
                              ["hidden_states", "logits"], ["entropy", "gate_prob"],
                              {"hidden_states": {0: batch, 1: rows}, "logits": {0: batch, 1: rows}})
+            _share(tmp, manifest, "cerberus-gate.onnx", [f"{kind}.onnx"], progress)
             graphs.append(graph_entry(tmp, "cerberus-gate", "cerberus-gate.onnx"))
             settings["gate_trained"] = trained
         entry = DraftEntry(kind, cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs), config_pairs(settings))
@@ -207,10 +223,12 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
                    use_calibration: bool = True) -> DraftEntry:
     """Add a trained Chimera draft (``chimera.onnx``, one draft step with its own KV) to ``bundle``.
 
-    ``precision`` "int8" also writes ``chimera-int8.onnx`` (weight-only int8 MatMulNBits with int8
+    ``precision`` "int8" writes ``chimera-int8.onnx`` (weight-only int8 MatMulNBits with int8
     activations, ONNX Runtime only), which the CPU drafter prefers: a draft step reads ~4x fewer
     weight bytes. The draft's numerics never change the output (the base model verifies every
-    token), only how often drafts are accepted. The fp32 graph stays for parity checks and TensorRT.
+    token), only how often drafts are accepted. The fp32 graph ``chimera.onnx`` is written as well
+    when the bundle has a TensorRT (``trt``) base graph, or alone with ``precision`` "fp32". The
+    embedding table is the base graph's own bytes, stored once (:mod:`.shared_data`).
     """
     if precision not in CHIMERA_PRECISIONS:
         raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(CHIMERA_PRECISIONS)}.")
@@ -248,13 +266,14 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         if chains.get("default_tree"):
             settings["default_chain"] = chains["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
-    roles = ["chimera", "chimera-int8"] if precision == "int8" else ["chimera"]
+    keep_fp32 = precision == "fp32" or any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
+    roles = (["chimera"] if keep_fp32 else []) + (["chimera-int8"] if precision == "int8" else [])
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)
             and [g.role for g in old.graphs] == roles):
         progress(f"the Chimera draft in {bundle} is already these weights with these settings; nothing to do")
         return old
     with updated_bundle(bundle) as tmp:
-        _drop_graph_files(tmp, old)
+        _drop_graph_files(tmp, old, manifest)
         progress(f"[2/3] tracing the Chimera draft step ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
         batch, rows, cap = Dim("batch"), Dim("rows"), Dim("capacity")
         names = ["hidden", "trigram_ids", "position_ids", "attention_mask", "write_indices", "base_hidden",
@@ -262,16 +281,24 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         dims = {"hidden": {0: batch, 1: rows}, "trigram_ids": {0: batch, 1: rows}, "position_ids": {0: batch, 1: rows},
                 "attention_mask": {0: batch, 2: rows, 3: cap}, "write_indices": {0: rows}, "base_hidden": {0: batch},
                 "head_index": None, "past_key": {0: batch, 2: cap}, "past_value": {0: batch, 2: cap}}
+        fp32_file = "chimera.onnx" if keep_fp32 else ".chimera-fp32.onnx"  # the latter only to quantize
         with torch.no_grad():
-            export_graph(graph, example_step_inputs(cfg), tmp / "chimera.onnx", names,
+            export_graph(graph, example_step_inputs(cfg), tmp / fp32_file, names,
                          ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
-        graphs = (graph_entry(tmp, "chimera", "chimera.onnx"),)
+        graphs: tuple = ()
         if precision == "int8":
             from specdeploy.exporter.export.quantize import quantize_file
 
             progress("[2/3] quantizing the draft step's weights to int8 (chimera-int8.onnx) ...")
-            quantize_file(tmp / "chimera.onnx", tmp / "chimera-int8.onnx", _chimera_int8())
+            quantize_file(tmp / fp32_file, tmp / "chimera-int8.onnx", _chimera_int8())
+            _share(tmp, manifest, "chimera-int8.onnx", [], progress)
             graphs += (graph_entry(tmp, "chimera-int8", "chimera-int8.onnx", target="ort", precision="int8"),)
+        if keep_fp32:
+            _share(tmp, manifest, "chimera.onnx", [g.file for g in graphs], progress)
+            graphs = (graph_entry(tmp, "chimera", "chimera.onnx"), *graphs)
+        else:
+            for leftover in (tmp / fp32_file, tmp / f"{fp32_file}.data"):
+                leftover.unlink(missing_ok=True)
         entry = DraftEntry("chimera", cfg.base_weight_sha, hash_files([weights.path]), graphs, config_pairs(settings))
         drafts = tuple(d for d in manifest.drafts if d.kind != "chimera") + (entry,)
         write_manifest(tmp, manifest.replace(drafts=drafts))

@@ -299,37 +299,3 @@ def graph_quantization(path: Path, vocab_size: int) -> GraphQuantization | None:
         accuracy_level=int(layers[0].get("accuracy_level", 0)),
         lm_head_bits=int(lm[0]["bits"]) if lm else 0,
     )
-
-
-def quantize_bundle(src: Path, out: Path, precision: str, config: QuantConfig | None = None,
-                    force: bool = False) -> None:
-    """Write a copy of the fp32 bundle ``src`` whose base graph is quantized to ``precision``.
-
-    The same graph ``export base --precision`` writes, without exporting again: the ``ort`` base graph
-    when the bundle has one, else its traced graph. The quantized bundle holds that one base graph
-    (target ``ort``); draft graphs and the tokenizer are copied unchanged.
-    """
-    import shutil
-
-    from specdeploy.exporter.export.staging import graph_entry, staged_bundle
-    from specdeploy.runtime.bundle import graph_paths, read_manifest, write_manifest
-
-    src, out = Path(src), Path(out)
-    manifest = read_manifest(src)
-    fp32 = [g for g in manifest.graphs if g.role == "base" and g.precision == "fp32"]
-    base = next((g for g in fp32 if g.target == "ort"), fp32[0] if fp32 else manifest.base_graph("ort"))
-    if base.precision != "fp32":
-        raise PrecisionError(f"'{src}' is already quantized ({base.precision}); quantize an fp32 bundle.")
-    config = config or quant_config(precision)
-    target = resolve_target(precision, "ort")
-    skip = {p.name for g in manifest.graphs if g.role == "base" for p in graph_paths(src, g)} | {"manifest.json"}
-    with staged_bundle(out, force) as tmp:
-        for f in src.rglob("*"):
-            rel = f.relative_to(src)
-            if f.is_file() and str(rel) not in skip:
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, tmp / rel)
-        quantize_file(src / base.file, tmp / base.file, config)
-        entry = graph_entry(tmp, base.role, base.file, target=target, precision=precision)
-        graphs = (entry, *(g for g in manifest.graphs if g.role != "base"))
-        write_manifest(tmp, manifest.replace(graphs=graphs))
