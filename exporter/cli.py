@@ -13,7 +13,16 @@ from pathlib import Path
 
 import click
 from specdeploy.exporter.cli_decode import bench, generate, serve
+from specdeploy.runtime.drafters.kinds import TRAINED_KINDS
 from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.precision import (
+    DRAFT_PRECISIONS,
+    ENGINE_PRECISIONS,
+    EXPORT_PRECISIONS,
+    FP16,
+    INT8,
+    MATMULNBITS_BITS,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,7 +57,7 @@ def export() -> None:
 @click.option("--max-context", type=int, default=None, help="Maximum prompt + generated tokens.")
 @click.option("--max-tree", type=int, default=64, show_default=True, help="Maximum tree nodes per step.")
 @click.option("--precision", default="fp32", show_default=True,
-              type=click.Choice(["fp32", "fp16", "int8", "int4", "q4_1"]),
+              type=click.Choice(EXPORT_PRECISIONS),
               help="Weight precision. int8/int4: MatMulNBits blocks with int8 activations (ONNX Runtime only); "
                    "q4_1: a Q4_1 GGUF's own blocks with int8 activations (llama.cpp's arithmetic).")
 @click.option("--block-size", type=int, default=None,
@@ -87,7 +96,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     """
     from specdeploy.exporter.export.base import export_base
 
-    if block_size is not None and precision not in ("int8", "int4"):
+    if block_size is not None and precision not in MATMULNBITS_BITS:
         raise click.UsageError("--block-size applies to --precision int8 or int4 only.")
     export_base(model, out, force=force, max_context=max_context, max_tree=max_tree, precision=precision,
                 target=target, block_size=block_size, gguf_blocks=gguf_blocks)
@@ -96,14 +105,14 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 
 @export.command("draft")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(["chimera", "medusa", "cerberus"]), help="Draft kind.")
+@click.option("--kind", required=True, type=click.Choice(TRAINED_KINDS), help="Draft kind.")
 @click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
 @click.option("--calibration", default=None, type=click.Path(path_type=Path),
               help="Calibration JSON (default: <weights>.calibration.json next to the weights, if present).")
 @click.option("--vocab-trim", type=int, default=None,
               help="Draft vocabulary: the N most frequent ids, 0 = full lm_head (default: the calibrated choice).")
 @click.option("--model", default=None, help="Source model, if it moved since export.")
-@click.option("--precision", type=click.Choice(["int8", "fp32"]), default="int8", show_default=True,
+@click.option("--precision", type=click.Choice(DRAFT_PRECISIONS), default=INT8, show_default=True,
               help="Chimera only: also write an int8-weight draft graph, which the CPU drafter prefers.")
 def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
                      model: str | None, precision: str) -> None:
@@ -267,7 +276,7 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 
 @train.command("calibrate")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(["chimera", "medusa", "cerberus"]))
+@click.option("--kind", required=True, type=click.Choice(TRAINED_KINDS))
 @click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
 @click.option("--prompts", default=None, type=int,
               help="Held-in ShareGPT prompts (default: 24 to trace for heads, 6 to time for chimera).")
@@ -362,7 +371,7 @@ def lint(bundle: Path) -> None:
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--precision", default="fp16", show_default=True, type=click.Choice(["fp32", "fp16", "bf16"]))
+@click.option("--precision", default=FP16, show_default=True, type=click.Choice(ENGINE_PRECISIONS))
 @click.option("--max-tree", type=int, default=None, help="Largest tree step T (default: the bundle's limit).")
 @click.option("--max-context", type=int, default=None, help="Longest context (default: the bundle's limit).")
 @click.option("--max-batch", type=int, default=None, help="Largest batch (default: the bundle's limit).")

@@ -75,13 +75,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class BaseStep(nn.Module):
     """Stateless decoder step over a Hugging Face Llama-family causal LM (weights are shared, not copied)."""
 
-    def __init__(self, model: nn.Module, kv_form: str = "inplace"):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        if kv_form not in ("inplace", "concat"):
-            raise ValueError(f"kv_form must be 'inplace' or 'concat', not {kv_form!r}")
-        # "concat" (past [B,Hkv,P,D] -> present [B,Hkv,P+T,D], write_indices ignored) exists only to
-        # measure the in-place form against; bundles and the runtime use "inplace".
-        self.kv_form = kv_form
         cfg = model.config
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
@@ -94,12 +89,6 @@ class BaseStep(nn.Module):
         self.lm_head = model.lm_head
         self.rotary_emb = model.model.rotary_emb
         self.scale = self.head_dim**-0.5
-
-    def past_names(self) -> list[str]:
-        return [f"past_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
-
-    def present_names(self) -> list[str]:
-        return [f"present_{kind}_{i}" for i in range(self.num_layers) for kind in ("key", "value")]
 
     def forward(
         self,
@@ -129,12 +118,8 @@ class BaseStep(nn.Module):
             # In-place cache write: rows write_indices of the capacity axis get the new K/V. A
             # ScatterElements on axis 2 works on the [B, Hkv, C, D] layout directly; index_copy would
             # export as ScatterND wrapped in two full-cache Transposes, copying the cache every step.
-            if self.kv_form == "inplace":
-                k_all = past[2 * i].scatter(2, widx, k)  # [B, Hkv, C, D]
-                v_all = past[2 * i + 1].scatter(2, widx, v)
-            else:
-                k_all = torch.cat([past[2 * i], k], dim=2)  # [B, Hkv, P+T, D]
-                v_all = torch.cat([past[2 * i + 1], v], dim=2)
+            k_all = past[2 * i].scatter(2, widx, k)  # [B, Hkv, C, D]
+            v_all = past[2 * i + 1].scatter(2, widx, v)
             presents += [k_all, v_all]
             # GQA without materialising repeated K/V: fold the query group into the row axis.
             qg = q.reshape(bsz, hkv, group * t, d)  # [B, Hkv, G*T, D]

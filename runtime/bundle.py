@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BundleError, DraftMismatchError
+from .precision import GGUF_Q4_1_BLOCKS
 
 SCHEMA_VERSION = 1
-GGUF_Q4_1 = "gguf-q4_1"  # precision of a base graph holding the source GGUF's own Q4_1 blocks
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 22
 
@@ -162,7 +162,7 @@ class BundleManifest:
         ort = [g for g in self.graphs if g.role == "base" and g.target == "ort"]
         if not ort:
             return self.graph("base")
-        wanted = [g for g in ort if (g.precision == GGUF_Q4_1) != multi_row]
+        wanted = [g for g in ort if (g.precision == GGUF_Q4_1_BLOCKS) != multi_row]
         return (wanted or ort)[0]
 
     def base_graph(self, prefer: str) -> GraphEntry:
@@ -308,7 +308,6 @@ def config_pairs(config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 
 __all__ = [
-    "GGUF_Q4_1",
     "SCHEMA_VERSION",
     "BundleManifest",
     "DraftEntry",

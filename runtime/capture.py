@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends.base import StepInputs
-from .kvcache import KVCache
+from .kvcache import KVCache, bucket_for
 
 
 def tree_buckets(max_tree: int) -> tuple[int, ...]:
@@ -51,10 +51,7 @@ def tree_buckets(max_tree: int) -> tuple[int, ...]:
 
 def padded_tree_size(n: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket that holds ``n`` nodes."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"a tree of {n} nodes exceeds the largest padded size {buckets[-1]}")
+    return bucket_for(n, buckets, "tree nodes")
 
 
 def should_capture(length: int, n: int, max_tree: int) -> bool:

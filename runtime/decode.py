@@ -20,10 +20,10 @@ from .backends.base import Backend, StepInputs, StepOutputs
 from .bundle import BundleManifest
 from .drafters.base import DraftContext, Drafter
 from .errors import PromptError, TreeSpecError
-from .kvcache import KVCache, capacity_buckets
+from .kvcache import KVCache, bucket_for, capacity_buckets
 from .plan import StepPlan
 from .tree import DraftTree, TreeBuffers
-from .verify import Acceptance, greedy_accept, sample_accept, typical_accept
+from .verify import Acceptance, TypicalRule, greedy_accept, sample_accept, typical_accept
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     typical: bool = False
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
+    typical_rule: TypicalRule = field(default_factory=TypicalRule)
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not np.isfinite(self.temperature):
@@ -153,7 +152,7 @@ class Decoder:
 
     def prefill(self, prompt: list[int]) -> tuple[DecodeState, StepOutputs]:
         n = len(prompt)
-        cache = self.backend.new_cache(1, _first_bucket(n + self.max_tree, self.buckets))
+        cache = self.backend.new_cache(1, bucket_for(min(n + self.max_tree, self.buckets[-1]), self.buckets))
         rows = max(n, self.min_rows)  # a 1-token prompt gets a dummy row after it (overwritten later)
         tokens = np.asarray(list(prompt) + [prompt[-1]] * (rows - n), dtype=np.int64)
         causal = np.tril(np.ones((rows, rows), dtype=bool))
@@ -204,8 +203,7 @@ class Decoder:
         if sampling.greedy:
             return greedy_accept(tree, buffers, logits)
         if sampling.typical:
-            return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_epsilon,
-                                  sampling.typical_delta, rng)
+            return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_rule, rng)
         return sample_accept(tree, buffers, logits, rng, sampling.temperature, sampling.top_p, sampling.top_k)
 
     def commit(self, state: DecodeState, tree: DraftTree, acc: Acceptance, out: StepOutputs) -> list[int]:
@@ -297,13 +295,6 @@ class Decoder:
         stats.decode_s = time.perf_counter() - t_dec
 
 
-def _first_bucket(needed: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if b >= needed:
-            return b
-    return buckets[-1]
-
-
 def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,
                        past: int = 256) -> dict[int, float]:
     """Cost of a T-token step relative to a 1-token step, measured on ``decoder``'s backend.
@@ -316,7 +307,7 @@ def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 1
     """
     sizes = tuple(t for t in sizes if t <= decoder.max_tree) or (1,)
     past = max(1, min(past, decoder.manifest.limits.max_context - sizes[-1]))
-    cache = decoder.backend.new_cache(1, _first_bucket(past + sizes[-1], decoder.buckets))
+    cache = decoder.backend.new_cache(1, bucket_for(min(past + sizes[-1], decoder.buckets[-1]), decoder.buckets))
     cache.length = past
     feeds = {}
     for size in sizes:

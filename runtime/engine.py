@@ -37,7 +37,7 @@ from typing import Self
 from .backends import make_backend
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
-from .drafters import PromptLookupDrafter, make_drafter
+from .drafters import make_drafter
 from .errors import ExactnessWarning, PromptError, SpecDeployError
 from .plan import StepPlan
 from .probe import resolve_plan
@@ -225,8 +225,8 @@ class Engine:
         self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree, plan=self.plan)
         self.backend.release_unused()
         self.cost_curve: dict[int, float] | None = None  # measured when the drafter trades length for cost
-        if isinstance(drafter, PromptLookupDrafter) and drafter.adaptive:
-            # Its draft length trades expected tokens against step cost: measure this backend's (~1 s).
+        if drafter is not None and drafter.needs_cost_curve:
+            # The drafter sizes its drafts by step cost: measure this backend's (~1 s).
             self.cost_curve = measure_cost_curve(self.decoder)
             drafter.use_cost_curve(self.cost_curve)
         self._slot = _Slot()

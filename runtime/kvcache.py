@@ -32,11 +32,12 @@ def capacity_buckets(max_context: int, max_tree: int, min_bucket: int = MIN_BUCK
     return tuple(out)
 
 
-def bucket_for(needed: int, buckets: Sequence[int]) -> int:
+def bucket_for(needed: int, buckets: Sequence[int], what: str = "cache slots") -> int:
+    """The smallest of the ascending ``buckets`` that holds ``needed`` (capacities, padded tree sizes)."""
     for b in buckets:
         if b >= needed:
             return b
-    raise ValueError(f"{needed} cache slots exceed the largest bucket {buckets[-1]}")
+    raise ValueError(f"{needed} {what} exceed the largest bucket {buckets[-1]}")
 
 
 @dataclass
@@ -102,6 +103,3 @@ class KVCache:
                 for b in bufs:
                     b[:, :, dst] = b[:, :, src]  # advanced indexing copies the source first
         self.length += n
-
-    def truncate(self, length: int) -> None:
-        self.length = length

@@ -73,7 +73,7 @@ class TreeSpec:
     @property
     def parents(self) -> np.ndarray:
         """[N] int64 parent node index of each node, -1 for the root (read-only, cached)."""
-        return _spec_arrays(self)[0]
+        return spec_arrays(self)[0]
 
     def validate(self, max_tree: int, max_depth: int) -> TreeSpec:
         """Check the tree fits a bundle (``max_tree`` nodes with root) and a drafter (``max_depth`` heads)."""
@@ -159,12 +159,6 @@ class DraftTree:
         return DraftTree(self.tokens[idx], np.arange(-1, idx.size - 1, dtype=np.int64), scores)
 
     @classmethod
-    def chain(cls, root_token: int, tokens) -> DraftTree:
-        """A single chain, e.g. a prompt-lookup continuation."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        return cls(np.concatenate([[root_token], tokens]), np.arange(-1, tokens.size, dtype=np.int64))
-
-    @classmethod
     def from_static(cls, spec: TreeSpec, root_token: int, topk: np.ndarray) -> DraftTree:
         """Fill a static tree from per-depth candidates.
 
@@ -176,7 +170,7 @@ class DraftTree:
             raise TreeSpecError(
                 f"The tree needs top-{spec.topk} candidates at {spec.depth} depths, got shape {topk.shape}."
             )
-        parents, depth, rank = _spec_arrays(spec)
+        parents, depth, rank = spec_arrays(spec)
         tokens = np.empty(spec.num_nodes, dtype=np.int64)
         tokens[0] = root_token
         tokens[1:] = topk[depth - 1, rank]
@@ -184,7 +178,7 @@ class DraftTree:
 
 
 @lru_cache(maxsize=64)
-def _spec_arrays(spec: TreeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def spec_arrays(spec: TreeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """([N] parents, [N-1] depth, [N-1] last rank) of a static tree, built once per spec."""
     index = {c: i + 1 for i, c in enumerate(spec.choices)}  # the root's path () is node 0
     parents = np.array([-1] + [index.get(c[:-1], 0) for c in spec.choices], dtype=np.int64)
@@ -394,6 +388,24 @@ def choose_default_tree(
     )
 
 
+DYNAMIC_DEFAULT_NODES = 32  # node budget of ``--tree dynamic``
+
+
+def tree_choice(s: str, max_tree: int, max_depth: int, dynamic: bool = True) -> tuple[TreeSpec | None, int | None]:
+    """``--tree`` checked against a bundle's limits: ``(static spec, None)`` or, for ``dynamic[:N]`` (a
+    tree grown by draft confidence, where the drafter supports it), ``(None, node budget)``."""
+    s = s.strip()
+    if s == "dynamic" or s.startswith("dynamic:"):
+        if not dynamic:
+            raise TreeSpecError(f"'{s}' needs a trained draft's scores; this drafter takes static trees only.")
+        tail = s.split(":", 1)[1] if ":" in s else str(DYNAMIC_DEFAULT_NODES)
+        nodes = int(tail) if tail.isdigit() else -1
+        if not (2 <= nodes <= max_tree):
+            raise TreeSpecError(f"A dynamic tree needs 2 to {max_tree} nodes, got '{tail}'.")
+        return None, nodes
+    return parse_tree_arg(s).validate(max_tree, max_depth), None
+
+
 def parse_tree_arg(s: str) -> TreeSpec:
     """Parse ``--tree``: a registry name (``tree16``), ``chainN`` (N top-1 nodes after the root) or a JSON
     list of paths (``[[0],[1],[0,0]]``)."""
@@ -419,6 +431,7 @@ def parse_tree_arg(s: str) -> TreeSpec:
 __all__ = [
     "CPU_COST_CURVE",
     "DEFAULT_ACCEPT",
+    "DYNAMIC_DEFAULT_NODES",
     "STATIC_TREES",
     "DraftTree",
     "TreeBuffers",
@@ -428,5 +441,7 @@ __all__ = [
     "expected_tokens",
     "parse_tree_arg",
     "select_dynamic",
+    "spec_arrays",
     "step_cost",
+    "tree_choice",
 ]

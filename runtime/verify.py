@@ -114,13 +114,6 @@ def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     return b * _BLOCK + min(i, last)
 
 
-def sample_token(
-    logits: np.ndarray, rng: np.random.Generator, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
-) -> int:
-    """Plain (non-speculative) sampling of one token from logits ``[V]``: the reference distribution."""
-    return sample_from(warp_logits(logits, temperature, top_k, top_p), rng)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Acceptance rules
 
@@ -234,19 +227,27 @@ def sample_accept(
     return Acceptance(np.array(nodes, dtype=np.int64), np.array(out, dtype=np.int64))
 
 
+@dataclass(frozen=True)
+class TypicalRule:
+    """Medusa's typical-acceptance knobs (its ``posterior_threshold`` and ``posterior_alpha``): a token x
+    is typical where p(x) > min(threshold, alpha * exp(-H))."""
+
+    threshold: float = 0.09
+    alpha: float = 0.3
+
+
 def typical_accept(
     tree: DraftTree,
     buffers: TreeBuffers,
     logits: np.ndarray,
     temperature: float = 1.0,
-    posterior_threshold: float = 0.09,
-    posterior_alpha: float = 0.3,
+    rule: TypicalRule = TypicalRule(),
     rng: np.random.Generator | None = None,
 ) -> Acceptance:
     """Medusa's typical acceptance. LOSSY: the output does NOT follow the base distribution.
 
     With p = softmax(logits / temperature) at a node's parent and H its entropy, a node's token x is
-    typical if p(x) > min(posterior_threshold, posterior_alpha * exp(-H)). The longest all-typical
+    typical if p(x) > min(rule.threshold, rule.alpha * exp(-H)). The longest all-typical
     root path is accepted, and the bonus is sampled at its last node from p restricted to typical
     tokens (as Medusa does). ``temperature`` 0 falls back to :func:`greedy_accept`. ``rng`` None
     draws the bonus from a fresh, unseeded generator.
@@ -259,17 +260,13 @@ def typical_accept(
     ok = np.ones(n + 1, dtype=bool)
     ok[n] = False
     if buffers.internal.size:
-        z, log_norm, thresh = _typical(
-            logits[buffers.internal], temperature, posterior_threshold, posterior_alpha
-        )
+        z, log_norm, thresh = _typical(logits[buffers.internal], temperature, rule)
         row = np.full(n, -1, dtype=np.int64)  # node -> row of z
         row[buffers.internal] = np.arange(buffers.internal.size)
         r = row[buffers.parents[1:]]  # [N-1] every non-root node's parent is internal
         ok[1:n] = np.exp(z[r, tree.tokens[1:]] - log_norm[r]) > thresh[r]
     nodes = _longest_path(ok, buffers)
-    z, log_norm, thresh = _typical(
-        logits[int(nodes[-1])][None], temperature, posterior_threshold, posterior_alpha
-    )
+    z, log_norm, thresh = _typical(logits[int(nodes[-1])][None], temperature, rule)
     probs = np.exp(z[0] - log_norm[0])  # [V]
     cut = min(thresh[0], probs.max())  # the argmax always qualifies (thresh > max p needs alpha > 1)
     bonus = sample_from(np.where(probs >= cut, probs, 0.0), rng)
@@ -277,10 +274,10 @@ def typical_accept(
 
 
 def _typical(
-    logits: np.ndarray, temperature: float, eps: float, delta: float
+    logits: np.ndarray, temperature: float, rule: TypicalRule
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For logit rows [R, V]: scaled logits z [R, V], log-normaliser [R], and the typicality threshold
-    min(eps, delta * exp(-H)) [R], with H = log Z - E_p[z] so no log over V is needed (log p = z - log Z).
+    min(rule.threshold, rule.alpha * exp(-H)) [R], with H = log Z - E_p[z] so no log over V is needed (log p = z - log Z).
     """
     z = np.array(logits, dtype=np.float64)
     z -= z.max(-1, keepdims=True)
@@ -288,15 +285,15 @@ def _typical(
     e = np.exp(z)  # [R, V]
     norm = e.sum(-1)  # [R], >= 1 thanks to the max shift
     entropy = np.log(norm) - np.einsum("rv,rv->r", e, z) / norm
-    return z, np.log(norm), np.minimum(eps, delta * np.exp(-entropy))
+    return z, np.log(norm), np.minimum(rule.threshold, rule.alpha * np.exp(-entropy))
 
 
 __all__ = [
     "Acceptance",
+    "TypicalRule",
     "greedy_accept",
     "sample_accept",
     "sample_from",
-    "sample_token",
     "typical_accept",
     "warp_logits",
 ]

@@ -15,6 +15,12 @@ from specdeploy.runtime.tree import DraftTree
 from specdeploy.runtime.verify import warp_logits
 
 
+def _chain(root_token: int, tokens) -> DraftTree:
+    """A single chain of draft tokens after ``root_token``."""
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    return DraftTree(np.concatenate([[root_token], tokens]), np.arange(-1, tokens.size, dtype=np.int64))
+
+
 class OracleDrafter(Drafter):
     """Random trees in which one random root path carries the true continuation for a random length.
 
@@ -164,7 +170,7 @@ def test_max_tokens_reached_mid_path(tiny_bundle):
         class Chain(Drafter):
             def propose(self, ctx):  # the next true tokens: every step accepts all + a bonus
                 done = len(ctx.tokens) - len(ids)
-                return DraftTree.chain(ctx.tokens[-1], ref[done : done + min(8, ctx.max_nodes - 1)])
+                return _chain(ctx.tokens[-1], ref[done : done + min(8, ctx.max_nodes - 1)])
 
         for n in (1, 2, 5, 11, 13):
             stats = DecodeStats()
@@ -205,7 +211,7 @@ def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, min_rows
 
         def propose(self, ctx):
             done = len(ctx.tokens) - len(ids)
-            return DraftTree.chain(ctx.tokens[-1], ref[done : done + ctx.max_nodes - 1])
+            return _chain(ctx.tokens[-1], ref[done : done + ctx.max_nodes - 1])
 
     with load(tiny_bundle) as engine:
         plan = StepPlan(Candidate("forced", False, min_rows), True, True, False, 16, "forced")
@@ -225,7 +231,7 @@ def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, min_rows
 def test_drafter_that_breaks_the_contract_is_refused(tiny_bundle):
     class TooBig(Drafter):
         def propose(self, ctx):
-            return DraftTree.chain(ctx.tokens[-1], [1] * (ctx.max_nodes + 3))
+            return _chain(ctx.tokens[-1], [1] * (ctx.max_nodes + 3))
 
     with load(tiny_bundle) as engine:
         dec = Decoder(engine.backend, engine.manifest, TooBig(), plan=engine.plan)
@@ -250,7 +256,7 @@ def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
         state, out = dec0.prefill(ids)
         first = int(np.argmax(out.logits[0, -1]))
         # The distribution of the 2nd emitted token given the 1st is `first`: one step from the root.
-        root_tree = DraftTree.chain(first, [])
+        root_tree = _chain(first, [])
         logits = dec0.verify(state, root_tree, root_tree.buffers()).logits[0, 0]
         p = warp_logits(logits, 1.5, 8, 1.0)
         support = np.flatnonzero(p)

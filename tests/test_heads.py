@@ -373,3 +373,11 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
                 steps += st.steps
             if tree == "tree16":  # a chains-only step plan verifies the tree's best chain only
                 assert tokens / steps > (1.3 if eng.plan.trees else 1.1), (draft, tokens / steps, eng.plan.reason)
+
+
+def test_the_heads_kinds_the_graphs_build_are_the_runtime_kinds():
+    """graphs/ cannot import the runtime's list of kinds, so the two are checked here."""
+    from specdeploy.graphs.build import HEADS_BUILDERS
+    from specdeploy.runtime.drafters.kinds import HEADS_KINDS
+
+    assert tuple(HEADS_BUILDERS) == HEADS_KINDS

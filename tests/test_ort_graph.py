@@ -1,8 +1,8 @@
-"""The ``ort`` graph target (``exporter/ort_graph.py``): parity with torch, bundles with two targets,
+"""The ``ort`` graph target (``exporter/export/ort_graph.py``): parity with torch, bundles with two targets,
 the runtime's choice of graph, and greedy identity on it.
 
-Parity runs each flavour the way the runtime does: the cache buffers are bound as both ``past_*`` and
-``present_*`` (GroupQueryAttention and TensorScatter then write in place), and the presents are
+Parity runs the graph the way the runtime does: the cache buffers are bound as both ``past_*`` and
+``present_*`` (GroupQueryAttention then writes in place), and the presents are
 compared over the valid ``past + T`` slots, which is all a step may touch.
 """
 
@@ -13,6 +13,7 @@ import onnx
 import pytest
 from specdeploy.runtime import load
 from specdeploy.runtime.bundle import read_manifest
+from specdeploy.runtime.contract import present_names
 from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BundleError
 
@@ -46,9 +47,8 @@ def _run_aliased(path, feed: dict[str, np.ndarray]):
     return logits, hidden, past
 
 
-@pytest.mark.parametrize("flavour", ["contrib", "std"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_ort_graph_parity(arch, flavour, tiny_model_factory, tmp_path):
+def test_ort_graph_parity(arch, tiny_model_factory, tmp_path):
     import torch
     from specdeploy.exporter.check.validate import _FlatStep, base_cases
     from specdeploy.exporter.export.base import model_config
@@ -58,13 +58,9 @@ def test_ort_graph_parity(arch, flavour, tiny_model_factory, tmp_path):
 
     loaded = load_model(str(tiny_model_factory(arch)))
     step = BaseStep(loaded.model).eval()
-    model = build_ort_graph(step, max_positions=128, flavour=flavour)
+    model = build_ort_graph(step, max_positions=128)
     ops = {n.op_type for n in model.graph.node}
-    if flavour == "contrib":
-        assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Split" in ops
-    else:
-        assert {"Attention", "RotaryEmbedding", "RMSNormalization", "TensorScatter"} <= ops
-        assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Split" in ops
     save_graph(model, tmp_path / "base.onnx")
 
     class _Manifest:  # base_cases reads only the model config
@@ -80,7 +76,7 @@ def test_ort_graph_parity(arch, flavour, tiny_model_factory, tmp_path):
         assert np.abs(logits - ref[0]).max() < 1e-4, case
         assert (logits.argmax(-1) == ref[0].argmax(-1)).all(), case
         assert np.abs(hidden - ref[1]).max() < 1e-4, case
-        for name, want in zip(step.present_names(), ref[2:]):
+        for name, want in zip(present_names(step.num_layers), ref[2:]):
             got = past[name.replace("present_", "past_")]
             assert np.abs(got[:, :, :valid] - want[:, :, :valid]).max() < 1e-4, (case, name)
         if case == "tree":  # the tree case branches: a plain causal mask would fail these rows
@@ -227,12 +223,12 @@ def test_cpu_graph_choice_plain_and_speculative(tiny_bundle):
     """Plain decoding takes the GGUF-block graph when there is one; tree steps take the fp32 fused one."""
     import dataclasses
 
-    from specdeploy.runtime.bundle import GGUF_Q4_1
+    from specdeploy.runtime.precision import GGUF_Q4_1_BLOCKS
 
     manifest = read_manifest(tiny_bundle)
     fused = manifest.graph("base", "ort")
     traced = manifest.graph("base", "trt")
-    blocks = dataclasses.replace(fused, file="base-q4.onnx", precision=GGUF_Q4_1)
+    blocks = dataclasses.replace(fused, file="base-q4.onnx", precision=GGUF_Q4_1_BLOCKS)
     three = manifest.replace(graphs=(traced, fused, blocks))
     assert three.cpu_base(multi_row=False) is blocks
     assert three.cpu_base(multi_row=True) is fused
@@ -248,13 +244,14 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path):
     import shutil
 
     from specdeploy.exporter.export.staging import graph_entry
-    from specdeploy.runtime.bundle import GGUF_Q4_1, write_manifest
+    from specdeploy.runtime.bundle import write_manifest
+    from specdeploy.runtime.precision import GGUF_Q4_1_BLOCKS
 
     bundle = tmp_path / "two"
     shutil.copytree(tiny_bundle, bundle)
     shutil.copy(bundle / "base-ort.onnx", bundle / "base-q4.onnx")  # points at base-ort.onnx.data
     manifest = read_manifest(bundle)
-    q4 = graph_entry(bundle, "base", "base-q4.onnx", target="ort", precision=GGUF_Q4_1)
+    q4 = graph_entry(bundle, "base", "base-q4.onnx", target="ort", precision=GGUF_Q4_1_BLOCKS)
     write_manifest(bundle, manifest.replace(graphs=(*manifest.graphs, q4)))
     cfg = GenerationConfig(max_new_tokens=16)
     with load(tiny_bundle) as one, load(bundle) as two, load(bundle, draft="prompt-lookup") as spec:

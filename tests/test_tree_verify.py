@@ -150,7 +150,7 @@ def test_buffers_match_naive_construction(parents):
 
 
 def test_verify_rejects_mismatched_buffers_or_logits():
-    tree = DraftTree.chain(0, [1, 2])
+    tree = DraftTree(np.array([0, 1, 2]), np.array([-1, 0, 1]))
     other = DraftTree([0, 1, 2], [-1, 0, 0])
     logits = np.zeros((3, 4))
     with pytest.raises(TreeSpecError):
@@ -312,7 +312,7 @@ def test_root_only_and_chain():
     logits = np.array([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
     root = DraftTree([2], [-1])
     assert greedy_accept(root, root.buffers(), logits).tokens.tolist() == [1]
-    chain = DraftTree.chain(2, [1, 0])
+    chain = DraftTree(np.array([2, 1, 0]), np.array([-1, 0, 1]))
     acc = greedy_accept(chain, chain.buffers(), logits)
     assert acc.nodes.tolist() == [0, 1, 2] and acc.tokens.tolist() == [1, 0, 2]
 
@@ -480,12 +480,12 @@ def test_chi_square_rejects_wrong_rules(rule):
 # typical acceptance (lossy)
 
 
-def typical_ok(tree, logits, temperature, eps=0.09, delta=0.3):
+def typical_ok(tree, logits, temperature, threshold=0.09, alpha=0.3):
     z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     h = -(p * np.log(p)).sum(-1)
-    thr = np.minimum(eps, delta * np.exp(-h))
+    thr = np.minimum(threshold, alpha * np.exp(-h))
     return [True] + [
         p[tree.parents[i], tree.tokens[i]] > thr[tree.parents[i]] for i in range(1, tree.num_nodes)
     ]
@@ -520,3 +520,23 @@ def test_runtime_modules_import_only_numpy():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tree_choice_is_the_one_parser_of_tree_arguments():
+    """Static names, chains, JSON paths and dynamic budgets, checked against a bundle's limits in one place."""
+    from specdeploy.runtime.tree import DYNAMIC_DEFAULT_NODES, tree_choice
+
+    spec, dyn = tree_choice("chain3", max_tree=64, max_depth=4)
+    assert dyn is None and spec.depth == 3 and spec.num_nodes == 4
+    assert tree_choice("[[0],[1],[0,0]]", 64, 4)[0].num_nodes == 4
+    assert tree_choice("dynamic", 64, 4) == (None, DYNAMIC_DEFAULT_NODES)
+    assert tree_choice("dynamic:12", 64, 4) == (None, 12)
+    for bad in ("dynamic:1", "dynamic:65", "dynamic:x"):
+        with pytest.raises(TreeSpecError, match="A dynamic tree needs 2 to 64 nodes"):
+            tree_choice(bad, 64, 4)
+    with pytest.raises(TreeSpecError, match="static trees only"):
+        tree_choice("dynamic:8", 64, 4, dynamic=False)
+    with pytest.raises(TreeSpecError, match="Unknown tree"):
+        tree_choice("bushy", 64, 4)
+    with pytest.raises(TreeSpecError):
+        tree_choice("chain8", 64, 4)  # deeper than the drafter's heads

@@ -50,9 +50,9 @@ from specdeploy.runtime.backends.trt import current_device, require_tensorrt
 from specdeploy.runtime.backends.trt_profiles import DeviceInfo, Profile, engine_file, optimization_profiles
 from specdeploy.runtime.bundle import BundleManifest, EngineEntry, GraphEntry, read_manifest, write_manifest
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
+from specdeploy.runtime.precision import ENGINE_PRECISIONS, FP16
 
 Progress = Callable[[str], None]
-PRECISIONS = ("fp32", "fp16", "bf16")
 TIMING_CACHE = "engines/timing.cache"
 
 
@@ -62,15 +62,15 @@ def _stderr(msg: str) -> None:
 
 @dataclass(frozen=True)
 class BuildConfig:
-    precision: str = "fp16"
+    precision: str = FP16
     max_tree: int | None = None  # None: the bundle's limit
     max_context: int | None = None
     max_batch: int | None = None
     workspace_gb: float = 4.0
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise BundleError(f"Unknown precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}.")
+        if self.precision not in ENGINE_PRECISIONS:
+            raise BundleError(f"Unknown precision '{self.precision}'; choose one of {', '.join(ENGINE_PRECISIONS)}.")
         if not self.workspace_gb > 0:
             raise BundleError(f"--workspace-gb must be positive; got {self.workspace_gb}.")
 

@@ -116,9 +116,9 @@ def run_heads(session, traces: list[Trace]) -> None:
 
 def static_acceptance(tr: Trace, spec) -> np.ndarray:
     """[S] draft tokens greedy verification accepts at each position for a static tree (exact)."""
-    from specdeploy.runtime.tree import _spec_arrays
+    from specdeploy.runtime.tree import spec_arrays
 
-    parents, depth, rank = _spec_arrays(spec)  # [N], [N-1], [N-1]
+    parents, depth, rank = spec_arrays(spec)  # [N], [N-1], [N-1]
     s_len, r_len = tr.ids.shape[0], tr.ref.shape[0]  # positions with a hidden state; reference tokens
     pos = np.arange(s_len)[:, None] + depth[None, :]  # [S, N-1] reference index each node must equal
     known = pos < r_len

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 from specdeploy.runtime.bundle import BundleManifest
+from specdeploy.runtime.contract import INPUT_NAMES, LOGITS, past_names
+from specdeploy.runtime.precision import INT4, INT8, Q4_1
 
 # Calibrated on SmolLM2-135M-Instruct (HELD_IN_TEXTS, 394 positions; fp32 perplexity 16.22), with the
 # quantize.py defaults: int8 top-1 0.949, perplexity ratio 1.005; int4 top-1 0.690, ratio 1.24. int8 with
@@ -28,8 +30,8 @@ from specdeploy.runtime.bundle import BundleManifest
 # weights that are already dequantized Q4_1, so both sit below the textbook 0.97 / 0.85. The limits
 # leave room for sampling noise (+-0.02 at 394 positions) and other models of this size, and still
 # fail a broken graph (top-1 near 0, perplexity in the hundreds) or a wrong lm_head/layout.
-MIN_TOP1 = {"int8": 0.92, "int4": 0.60, "q4_1": 0.85}
-MAX_PPL_RATIO = {"int8": 1.03, "int4": 1.40, "q4_1": 1.03}
+MIN_TOP1 = {INT8: 0.92, INT4: 0.60, Q4_1: 0.85}
+MAX_PPL_RATIO = {INT8: 1.03, INT4: 1.40, Q4_1: 1.03}
 
 # Held-in text: plain, varied English (narrative, explanation, instructions, dialogue, a list).
 HELD_IN_TEXTS = (
@@ -98,16 +100,10 @@ def causal_feed(ids: Sequence[int], manifest: BundleManifest, kv_dtype=np.float3
     n = len(ids)
     neg = np.finfo(np.float32).min
     mask = np.where(np.tril(np.ones((n, n), bool)), 0.0, neg).astype(np.float32)[None, None]  # [1, 1, N, N]
-    feed = {
-        "input_ids": np.asarray(ids, np.int64)[None],
-        "position_ids": np.arange(n, dtype=np.int64)[None],
-        "attention_mask": mask,
-        "write_indices": np.arange(n, dtype=np.int64),
-        "logits_index": np.arange(n, dtype=np.int64),
-    }
-    for i in range(m.num_layers):
-        for kind in ("key", "value"):
-            feed[f"past_{kind}_{i}"] = np.zeros((1, m.num_kv_heads, n, m.head_dim), kv_dtype)
+    feed = dict(zip(INPUT_NAMES, (np.asarray(ids, np.int64)[None], np.arange(n, dtype=np.int64)[None], mask,
+                                  np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64))))
+    for name in past_names(m.num_layers):
+        feed[name] = np.zeros((1, m.num_kv_heads, n, m.head_dim), kv_dtype)
     return feed
 
 
@@ -130,10 +126,10 @@ def ort_logits_fn(bundle_dir: Path, manifest: BundleManifest, threads: int | Non
 
     entry = manifest.base_graph("ort")
     session = make_session(Path(bundle_dir) / entry.file, "cpu", threads)
-    kv = np.dtype(next(s.dtype for s in entry.inputs if s.name == "past_key_0"))
+    kv = np.dtype(next(s.dtype for s in entry.inputs if s.name == past_names(1)[0]))
 
     def run(ids: Sequence[int]) -> np.ndarray:
-        return session.run(["logits"], causal_feed(ids, manifest, kv))[0][0]
+        return session.run([LOGITS], causal_feed(ids, manifest, kv))[0][0]
 
     return run
 
@@ -144,10 +140,8 @@ def torch_logits_fn(step, manifest: BundleManifest) -> Callable[[Sequence[int]],
 
     def run(ids: Sequence[int]) -> np.ndarray:
         feed = {k: torch.from_numpy(v) for k, v in causal_feed(ids, manifest).items()}
-        past = [feed[n] for n in step.past_names()]
         with torch.no_grad():
-            out = step(feed["input_ids"], feed["position_ids"], feed["attention_mask"], feed["write_indices"],
-                       feed["logits_index"], past)
+            out = step(*(feed[n] for n in INPUT_NAMES), [feed[n] for n in past_names(step.num_layers)])
         return out[0][0].numpy()
 
     return run

@@ -15,17 +15,18 @@ from pathlib import Path
 
 import numpy as np
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
+from specdeploy.runtime.contract import HIDDEN_STATES, INPUT_NAMES, LOGITS, past_names, present_names
 from specdeploy.runtime.errors import ValidationFailed
 from specdeploy.runtime.plan import StepPlan
+from specdeploy.runtime.precision import FP16, FP32, INT4, INT8, Q4_1, QUANTIZED
 
 # Weight-quantized graphs are judged by their quality report (quality.py): per case their argmax may
 # legitimately differ from fp32, and their deltas are bounded only loosely, to catch a broken graph.
 # Measured on SmolLM2-135M (max |delta| over prefill/step/tree): int8 logits 1.75, hidden/KV 1.35;
 # int4 logits 16.2, hidden/KV 10.6 (its fp32 weights are dequantized Q4_1, so int4 re-rounds them);
 # q4_1 (the same Q4_1 weights, int8 activations) logits 5.9, hidden/KV 5.1 on the prefill case.
-QUANTIZED_PRECISIONS = ("int8", "int4", "q4_1")
-LOGITS_ATOL = {"fp32": 1e-3, "fp16": 5e-2, "int8": 4.0, "int4": 40.0, "q4_1": 15.0}
-STATE_ATOL = {"int8": 5.0, "int4": 30.0, "q4_1": 12.0}  # hidden_states and present_*; default: 10x the logits atol
+LOGITS_ATOL = {FP32: 1e-3, FP16: 5e-2, INT8: 4.0, INT4: 40.0, Q4_1: 15.0}
+STATE_ATOL = {INT8: 5.0, INT4: 30.0, Q4_1: 12.0}  # hidden_states and present_*; default: 10x the logits atol
 
 
 @dataclass(frozen=True)
@@ -80,12 +81,10 @@ class _FlatStep:
 
     def __init__(self, step):
         self.step = step
-        self.past_names = step.past_names()
+        self.past_names = past_names(step.num_layers)
 
     def __call__(self, **kw):
-        past = [kw[n] for n in self.past_names]
-        return self.step(kw["input_ids"], kw["position_ids"], kw["attention_mask"], kw["write_indices"],
-                         kw["logits_index"], past)
+        return self.step(*(kw[n] for n in INPUT_NAMES), [kw[n] for n in self.past_names])
 
 
 def base_cases(manifest: BundleManifest, step_fn: Callable, prompt_ids: list[int], capacity: int = 32
@@ -97,20 +96,15 @@ def base_cases(manifest: BundleManifest, step_fn: Callable, prompt_ids: list[int
     neg = np.finfo(np.float32).min
     n = len(prompt_ids)
     zeros = [np.zeros((1, m.num_kv_heads, capacity, m.head_dim), np.float32) for _ in range(2 * m.num_layers)]
-    past_names = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
+    names_of_past = past_names(m.num_layers)
 
     def feed(ids, pos, mask_rows, widx, past):
         t = len(ids)
         mask = np.full((1, 1, t, capacity), neg, np.float32)
         mask[0, 0] = np.where(mask_rows, 0.0, neg)
-        d = {
-            "input_ids": np.asarray(ids, np.int64)[None],
-            "position_ids": np.asarray(pos, np.int64)[None],
-            "attention_mask": mask,
-            "write_indices": np.asarray(widx, np.int64),
-            "logits_index": np.arange(t, dtype=np.int64),
-        }
-        d.update(zip(past_names, past))
+        d = dict(zip(INPUT_NAMES, (np.asarray(ids, np.int64)[None], np.asarray(pos, np.int64)[None], mask,
+                                   np.asarray(widx, np.int64), np.arange(t, dtype=np.int64))))
+        d.update(zip(names_of_past, past))
         return d
 
     vis = np.zeros((n, capacity), bool)
@@ -156,7 +150,7 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
     G_LOGGER.module_severity = G_LOGGER.ERROR
     G_LOGGER.severity = G_LOGGER.ERROR
     flat = _FlatStep(step)
-    out_names = ["logits", "hidden_states", *step.present_names()]
+    out_names = [LOGITS, HIDDEN_STATES, *present_names(step.num_layers)]
     cases = cases or base_cases(manifest, flat, prompt_ids)
     entries = [g for g in manifest.graphs if g.role == "base"]
     runners = [_torch_runner(flat, out_names, "torch", cases[0][1])]
@@ -182,7 +176,7 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
                     x, y = x[:, :, :valid], y[:, :, :valid]
                 delta = float(np.max(np.abs(x - y)))
                 same = (x.argmax(-1) == y.argmax(-1)) if name == "logits" else None
-                agree = bool(same.all()) if same is not None and precision not in QUANTIZED_PRECISIONS else None
+                agree = bool(same.all()) if same is not None and precision not in QUANTIZED else None
                 rate = float(same.mean()) if same is not None else None
                 atol = atol_logits if name == "logits" else STATE_ATOL.get(precision, max(atol_logits, 1e-3) * 10)
                 checks.append(OutputCheck(case + tag, name, delta, atol, agree, rate))
@@ -262,7 +256,7 @@ def quality_failures(bundle_dir: Path, manifest: BundleManifest, step, tokenizer
                      progress: Callable[[str], None] = print) -> list[str]:
     """For a weight-quantized base graph: print its quality report; return why it fails, if it does."""
     precision = manifest.base_graph("ort").precision
-    if precision not in QUANTIZED_PRECISIONS:
+    if precision not in QUANTIZED:
         return []
     from specdeploy.exporter.check.quality import quality_report
 
@@ -291,8 +285,9 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
     graph: entropy and gate probability.
     """
     import torch
-    from specdeploy.exporter.export.draft import HEADS_KINDS, torch_draft_modules
+    from specdeploy.exporter.export.draft import torch_draft_modules
     from specdeploy.runtime.backends.ort import make_session
+    from specdeploy.runtime.drafters.kinds import HEADS_KINDS
 
     with torch.no_grad():
         out = loaded.model.model(input_ids=torch.tensor([prompt_ids]))

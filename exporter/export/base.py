@@ -22,8 +22,8 @@ from specdeploy.exporter.export.staging import (
     package_versions,
     staged_bundle,
 )
+from specdeploy.runtime import contract
 from specdeploy.runtime.bundle import (
-    GGUF_Q4_1,
     BundleManifest,
     Limits,
     ModelConfig,
@@ -32,6 +32,7 @@ from specdeploy.runtime.bundle import (
     write_manifest,
 )
 from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
+from specdeploy.runtime.precision import FP32, GGUF_Q4_1_BLOCKS, MATMULNBITS_BITS, Q4_1
 
 Progress = Callable[[str], None]
 
@@ -119,18 +120,12 @@ def export_base(
     arithmetic llama.cpp uses for this file. Its quality stays near fp32 (no second rounding of the
     weights, unlike "int4").
     """
-    from specdeploy.exporter.export.quantize import (
-        GGUF_INT8,
-        QUANTIZED,
-        PrecisionError,
-        quant_config,
-        resolve_target,
-    )
+    from specdeploy.exporter.export.quantize import PrecisionError, quant_config, resolve_target
     from specdeploy.exporter.source import check_architecture, load_model
     from specdeploy.graphs.base_step import BaseStep
 
     target = resolve_target(precision, target)
-    qconfig = quant_config(precision, block_size) if precision in QUANTIZED else None
+    qconfig = quant_config(precision, block_size) if precision in MATMULNBITS_BITS else None
     out = Path(out)
     if out.exists() and not force:
         raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
@@ -142,13 +137,13 @@ def export_base(
     mcfg = model_config(hf, loaded.tokenizer, arch)
     ctx = min(max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     step = BaseStep(hf).eval()
-    if precision == GGUF_INT8:
+    if precision == Q4_1:
         from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
 
         blocks = read_q4_1_linears(loaded.path, hf) if loaded.format == "gguf" else None
         if not blocks:
             raise PrecisionError(
-                f"--precision {GGUF_INT8} keeps a Q4_1 GGUF's own blocks, and '{loaded.path}' is not a GGUF whose "
+                f"--precision {Q4_1} keeps a Q4_1 GGUF's own blocks, and '{loaded.path}' is not a GGUF whose "
                 "decoder weights are all Q4_1; use --precision int4 instead."
             )
         with staged_bundle(out, force) as tmp:
@@ -176,13 +171,13 @@ def export_base(
 
                 export_ort_graph(step, tmp / GGUF_BASE_FILE, ctx + max_tree, progress=progress, blocks=blocks)
                 store_once(tmp, GGUF_BASE_FILE, [ORT_BASE_FILE], progress)
-                entries.append(graph_entry(tmp, "base", GGUF_BASE_FILE, target="ort", precision=GGUF_Q4_1))
+                entries.append(graph_entry(tmp, "base", GGUF_BASE_FILE, target="ort", precision=GGUF_Q4_1_BLOCKS))
             del blocks
             gc.collect()
         if target in ("trt", "all"):
             _trace_base(step, tmp / "base.onnx", arch, progress)
             store_once(tmp, "base.onnx", [e.file for e in entries], progress)
-            entries.insert(0, graph_entry(tmp, "base", "base.onnx", target="trt", precision="fp32"))
+            entries.insert(0, graph_entry(tmp, "base", "base.onnx", target="trt", precision=FP32))
         return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision, target,
                               qconfig, t0, progress)
 
@@ -223,17 +218,12 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
 
     progress(f"[2/4] tracing {arch} ({step.num_layers} layers) with torch.onnx.export(dynamo=True) ...")
     args = example_inputs(step)
-    in_names = ["input_ids", "position_ids", "attention_mask", "write_indices", "logits_index", *step.past_names()]
-    out_names = ["logits", "hidden_states", *step.present_names()]
-    batch, tree, cap, kept = (Dim(n) for n in ("batch", "tree", "capacity", "kept"))
-    axes = {
-        "input_ids": {0: batch, 1: tree},
-        "position_ids": {0: batch, 1: tree},
-        "attention_mask": {0: batch, 2: tree, 3: cap},
-        "write_indices": {0: tree},
-        "logits_index": {0: kept},
-        "past": [{0: batch, 2: cap} for _ in step.past_names()],
-    }
+    past = contract.past_names(step.num_layers)
+    in_names = [*contract.INPUT_NAMES, *past]
+    out_names = [contract.LOGITS, contract.HIDDEN_STATES, *contract.present_names(step.num_layers)]
+    dims = {n: Dim(n) for n in (contract.BATCH, contract.TREE, contract.CAPACITY, contract.KEPT)}
+    axes = {name: {axis: dims[d] for axis, d in enumerate(shape) if d in dims} for name, _, shape in contract.STEP_INPUTS}
+    axes["past"] = [{axis: dims[d] for axis, d in enumerate(contract.kv_dims(1, 1)) if d in dims} for _ in past]
     with torch.no_grad():
         export_graph(step, args, path, in_names, out_names, axes)
 

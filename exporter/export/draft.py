@@ -27,10 +27,10 @@ from specdeploy.runtime.bundle import (
     read_manifest,
     write_manifest,
 )
+from specdeploy.runtime.drafters.kinds import HEADS_KINDS, TRAINED_KINDS
 from specdeploy.runtime.errors import DraftMismatchError
+from specdeploy.runtime.precision import DRAFT_PRECISIONS, FP32, INT8
 
-HEADS_KINDS = ("medusa", "cerberus")
-DRAFT_KINDS = ("chimera", "medusa", "cerberus")
 DEFAULT_TOPK = 10  # enough for the largest static tree (ranks 0..9) and the dynamic tree's width
 
 
@@ -120,7 +120,7 @@ def _share(tmp: Path, manifest: BundleManifest, file: str, earlier: list[str], p
 def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
                  vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
                  progress: Callable[[str], None] = _stderr, use_calibration: bool = True,
-                 precision: str = "int8") -> DraftEntry:
+                 precision: str = INT8) -> DraftEntry:
     """Add a trained heads draft to ``bundle``; replaces a previous draft of the same kind.
 
     ``calibration`` defaults to ``<weights>.calibration.json`` when that exists; ``use_calibration``
@@ -137,7 +137,7 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
         return export_chimera(bundle, draft, vocab_trim=vocab_trim, topk=topk, model=model, progress=progress,
                               precision=precision, calibration=calibration, use_calibration=use_calibration)
     if kind not in HEADS_KINDS:
-        raise DraftMismatchError(f"Unknown draft kind '{kind}'; choose one of {', '.join(DRAFT_KINDS)}.")
+        raise DraftMismatchError(f"Unknown draft kind '{kind}'; choose one of {', '.join(TRAINED_KINDS)}.")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     weights = load_draft_weights(draft, kind)
@@ -206,9 +206,6 @@ def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: i
     return ChimeraStepGraph(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
 
 
-CHIMERA_PRECISIONS = ("int8", "fp32")
-
-
 def _chimera_int8():
     from specdeploy.exporter.export.quantize import QuantConfig
 
@@ -219,7 +216,7 @@ def _chimera_int8():
 
 def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None = None, topk: int = DEFAULT_TOPK,
                    model: str | None = None, progress: Callable[[str], None] = _stderr,
-                   precision: str = "int8", calibration: str | Path | None = None,
+                   precision: str = INT8, calibration: str | Path | None = None,
                    use_calibration: bool = True) -> DraftEntry:
     """Add a trained Chimera draft (``chimera.onnx``, one draft step with its own KV) to ``bundle``.
 
@@ -230,8 +227,8 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     when the bundle has a TensorRT (``trt``) base graph, or alone with ``precision`` "fp32". The
     embedding table is the base graph's own bytes, stored once (:mod:`.shared_data`).
     """
-    if precision not in CHIMERA_PRECISIONS:
-        raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(CHIMERA_PRECISIONS)}.")
+    if precision not in DRAFT_PRECISIONS:
+        raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
     import torch
     from specdeploy.exporter.export.staging import export_graph, graph_entry, updated_bundle
     from specdeploy.exporter.source import load_model
@@ -266,8 +263,8 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         if chains.get("default_tree"):
             settings["default_chain"] = chains["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
-    keep_fp32 = precision == "fp32" or any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
-    roles = (["chimera"] if keep_fp32 else []) + (["chimera-int8"] if precision == "int8" else [])
+    keep_fp32 = precision == FP32 or any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
+    roles = (["chimera"] if keep_fp32 else []) + (["chimera-int8"] if precision == INT8 else [])
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)
             and [g.role for g in old.graphs] == roles):
         progress(f"the Chimera draft in {bundle} is already these weights with these settings; nothing to do")
@@ -286,13 +283,13 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
             export_graph(graph, example_step_inputs(cfg), tmp / fp32_file, names,
                          ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
         graphs: tuple = ()
-        if precision == "int8":
+        if precision == INT8:
             from specdeploy.exporter.export.quantize import quantize_file
 
             progress("[2/3] quantizing the draft step's weights to int8 (chimera-int8.onnx) ...")
             quantize_file(tmp / fp32_file, tmp / "chimera-int8.onnx", _chimera_int8())
             _share(tmp, manifest, "chimera-int8.onnx", [], progress)
-            graphs += (graph_entry(tmp, "chimera-int8", "chimera-int8.onnx", target="ort", precision="int8"),)
+            graphs += (graph_entry(tmp, "chimera-int8", "chimera-int8.onnx", target="ort", precision=INT8),)
         if keep_fp32:
             _share(tmp, manifest, "chimera.onnx", [g.file for g in graphs], progress)
             graphs = (graph_entry(tmp, "chimera", "chimera.onnx"), *graphs)

@@ -6,24 +6,19 @@ This module writes the same step directly from the model's weights with ``onnx.h
 node per job, and keeps the exact contract of the traced graph (same inputs, outputs, dtypes and
 dynamic dimensions), so the runtime runs either graph unchanged.
 
-Two flavours, chosen by measurement (``scripts/measure_graph_forms.py``; numbers in the README):
+It uses ONNX Runtime's ``com.microsoft`` kernels, chosen by measurement against a standard-op
+(opset 24 ``Attention``/``TensorScatter``) form and the traced graph (docs/benchmarks.md, "Graph forms"):
+``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm) and ``GroupQueryAttention``. GQA takes
+the packed q|k|v projection, applies rotary at ``position_ids`` itself, writes the new K/V rows into
+the cache buffer in place (the runtime binds ``present_*`` to ``past_*``, which GQA detects as a
+shared buffer) and attends only over the valid ``past + T`` slots, not the whole capacity bucket.
 
-``contrib`` (the default ``ort`` graph)
-    ``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm) and ``GroupQueryAttention`` from
-    ``com.microsoft``. GQA takes the packed q|k|v projection, applies rotary at ``position_ids``
-    itself, writes the new K/V rows into the cache buffer in place (the runtime binds ``present_*``
-    to ``past_*``, which GQA detects as a shared buffer) and attends only over the valid
-    ``past + T`` slots, not the whole capacity bucket.
-``std``
-    Standard ``ai.onnx`` opset 24 only: ``RMSNormalization``, ``RotaryEmbedding``, ``TensorScatter``
-    for the in-place cache write and ``Attention`` (GQA through ``q_num_heads``/``kv_num_heads``).
-
-Tree attention holds exactly in both. A node at row j sits at position ``past + depth_j`` (rotary
+Tree attention holds exactly. A node at row j sits at position ``past + depth_j`` (rotary
 reads ``position_ids``) and sees the past plus its ancestors through ``attention_mask``, sliced to the
 ``past + T`` valid slots. GQA additionally applies a causal mask by row; that hides nothing a tree
 node needs, because the runtime orders tree nodes parents first (every ancestor has a smaller row).
 
-Row-exact 1-row steps (``contrib``): every node computes a row the same whatever the step's row count
+Row-exact 1-row steps: every node computes a row the same whatever the step's row count
 (measured bitwise, int8 activations included), except GQA, whose 1-row path sums in another order.
 So GQA always runs at least two rows: a 1-row step pads its q|k|v, positions and mask with a copy of
 its row, which writes a dummy K/V to the next cache slot (overwritten by the next step) and is
@@ -42,10 +37,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from specdeploy.runtime import contract
 
-FLAVOURS = ("contrib", "std")
 MS = "com.microsoft"
-ATTENTION_ROWS = 2  # the fewest rows the ``contrib`` graph's attention runs (a 1-row step is padded inside)
+ATTENTION_ROWS = 2  # the fewest rows the graph's attention runs (a 1-row step is padded inside)
 ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
 
 
@@ -138,37 +133,32 @@ def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     return _np(cos[0, :, :half]), _np(sin[0, :, :half])
 
 
-def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=None, location: str = "",
-                    blocks: dict | None = None, block_accuracy: int = 0, pad_attention: bool = True):
-    """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`) in ``flavour``.
+def build_ort_graph(step, max_positions: int, data=None, location: str = "", blocks: dict | None = None,
+                    block_accuracy: int = 0, pad_attention: bool = True):
+    """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`).
 
     With ``data`` (a binary file opened for writing), the weights go there as external data named
     ``location``; without it they are held in the proto (fine for small models). ``blocks`` (from
     :func:`gguf_blocks.read_q4_1_linears`) keeps the decoder-layer weights as the source GGUF's own
-    4-bit blocks instead of fp32 (``contrib`` only). ``pad_attention`` False leaves out the padding of
+    4-bit blocks instead of fp32. ``pad_attention`` False leaves out the padding of
     1-row steps' attention (the control in the tests). Blocks at accuracy level 0 are never padded:
     ``MatMulNBits`` with fp32 activations has its own 1-row path, so padding the attention would cost
     time and buy no exactness (that graph serves plain steps of non-row-exact decoding only).
     """
     from onnx import TensorProto, helper
 
-    if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}, not {flavour!r}")
-    if blocks is not None and flavour != "contrib":
-        raise ValueError("GGUF blocks need ONNX Runtime's MatMulNBits: flavour 'contrib' only")
     g = _Builder(data, location)
     hq, hkv, d, n_layers = step.num_heads, step.num_kv_heads, step.head_dim, step.num_layers
     hidden = step.embed_tokens.weight.shape[1]
     vocab = step.embed_tokens.weight.shape[0]
-    std = flavour == "std"
 
     embed = g.init("embed_tokens", _np(step.embed_tokens.weight))
     lm_head = g.init("lm_head_t", _np(step.lm_head.weight).T)  # [H, V]; MatMulNBits-quantizable
     cos, sin = rotary_tables(step, max_positions)
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
-    write, positions = "write_indices", "position_ids"
-    pad_attention = pad_attention and not std and (blocks is None or block_accuracy == 4)
+    write, positions = contract.WRITE_INDICES, contract.POSITION_IDS
+    pad_attention = pad_attention and (blocks is None or block_accuracy == 4)
     if pad_attention:
         # GQA runs >= ATTENTION_ROWS rows: a 1-row step gets a dummy copy of its row inside the graph
         # (``pad`` = [0, 0]), written to the next cache slot and dropped after the attention. GQA's
@@ -176,7 +166,7 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
         # differ by ~1e-7, which int8 activations turn into flipped tokens), while every other node
         # here computes a row the same whatever the row count. So a 1-row step computes bitwise what
         # row 0 of a multi-row step does, at the cost of a 1-row step.
-        t = g.one("Gather", [g.one("Shape", ["input_ids"]), g.const(1)], axis=0)
+        t = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(1)], axis=0)
         rows = g.one("Range", [g.const(0), g.one("Max", [t, g.const(ATTENTION_ROWS)]), g.const(1)])
         pad = g.one("Min", [rows, g.one("Sub", [t, g.const(1)])])  # [max(T, 2)]: 0..T-1, or 0, 0
         t_1d = g.one("Unsqueeze", [t, g.const([0])])
@@ -186,20 +176,13 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
     last = g.one("Gather", [write, g.const(-1)], axis=0)  # int64 scalar
     total = g.one("Add", [last, g.const(1)])
     total_1d = g.one("Unsqueeze", [total, g.const([0])])  # [1]
-    mask = g.one("Slice", ["attention_mask", g.const([0]), total_1d, g.const([3])])  # [B, 1, T, past+T]
+    mask = g.one("Slice", [contract.ATTENTION_MASK, g.const([0]), total_1d, g.const([3])])  # [B, 1, T, past+T]
     if pad_attention:
         mask = g.one("Gather", [mask, pad], axis=2)
-    batch = g.one("Gather", [g.one("Shape", ["input_ids"]), g.const(0)], axis=0)
+    batch = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(0)], axis=0)
     batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
-    if std:
-        first = g.one("Gather", ["write_indices", g.const([0])], axis=0)  # [1]
-        write_start = g.one("Expand", [first, batch_1d])  # [B] int64
-        kv_heads_shape = g.one("Concat", [batch_1d, g.const([-1, hkv, d])], axis=0)  # [B, T, Hkv, D]
-        q_heads_shape = g.one("Concat", [batch_1d, g.const([-1, hq, d])], axis=0)
-        flat_shape = g.one("Concat", [batch_1d, g.const([-1, hq * d])], axis=0)
-    else:
-        total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
-        seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
+    total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
+    seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
 
     def linear(x: str, name: str, weight, parts: list[str]) -> str:
         """x @ W.T, from fp32 weights or from the GGUF blocks of the transformers modules ``parts``."""
@@ -209,18 +192,13 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
 
         return q4_linear(g, x, name, Q4Blocks.concat([blocks[p] for p in parts]), block_accuracy)
 
-    x = g.one("Gather", [embed, "input_ids"], axis=0)  # [B, T, H]
+    x = g.one("Gather", [embed, contract.INPUT_IDS], axis=0)  # [B, T, H]
     residual_in = None  # the sublayer output still to be added to x
-    presents: list[str] = []
+    past_names, present_names = contract.past_names(n_layers), contract.present_names(n_layers)
 
     def norm(weight: str, eps: float) -> str:
-        """RMSNorm of x + residual_in; updates x to the sum (one fused kernel in ``contrib``)."""
+        """RMSNorm of x + residual_in; updates x to the sum (one fused kernel)."""
         nonlocal x, residual_in
-        if std:
-            if residual_in is not None:
-                x = g.one("Add", [x, residual_in])
-            residual_in = None
-            return g.one("RMSNormalization", [x, weight], axis=-1, epsilon=eps)
         if residual_in is None:
             return g.one("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=eps, stash_type=1)
         out, _, _, summed = g.op("SkipSimplifiedLayerNormalization", [x, residual_in, weight], 4, MS, epsilon=eps)
@@ -235,32 +213,17 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
                                                       m + "self_attn.v_proj"])
         if blk.qkv.bias is not None:
             qkv = g.one("Add", [qkv, g.init(p + "qkv_bias", _np(blk.qkv.bias))])
-        past_k, past_v = f"past_key_{i}", f"past_value_{i}"
-        pres_k, pres_v = f"present_key_{i}", f"present_value_{i}"
-        if not std:  # packed q|k|v in; rotary (at position_ids) and the in-place cache write inside
-            if pad_attention:
-                qkv = g.one("Gather", [qkv, pad], axis=1)
-            ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total_i32, cos_name, sin_name,
-                                               positions, mask],
-                       outputs=[g.name("attn"), pres_k, pres_v], domain=MS, num_heads=hq, kv_num_heads=hkv,
-                       scale=float(step.scale), do_rotary=1, rotary_interleaved=0)[0]
-            if pad_attention:
-                ctx = g.one("Slice", [ctx, g.const([0]), t_1d, g.const([1])])  # the step's own rows
-        else:
-            q, k, v = g.op("Split", [qkv, g.const([hq * d, hkv * d, hkv * d])], 3, axis=-1)
-            q = g.one("RotaryEmbedding", [q, cos_name, sin_name, "position_ids"], num_heads=hq, interleaved=0)
-            k = g.one("RotaryEmbedding", [k, cos_name, sin_name, "position_ids"], num_heads=hkv, interleaved=0)
-            k4 = g.one("Transpose", [g.one("Reshape", [k, kv_heads_shape])], perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
-            v4 = g.one("Transpose", [g.one("Reshape", [v, kv_heads_shape])], perm=[0, 2, 1, 3])
-            g.op("TensorScatter", [past_k, k4, write_start], outputs=[pres_k], axis=2)
-            g.op("TensorScatter", [past_v, v4, write_start], outputs=[pres_v], axis=2)
-            k_all = g.one("Slice", [pres_k, g.const([0]), total_1d, g.const([2])])  # the valid past+T rows
-            v_all = g.one("Slice", [pres_v, g.const([0]), total_1d, g.const([2])])
-            q4 = g.one("Transpose", [g.one("Reshape", [q, q_heads_shape])], perm=[0, 2, 1, 3])  # [B, Hq, T, D]
-            y = g.one("Attention", [q4, k_all, v_all, mask], q_num_heads=hq, kv_num_heads=hkv,
-                      scale=float(step.scale))
-            ctx = g.one("Reshape", [g.one("Transpose", [y], perm=[0, 2, 1, 3]), flat_shape])  # [B, T, Hq*D]
-        presents += [pres_k, pres_v]
+        past_k, past_v = past_names[2 * i], past_names[2 * i + 1]
+        pres_k, pres_v = present_names[2 * i], present_names[2 * i + 1]
+        # packed q|k|v in; rotary (at position_ids) and the in-place cache write inside
+        if pad_attention:
+            qkv = g.one("Gather", [qkv, pad], axis=1)
+        ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total_i32, cos_name, sin_name,
+                                           positions, mask],
+                   outputs=[g.name("attn"), pres_k, pres_v], domain=MS, num_heads=hq, kv_num_heads=hkv,
+                   scale=float(step.scale), do_rotary=1, rotary_interleaved=0)[0]
+        if pad_attention:
+            ctx = g.one("Slice", [ctx, g.const([0]), t_1d, g.const([1])])  # the step's own rows
         residual_in = linear(ctx, p + "o_proj_t", blk.o_proj.weight, [m + "self_attn.o_proj"])
         h = norm(g.init(p + "post_norm", _np(blk.post_norm_weight)), blk.post_norm_eps)
         gate_up = linear(h, p + "gate_up_t", blk.gate_up.weight, [m + "mlp.gate_proj", m + "mlp.up_proj"])
@@ -269,28 +232,19 @@ def build_ort_graph(step, max_positions: int, flavour: str = "contrib", data=Non
         residual_in = linear(g.one("Mul", [act, up]), p + "down_t", blk.down_proj.weight, [m + "mlp.down_proj"])
 
     final = norm(g.init("final_norm", _np(step.norm_weight)), step.norm_eps)
-    g.op("Identity", [final], outputs=["hidden_states"])
-    kept = g.one("Gather", [final, "logits_index"], axis=1)  # [B, K, H]
-    g.op("MatMul", [kept, lm_head], outputs=["logits"])
+    g.op("Identity", [final], outputs=[contract.HIDDEN_STATES])
+    kept = g.one("Gather", [final, contract.LOGITS_INDEX], axis=1)  # [B, K, H]
+    g.op("MatMul", [kept, lm_head], outputs=[contract.LOGITS])
 
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    kv = ["batch", hkv, "capacity", d]
-    inputs = [
-        helper.make_tensor_value_info("input_ids", i64, ["batch", "tree"]),
-        helper.make_tensor_value_info("position_ids", i64, ["batch", "tree"]),
-        helper.make_tensor_value_info("attention_mask", f32, ["batch", 1, "tree", "capacity"]),
-        helper.make_tensor_value_info("write_indices", i64, ["tree"]),
-        helper.make_tensor_value_info("logits_index", i64, ["kept"]),
-    ]
-    inputs += [helper.make_tensor_value_info(f"past_{kind}_{i}", f32, kv)
-               for i in range(n_layers) for kind in ("key", "value")]
-    outputs = [
-        helper.make_tensor_value_info("logits", f32, ["batch", "kept", vocab]),
-        helper.make_tensor_value_info("hidden_states", f32, ["batch", "tree", hidden]),
-    ]
-    outputs += [helper.make_tensor_value_info(n, f32, kv) for n in presents]
-    graph = helper.make_graph(g.nodes, f"specdeploy_base_{flavour}", inputs, outputs, initializer=g.inits)
-    opsets = [helper.make_opsetid("", 24)] if std else [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
+    dtypes = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
+    kv = list(contract.kv_dims(hkv, d))
+    inputs = [helper.make_tensor_value_info(n, dtypes[t], list(dims)) for n, t, dims in contract.STEP_INPUTS]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in past_names]
+    outputs = [helper.make_tensor_value_info(n, dtypes[t], list(dims))
+               for n, t, dims in contract.step_outputs(vocab, hidden)]
+    outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in present_names]
+    graph = helper.make_graph(g.nodes, "specdeploy_base_ort", inputs, outputs, initializer=g.inits)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdeploy")
     model.ir_version = 10
     if pad_attention:
@@ -311,8 +265,8 @@ def save_graph(model, path: Path) -> None:
     data.chmod(0o644)  # the external-data writer leaves it owner-only; bundles are shared read-only
 
 
-def export_ort_graph(step, path: Path, max_positions: int, flavour: str = "contrib",
-                     progress: Callable[[str], None] | None = None, blocks: dict | None = None,
+def export_ort_graph(step, path: Path, max_positions: int, progress: Callable[[str], None] | None = None,
+                     blocks: dict | None = None,
                      block_accuracy: int = 0) -> None:
     """Build the ``ort``-target base graph of ``step`` at ``path``, weights streamed to ``<path>.data``."""
     import onnx
@@ -320,9 +274,9 @@ def export_ort_graph(step, path: Path, max_positions: int, flavour: str = "contr
     path = Path(path)
     data = path.with_name(path.name + ".data")
     with open(data, "wb") as f:
-        model = build_ort_graph(step, max_positions, flavour, data=f, location=data.name, blocks=blocks,
+        model = build_ort_graph(step, max_positions, data=f, location=data.name, blocks=blocks,
                                 block_accuracy=block_accuracy)
     if progress:
-        progress(f"      {len(model.graph.node)} nodes ({flavour}), weights {data.stat().st_size / 2**20:.0f} MiB "
+        progress(f"      {len(model.graph.node)} nodes, weights {data.stat().st_size / 2**20:.0f} MiB "
                  f"in {data.name}")
     onnx.save_model(model, str(path))

@@ -80,12 +80,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specdeploy.runtime.errors import SpecDeployError
+from specdeploy.runtime.precision import EXPORT_PRECISIONS, FP16, INT4, INT8, QUANTIZED
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4", "q4_1")
-QUANTIZED = {"int8": 8, "int4": 4}
-# "q4_1": a Q4_1 GGUF's own 4-bit blocks (``gguf_blocks.py``) with int8 activations, the lm_head from
-# its Q8_0 blocks at 8 bits: llama.cpp's arithmetic in ONNX Runtime (see ``export_base``).
-GGUF_INT8 = "q4_1"
 TARGETS = ("trt", "ort", "all")
 CONTRIB_DOMAIN = "com.microsoft"
 
@@ -117,25 +113,25 @@ class QuantConfig:
 
 
 # Measured defaults per precision (see the module docstring).
-QUANT_DEFAULTS = {"int8": QuantConfig(8, accuracy_level=4),
-                  "int4": QuantConfig(4, accuracy_level=4, lm_head_bits=4, lm_head_accuracy_level=4)}
+QUANT_DEFAULTS = {INT8: QuantConfig(8, accuracy_level=4),
+                  INT4: QuantConfig(4, accuracy_level=4, lm_head_bits=4, lm_head_accuracy_level=4)}
 
 
 
 def resolve_target(precision: str, target: str | None) -> str:
     """The graph target(s) for ``precision``: both for fp32 by default; quantized graphs are ONNX Runtime only."""
-    if precision not in PRECISIONS:
-        raise PrecisionError(f"Unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}.")
+    if precision not in EXPORT_PRECISIONS:
+        raise PrecisionError(f"Unknown precision '{precision}'; choose one of {', '.join(EXPORT_PRECISIONS)}.")
     if target is not None and target not in TARGETS:
         raise PrecisionError(f"Unknown target '{target}'; choose one of {', '.join(TARGETS)}.")
-    if precision == "fp16":
+    if precision == FP16:
         raise PrecisionError(
             "--precision fp16 is not exported: on ONNX Runtime's CPU provider fp16 only pays in the weight-bound "
             "MatMuls, its Softmax/Pow/Sigmoid kernels run 1.2-1.7x slower than fp32, and --precision int8 "
             "shrinks the weights further at fp32-like quality. For a GPU, export fp32 and build TensorRT "
             "engines with 'specdeploy build --precision fp16'."
         )
-    if precision in QUANTIZED or precision == GGUF_INT8:
+    if precision in QUANTIZED:
         if target in ("trt", "all"):
             raise PrecisionError(
                 f"--precision {precision} uses ONNX Runtime's MatMulNBits contrib op, which TensorRT cannot parse; "

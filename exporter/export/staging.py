@@ -7,6 +7,7 @@ hard-linked copy. Ctrl-C, an error or a full disk leaves nothing half-written.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -129,6 +130,9 @@ def export_graph(module, args: tuple, path: Path, input_names: list[str], output
     """Dynamo export to ``path`` with weights as external data next to it (standard ai.onnx ops)."""
     import torch
 
+    # The exporter logs, at WARNING, every optional op library it finds missing (torchvision's nms,
+    # roi_align, ...): nothing this graph uses. Errors still show.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(

@@ -24,6 +24,7 @@ from specdeploy.exporter.train.weights import (
     train,
     training_vocab,
 )
+from specdeploy.runtime.drafters.kinds import HEADS_KINDS
 from specdeploy.runtime.errors import TrainingError
 
 
@@ -40,7 +41,7 @@ class HeadsTrainConfig:
     eval_positions: int = 4096  # held-out positions per epoch (all of them in the final evaluation)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("medusa", "cerberus"):
+        if self.kind not in HEADS_KINDS:
             raise TrainingError(f"Unknown heads kind '{self.kind}'; choose medusa or cerberus.")
         if self.num_heads < 1 or self.num_heads > 8:
             raise TrainingError("The head count must be between 1 and 8.")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..bundle import BundleManifest, GraphEntry
+from ..contract import ATTENTION_MASK, HIDDEN_STATES, INPUT_NAMES, LOGITS, past_names, present_names
 from ..errors import BackendUnavailableError, BundleError
 from ..kvcache import KVCache
 from .base import Backend, StepInputs, StepOutputs
@@ -116,12 +117,11 @@ class OrtBackend(Backend):
         self._sessions: dict[str, tuple[Any, bool]] = {}  # "base" | "one_row" -> (session, spinning)
         self._split = False
         m = manifest.model
-        self._past = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
-        self._present = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
-        dtype = next(s.dtype for s in entry.inputs if s.name == "past_key_0")
+        self._past, self._present = past_names(m.num_layers), present_names(m.num_layers)
+        dtype = next(s.dtype for s in entry.inputs if s.name == self._past[0])
         self._kv_dtype = np.dtype(dtype)
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
-        self._mask_dtype = np.dtype(next(s.dtype for s in entry.inputs if s.name == "attention_mask"))
+        self._mask_dtype = np.dtype(next(s.dtype for s in entry.inputs if s.name == ATTENTION_MASK))
         self._ortvalues: dict[int, Any] = {}  # id(buffer) -> OrtValue sharing its memory
         self._bindings: dict[int, tuple[KVCache, int, Any]] = {}  # id(session) -> (cache, epoch, binding)
 
@@ -205,8 +205,8 @@ class OrtBackend(Backend):
         if len(self._ortvalues) > len(live):  # the cache was reallocated: drop stale views
             self._ortvalues = {k: v for k, v in self._ortvalues.items() if k in live}
         binding = session.io_binding()
-        binding.bind_output("logits")  # first, so they stay outputs 0 and 1 when a step rebinds them
-        binding.bind_output("hidden_states")
+        binding.bind_output(LOGITS)  # first, so they stay outputs 0 and 1 when a step rebinds them
+        binding.bind_output(HIDDEN_STATES)
         for past, present, buf in zip(self._past, self._present, buffers):
             ov = self._ortvalue(buf)
             binding.bind_ortvalue_input(past, ov)
@@ -219,18 +219,15 @@ class OrtBackend(Backend):
         if self._split and inputs.input_ids.shape[1] == 1:
             session = self._session("one_row")
         binding = self._cache_binding(session, cache)
-        binding.bind_cpu_input("input_ids", inputs.input_ids)
-        binding.bind_cpu_input("position_ids", inputs.position_ids)
-        binding.bind_cpu_input("attention_mask", inputs.attention_mask)
-        binding.bind_cpu_input("write_indices", inputs.write_indices)
-        binding.bind_cpu_input("logits_index", inputs.logits_index)
+        for name in INPUT_NAMES:  # the StepInputs fields carry the contract's names
+            binding.bind_cpu_input(name, getattr(inputs, name))
         # Fresh host arrays each step (earlier results stay valid), bound by pointer: ONNX Runtime writes
         # into them, so no output is copied and no wrapper is made for the 2 x layers cache outputs.
         b, t = inputs.input_ids.shape
         m = self.manifest.model
-        logits = np.empty((b, len(inputs.logits_index), m.vocab_size), dtype=self._out_dtype["logits"])
-        hidden = np.empty((b, t, m.hidden_size), dtype=self._out_dtype["hidden_states"])
-        for name, arr in (("logits", logits), ("hidden_states", hidden)):
+        logits = np.empty((b, len(inputs.logits_index), m.vocab_size), dtype=self._out_dtype[LOGITS])
+        hidden = np.empty((b, t, m.hidden_size), dtype=self._out_dtype[HIDDEN_STATES])
+        for name, arr in ((LOGITS, logits), (HIDDEN_STATES, hidden)):
             binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         session.run_with_iobinding(binding)
         return StepOutputs(logits=logits, hidden_states=hidden)
@@ -336,17 +333,17 @@ class OrtCudaBackend(OrtBackend):
         m = self.manifest.model
         binding = self.session.io_binding()
         inputs = {}
-        for name in ("input_ids", "position_ids", "attention_mask", "write_indices", "logits_index"):
+        for name in INPUT_NAMES:
             host = getattr(feed, name)
             buf = inputs[name] = DeviceArray(host.shape, self._in_dtype[name], self.stream)
             binding.bind_input(name, "cuda", 0, buf.dtype, list(buf.shape), buf.ptr)
         for past_name, present_name, buf in zip(self._past, self._present, past):
             binding.bind_input(past_name, "cuda", 0, buf.dtype, list(buf.shape), buf.ptr)
             binding.bind_output(present_name, "cuda", 0, buf.dtype, list(buf.shape), buf.ptr)  # in place
-        logits = DeviceArray((b, k, m.vocab_size), self._out_dtype["logits"], self.stream)
-        hidden = DeviceArray((b, t, m.hidden_size), self._out_dtype["hidden_states"], self.stream)
-        binding.bind_output("logits", "cuda", 0, logits.dtype, list(logits.shape), logits.ptr)
-        binding.bind_output("hidden_states", "cuda", 0, hidden.dtype, list(hidden.shape), hidden.ptr)
+        logits = DeviceArray((b, k, m.vocab_size), self._out_dtype[LOGITS], self.stream)
+        hidden = DeviceArray((b, t, m.hidden_size), self._out_dtype[HIDDEN_STATES], self.stream)
+        binding.bind_output(LOGITS, "cuda", 0, logits.dtype, list(logits.shape), logits.ptr)
+        binding.bind_output(HIDDEN_STATES, "cuda", 0, hidden.dtype, list(hidden.shape), hidden.ptr)
         return _Binding(binding, inputs, logits, hidden, graph_id, tuple(p.ptr for p in past))
 
     def _run(self, bound: _Binding, feed: StepInputs) -> None:

@@ -27,6 +27,16 @@ import numpy as np
 
 from ..bundle import BundleManifest
 from ..capture import prepare_captured_step, tree_buckets
+from ..contract import (
+    ATTENTION_MASK,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    INPUT_NAMES,
+    LOGITS,
+    LOGITS_INDEX,
+    past_names,
+    present_names,
+)
 from ..errors import BackendUnavailableError, BundleError
 from ..kvcache import KVCache, capacity_buckets
 from .base import Backend, StepInputs, StepOutputs
@@ -210,9 +220,9 @@ def engine_profiles(engine: Any) -> list[Profile]:
     names = ["prefill", "tree"] + [f"p{i}" for i in range(2, n)] if n >= 2 else ["tree"]
     out = []
     for p in range(n):
-        ids = engine.get_tensor_profile_shape("input_ids", p)  # [min, opt, max] of [B, T]
-        mask = engine.get_tensor_profile_shape("attention_mask", p)  # [B, 1, T, C]
-        lidx = engine.get_tensor_profile_shape("logits_index", p)  # [K]
+        ids = engine.get_tensor_profile_shape(INPUT_IDS, p)  # [min, opt, max] of [B, T]
+        mask = engine.get_tensor_profile_shape(ATTENTION_MASK, p)  # [B, 1, T, C]
+        lidx = engine.get_tensor_profile_shape(LOGITS_INDEX, p)  # [K]
         out.append(Profile(
             names[p],
             DimRange(ids[0][0], ids[1][0], ids[2][0]),
@@ -239,7 +249,7 @@ class _Slot:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.addresses: dict[str, int] = {}
         self.inputs: dict[str, DeviceArray] = {}
-        for name in ("input_ids", "position_ids", "attention_mask", "write_indices", "logits_index"):
+        for name in INPUT_NAMES:
             host = getattr(feed, name)
             self.inputs[name] = DeviceArray(host.shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
             self.shapes[name], self.addresses[name] = tuple(host.shape), self.inputs[name].ptr
@@ -249,7 +259,7 @@ class _Slot:
             self.addresses[name] = buf.ptr
         context = self.bind()
         self.outputs: dict[str, DeviceArray] = {}
-        for name in ("logits", "hidden_states"):
+        for name in (LOGITS, HIDDEN_STATES):
             shape = tuple(context.get_tensor_shape(name))
             self.outputs[name] = DeviceArray(shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
             self.addresses[name] = self.outputs[name].ptr
@@ -324,14 +334,13 @@ class TrtBackend(Backend):
         self.cuda_graphs = cuda_graphs
         self.stream = check(rt.cudaStreamCreate())
         m = manifest.model
-        self.past_names = [f"past_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
-        self.present_names = [f"present_{k}_{i}" for i in range(m.num_layers) for k in ("key", "value")]
-        self._mask_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype("attention_mask")))
+        self.past_names, self.present_names = past_names(m.num_layers), present_names(m.num_layers)
+        self._mask_dtype = np.dtype(trt.nptype(self.engine.get_tensor_dtype(ATTENTION_MASK)))
         self.profiles = engine_profiles(self.engine)
         self.t_buckets = tree_buckets(min(manifest.limits.max_tree, max(p.tree.max for p in self.profiles
                                                                          if p.name == "tree")))
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
-        self.pool = CachePool(trt.nptype(self.engine.get_tensor_dtype("past_key_0")), self.stream, ping_pong=True)
+        self.pool = CachePool(trt.nptype(self.engine.get_tensor_dtype(self.past_names[0])), self.stream, ping_pong=True)
         self.contexts = []
         for p in range(self.engine.num_optimization_profiles):
             context = self.engine.create_execution_context()
@@ -374,8 +383,8 @@ class TrtBackend(Backend):
             slot = _Slot(self, profile, feed, past, present)
             slot.load(feed)
             slot.launch()
-        logits = slot.outputs["logits"].download_rows(k)  # [B, K, V]; syncs the stream
-        hidden = slot.outputs["hidden_states"].download_rows(n)  # [B, N, H]
+        logits = slot.outputs[LOGITS].download_rows(k)  # [B, K, V]; syncs the stream
+        hidden = slot.outputs[HIDDEN_STATES].download_rows(n)  # [B, N, H]
         if padded is None:
             slot.free()
         # present (the partner set) now holds the cache: swap it in.

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from ..bundle import EngineEntry, Limits, TensorSpec
 from ..errors import BackendUnavailableError, BundleError
 from ..kvcache import bucket_for, capacity_buckets
+from ..precision import BF16, FP16, FP32
 
 # Which engine a backend loads when the bundle has several precisions for this GPU.
-PRECISION_PREFERENCE = ("fp16", "bf16", "fp32")
+PRECISION_PREFERENCE = (FP16, BF16, FP32)
 
 
 PREFILL_OPT_T = 256  # the prompt length prefill kernels are tuned for (a typical chat turn)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
-from ..tree import TreeSpec, parse_tree_arg
+from ..tree import TreeSpec, tree_choice
 from .base import DraftContext, Drafter
+from .kinds import DRAFTS, HEADS_KINDS
 from .prompt_lookup import PromptLookupDrafter
 
-DRAFTS = ("none", "prompt-lookup", "chimera", "medusa", "cerberus", "cerberus-nogate")
 MAX_LOOKUP_DEPTH = 16
 
 
@@ -18,7 +18,7 @@ def tree_spec(tree: str | None, manifest: BundleManifest, max_depth: int) -> Tre
     """Parse and check ``--tree`` against the bundle's limits (None: the drafter's default)."""
     if tree in (None, "", "auto"):
         return None
-    return parse_tree_arg(tree).validate(manifest.limits.max_tree, max_depth)
+    return tree_choice(tree, manifest.limits.max_tree, max_depth, dynamic=False)[0]
 
 
 def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
@@ -37,7 +37,7 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         from .chimera import make_chimera_drafter
 
         return make_chimera_drafter(bundle_dir, manifest, tree=tree, threads=threads, chains=chains)
-    if name in ("medusa", "cerberus", "cerberus-nogate"):
+    if name in (*HEADS_KINDS, "cerberus-nogate"):
         from .heads import make_heads_drafter
 
         return make_heads_drafter(name, bundle_dir, manifest, tree=tree, threads=threads, chains=chains)

@@ -32,6 +32,15 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget per-sequence state before a new prompt."""
 
+    @property
+    def needs_cost_curve(self) -> bool:
+        """True for a drafter that sizes its drafts by the backend's measured step cost (see
+        :meth:`use_cost_curve`); the engine then measures the curve once at load."""
+        return False
+
+    def use_cost_curve(self, cost_curve) -> None:
+        """Cost of a T-token step relative to a 1-token step, as measured on the backend in use."""
+
     def wants_draft(self, ctx: DraftContext) -> bool:
         """Asked before every step; False runs the step as plain decoding (T=1, no draft cost)."""
         return True

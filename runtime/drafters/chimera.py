@@ -23,6 +23,7 @@ import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry
 from ..errors import DraftMismatchError
+from ..precision import INT8
 from ..tree import DraftTree, TreeSpec
 from .base import DraftContext, Drafter
 from .heads import check_entry, check_tree_choice, draft_graph, resolve_tree, tree_from_topk
@@ -142,8 +143,8 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
     roles = {g.role for g in entry.graphs}
-    role = "chimera-int8" if precision in ("auto", "int8") and "chimera-int8" in roles else "chimera"
-    if precision == "int8" and role != "chimera-int8":
+    role = "chimera-int8" if precision in ("auto", INT8) and "chimera-int8" in roles else "chimera"
+    if precision == INT8 and role != "chimera-int8":
         raise DraftMismatchError("The bundle's Chimera draft has no int8 graph; re-export it with --precision int8.")
     session = make_draft_session(Path(bundle_dir) / draft_graph(entry, role).file)
     return ChimeraDrafter(session, num_heads, int(entry.setting("num_kv_heads")), int(entry.setting("head_dim")),

@@ -31,15 +31,13 @@ from ..tree import (
     DraftTree,
     TreeSpec,
     choose_default_tree,
-    parse_tree_arg,
     select_dynamic,
+    tree_choice,
 )
 from .base import DraftContext, Drafter
 
-HEADS_KINDS = ("medusa", "cerberus")
 HEADS_DRAFTS = ("medusa", "cerberus", "cerberus-nogate")
 GATE_KINDS = ("entropy", "learned")
-DYNAMIC_DEFAULT_NODES = 32
 
 
 class GateConfigError(SpecDeployError):
@@ -218,12 +216,7 @@ def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, 
                  chains: bool = False) -> tuple[TreeSpec | None, int | None]:
     """``--tree`` (or the draft's default) as a static spec or a dynamic node budget, checked against limits."""
     tree = tree if tree not in (None, "", "auto") else default_tree(entry, chains)
-    if tree == "dynamic" or tree.startswith("dynamic:"):
-        dynamic = int(tree.split(":", 1)[1]) if ":" in tree else DYNAMIC_DEFAULT_NODES
-        if not (2 <= dynamic <= manifest.limits.max_tree):
-            raise TreeSpecError(f"A dynamic tree needs 2 to {manifest.limits.max_tree} nodes, got {dynamic}.")
-        return None, dynamic
-    return parse_tree_arg(tree).validate(manifest.limits.max_tree, num_heads), None
+    return tree_choice(tree, manifest.limits.max_tree, num_heads)
 
 
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,

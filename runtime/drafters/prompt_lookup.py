@@ -42,6 +42,10 @@ class PromptLookupDrafter(Drafter):
         self.use_cost_curve(cost_curve)
         self.reset()
 
+    @property
+    def needs_cost_curve(self) -> bool:
+        return self.adaptive  # its draft length trades expected tokens against step cost
+
     def use_cost_curve(self, cost_curve: Mapping[int, float]) -> None:
         """Cost of a T-token step relative to a 1-token step (e.g. measured on the backend in use)."""
         self._cost = np.array([step_cost(cost_curve, n) for n in range(1, self.num_tokens * self.branches + 2)])

@@ -1,0 +1,7 @@
+"""The draft kinds: the one list that the drafters, the exporter's commands and its trainers read."""
+
+from __future__ import annotations
+
+HEADS_KINDS = ("medusa", "cerberus")  # Medusa-style heads over the base's last hidden state
+TRAINED_KINDS = ("chimera", *HEADS_KINDS)  # drafts with trained weights, stored in a bundle
+DRAFTS = ("none", "prompt-lookup", *TRAINED_KINDS, "cerberus-nogate")  # what --draft accepts
