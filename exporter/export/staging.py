@@ -45,36 +45,41 @@ def _disk_full(exc: BaseException, dest: Path) -> BundleError | None:
 
 
 @contextmanager
-def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary directory next to ``out``; on success it atomically becomes ``out``."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _staging_dir(out)
+def _swapped_in(tmp: Path, dest: Path) -> Iterator[Path]:
+    """Yield ``tmp``; on success it atomically becomes ``dest``, on any failure it is removed."""
     try:
         yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(tmp, out)
+            os.replace(tmp, dest)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(exc, out)
+        full = _disk_full(exc, dest)
         if full is not None:
             raise full from exc
         raise
 
 
 @contextmanager
+def staged_bundle(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary directory next to ``out``; on success it atomically becomes ``out``."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise BundleExistsError(f"'{out}' already exists; pass --force to replace it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _swapped_in(_staging_dir(out), out) as tmp:
+        yield tmp
+
+
+@contextmanager
 def updated_bundle(bundle: Path) -> Iterator[Path]:
     """Stage a copy of an existing bundle (hard links for big files) to add graphs to it atomically."""
     bundle = Path(bundle)
-    tmp = _staging_dir(bundle)
-    try:
+    with _swapped_in(_staging_dir(bundle), bundle) as tmp:
         for src in bundle.rglob("*"):
             dst = tmp / src.relative_to(bundle)
             if src.is_dir():
@@ -86,16 +91,6 @@ def updated_bundle(bundle: Path) -> Iterator[Path]:
             except OSError:
                 shutil.copy2(src, dst)
         yield tmp
-        old = bundle.with_name(f".{bundle.name}.old-{os.getpid()}")
-        os.replace(bundle, old)
-        os.replace(tmp, bundle)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = _disk_full(exc, bundle)
-        if full is not None:
-            raise full from exc
-        raise
 
 
 def package_versions(*names: str) -> tuple[tuple[str, str], ...]:
