@@ -21,7 +21,8 @@ BACKEND_CHOICE = click.Choice(list(backend_names()))
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--draft", default="none", show_default=True, help="none, prompt-lookup, or a draft kind in the bundle.")
+@click.option("--draft", default="none", show_default=True,
+              help="none, prompt-lookup, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name (tree8/16/32/64, chain4...) or JSON choices; default auto.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -100,7 +101,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
     """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
 
     Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
-    and identity columns), prompt-lookup, chimera, cerberus, medusa (drafts stored in the bundle),
+    and identity columns), prompt-lookup, chimera, hybrid, cerberus, medusa (drafts stored in the bundle),
     hf (transformers generate, greedy fp32) and hf-prompt-lookup. A variant whose package or draft
     is missing is skipped with a note. Prompts are first turns rendered with the chat template;
     all variants decode the same token ids greedily.
@@ -125,7 +126,8 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--draft", default="none", show_default=True, help="none, prompt-lookup, or a draft kind in the bundle.")
+@click.option("--draft", default="none", show_default=True,
+              help="none, prompt-lookup, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")

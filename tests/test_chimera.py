@@ -420,3 +420,81 @@ def test_draft_sessions_run_on_one_thread_without_spinning(chimera_bundle):
         opts = eng.decoder.drafter.session.get_session_options()
         assert opts.intra_op_num_threads == 1
         assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+# --- hybrid: prompt lookup + the Chimera draft in one tree ------------------------------------------
+@pytest.mark.parametrize("plan_trees", [True, False])
+def test_hybrid_matches_plain_greedy_and_uses_both_sources(chimera_bundle, plan_trees):
+    """Identical to plain greedy, with trees and on a chains-only plan; lookup drafts where the text
+    repeats, the model elsewhere."""
+    import dataclasses
+
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.drafters import make_drafter
+
+    prompts = ["The cat sat on the mat. The cat sat on the mat. The cat", "Tell me about the weather in Paris",
+               "1 2 3 4 5 6 7 8 1 2 3 4"]
+    with load(chimera_bundle) as plain:
+        plan = dataclasses.replace(plain.plan, trees=plan_trees)
+        hybrid = make_drafter("hybrid", chimera_bundle, plain.manifest, chains=not plan_trees)
+        assert hybrid.kind == "hybrid:chimera"
+        dec = Decoder(plain.backend, plain.manifest, hybrid, plan=plan)
+        ref = Decoder(plain.backend, plain.manifest, plan=plan)
+        for prompt in prompts:
+            ids = plain.encode(prompt)
+            stats = DecodeStats()
+            got = list(dec.generate(ids, GenerationConfig(32), stats))
+            assert got == list(ref.generate(ids, GenerationConfig(32))), prompt
+            assert stats.mean_accepted >= 1.0
+        assert hybrid.sources["lookup"] > 0 and hybrid.sources["model"] > 0, hybrid.sources
+
+
+def test_hybrid_tree_puts_lookup_first_and_merges_the_model_under_the_budget():
+    from specdeploy.runtime.drafters.base import DraftContext, Drafter
+    from specdeploy.runtime.drafters.hybrid import HybridDrafter, _merge
+    from specdeploy.runtime.tree import DraftTree
+
+    lookup = DraftTree(np.array([9, 1, 2, 3]), np.array([-1, 0, 1, 2]))
+    model = DraftTree(np.array([9, 1, 5, 7, 8]), np.array([-1, 0, 1, 0, 3]))  # shares token 1 under the root
+    merged = _merge(lookup, model, max_nodes=6)
+    assert merged.tokens.tolist() == [9, 1, 2, 3, 5, 7] and merged.parents.tolist() == [-1, 0, 1, 2, 1, 0]
+    assert merged.main_path().tokens.tolist() == [9, 1, 2, 3]  # lookup's chain is the main path
+
+    class Model(Drafter):
+        kind = "stub"
+        seen = 0  # base states handed to the model
+
+        def propose(self, ctx):
+            self.seen += len(ctx.hidden)
+            return DraftTree(np.array([ctx.tokens[-1], 42]), np.array([-1, 0]))
+
+    stub = Model()
+    hybrid = HybridDrafter(stub, chains=True)
+    h = lambda rows: np.zeros((rows, 4), np.float32)
+    # No lookup match, and a model not yet known to be poor: it drafts.
+    assert hybrid.propose(DraftContext(np.array([5, 6, 7]), h(3), None, 8)).tokens.tolist() == [7, 42]
+    assert stub.seen == 3
+    hybrid.accepted(np.array([0]), DraftTree.root(7))
+    hybrid._stats = [1.0, 50.0, 1.0, 50.0]  # the model's drafts have been rejected: it no longer pays
+    tree = hybrid.propose(DraftContext(np.array([5, 6, 7, 5, 6]), h(2), None, 8))
+    assert tree.is_chain and tree.tokens.tolist()[:2] == [6, 7] and stub.seen == 3  # lookup; the model idle
+    hybrid.accepted(np.array([0, 1]), tree)
+    tree = hybrid.propose(DraftContext(np.array([5, 6, 7, 5, 6, 7, 9]), h(2), None, 8))
+    assert tree.tokens.tolist() == [9] and stub.seen == 3  # no match, and the model does not pay: plain
+    hybrid.accepted(np.array([0]), tree)
+    hybrid._stats = [20.0, 1.0, 20.0, 1.0]  # it pays again
+    assert hybrid.propose(DraftContext(np.array([5, 6, 7, 5, 6, 7, 9, 11]), h(1), None, 8)).tokens.tolist() == [11, 42]
+    assert stub.seen == 3 + 2 + 2 + 1  # the states accepted while it idled reach it in one call
+    assert hybrid.sources == {"lookup": 1, "model": 2, "plain": 1}
+
+
+def test_hybrid_names(chimera_bundle):
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters import make_drafter
+    from specdeploy.runtime.errors import DraftMismatchError as Mismatch
+
+    manifest = read_manifest(chimera_bundle)
+    with pytest.raises(Mismatch, match="the hybrid's model must be one of"):
+        make_drafter("hybrid:nope", chimera_bundle, manifest)
+    with pytest.raises(Mismatch, match="medusa"):  # the bundle has no Medusa heads
+        make_drafter("hybrid:medusa", chimera_bundle, manifest)

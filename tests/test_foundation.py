@@ -192,6 +192,8 @@ def test_cli_generate_validate_and_errors(tiny_bundle, tiny_model_factory, tmp_p
         (["generate", str(tiny_bundle), "--prompt", "x", "--draft", "magic"], "Unknown draft"),
         (["generate", str(tiny_bundle), "--prompt", "x", "--tree", "[[3,1]]", "--draft", "prompt-lookup"], "Dangling"),
         (["generate", str(tiny_bundle), "--prompt", "x", "--backend", "ort-cuda"], "not available"),
+        (["serve", str(tiny_bundle), "--port", "99999"], "99999 is not in the range 1<=x<=65535"),
+        (["generate", str(tiny_bundle), "--prompt", "x", "--draft", "hybrid:magic"], "the hybrid's model must be"),
     ]:
         res = runner.invoke(main, args)
         assert res.exit_code != 0

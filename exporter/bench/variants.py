@@ -34,6 +34,8 @@ OWN_VARIANTS = (
                 draft="prompt-lookup", options=(("allow_inexact", True),), requires=("onnxruntime",)),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
                 requires=("onnxruntime",), bundle_draft=True),
+    VariantSpec("hybrid", "ours", "specdeploy ORT CPU, prompt lookup + the Chimera draft in one tree",
+                draft="hybrid", requires=("onnxruntime",), bundle_draft=True, draft_kind="chimera"),
     VariantSpec("cerberus", "ours", "specdeploy ORT CPU, Cerberus heads with gate", draft="cerberus",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("cerberus-nogate", "ours", "specdeploy ORT CPU, Cerberus heads, gate off (always draft)",

@@ -4,4 +4,5 @@ from __future__ import annotations
 
 HEADS_KINDS = ("medusa", "cerberus")  # Medusa-style heads over the base's last hidden state
 TRAINED_KINDS = ("chimera", *HEADS_KINDS)  # drafts with trained weights, stored in a bundle
-DRAFTS = ("none", "prompt-lookup", *TRAINED_KINDS, "cerberus-nogate")  # what --draft accepts
+HYBRID = "hybrid"  # prompt lookup + a trained draft in one tree; "hybrid:<kind>" picks the model (chimera)
+DRAFTS = ("none", "prompt-lookup", *TRAINED_KINDS, "cerberus-nogate", HYBRID)  # what --draft accepts

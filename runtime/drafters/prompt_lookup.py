@@ -76,6 +76,21 @@ class PromptLookupDrafter(Drafter):
             length = self._lengths[n] = int(np.argmax(expected / self._cost[: self.num_tokens + 1]))
         return length
 
+    @property
+    def last_match(self) -> tuple[int, int] | None:
+        """(matched n-gram size, drafted depth) of the last proposal, or None when it drafted nothing."""
+        return self._last
+
+    def expected_tokens(self, n: int, length: int) -> float:
+        """Expected tokens of a step that drafts ``length`` tokens from a match of size ``n``."""
+        first_acc, first_rej, acc, rej = self._stats[n]
+        p1, a = first_acc / (first_acc + first_rej), acc / (acc + rej)
+        return 1.0 + p1 * float(np.sum(a ** np.arange(length)))
+
+    def step_cost(self, rows: int) -> float:
+        """Cost of a step of ``rows`` rows relative to a 1-row step (the cost curve in use)."""
+        return float(self._cost[min(max(rows, 1), len(self._cost)) - 1])
+
     def _follow(self, tokens: np.ndarray) -> list[int]:
         """Bring the n-gram index up to ``tokens`` (which extends what was seen, else start over)."""
         seen = self._seen

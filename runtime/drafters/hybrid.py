@@ -1,0 +1,167 @@
+"""Hybrid drafting: prompt-lookup continuations and a trained draft's candidates in one verification tree.
+
+For small models, retrieval drafting pays most reliably where the text repeats its context, and a
+model draft where it does not. Each step the hybrid asks prompt lookup first (continuations of the
+longest matching n-gram, their length chosen from the measured step-cost curve and the match
+statistics), then decides from what each source has earned:
+
+* each source's acceptance is tracked online (Beta estimates of its first drafted token being accepted
+  and of each later one, given the one before was), so a step's expected tokens are known;
+* each step's cost comes from the backend's measured cost curve (rows verified), plus, for the model,
+  its own call, timed here relative to a whole step.
+
+Where the step plan verifies chains only, the step drafts one chain: lookup's, the model's, or none,
+whichever gives the most expected tokens per unit of cost. With trees, a lookup match that pays is
+the main path and the model's nodes are merged in under the node budget (a node whose token a lookup
+node already holds at the same place is shared).
+
+The model does not run on the steps it does not draft: the base states of the tokens accepted
+meanwhile are kept and handed to it with the next step it drafts, so a model with its own cache
+(Chimera) catches up on all of them in that one call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..tree import DraftTree
+from .base import DraftContext, Drafter
+from .prompt_lookup import PromptLookupDrafter
+
+_PRIOR = (2.0, 1.0, 2.0, 1.0)  # Beta priors of the model's [first token, later tokens], as for lookup
+_EMA = 0.1  # weight of a new timing in the running means
+_TYPICAL_CATCH_UP = 8  # a model call that catches up on more rows (the prompt, a long lookup run) is not timed
+
+
+class HybridDrafter(Drafter):
+    def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, chains: bool = False):
+        self.model = model
+        self.lookup = lookup or PromptLookupDrafter()
+        self.chains = chains
+        self.kind = f"hybrid:{model.kind}"
+        self.reset()
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.lookup.reset()
+        self._lookup_nodes = 0  # nodes 1..this of the last proposal came from lookup
+        self._model_nodes = 0  # drafted depth of the model's main path in the last proposal (0: none)
+        self._pending: list[np.ndarray] = []  # base states accepted since the model last ran
+        self._stats = list(_PRIOR)  # the model's [first accepted, first rejected, later accepted, later rejected]
+        self._model_s: float | None = None  # running mean of a model call, seconds
+        self._step_s: float | None = None  # running mean of a step (propose to propose) without a model call
+        self._last_t: float | None = None
+        self._last_model_s = 0.0
+        self.sources = {"lookup": 0, "model": 0, "plain": 0}  # steps by the source of their main path
+
+    @property
+    def needs_cost_curve(self) -> bool:
+        return self.lookup.needs_cost_curve
+
+    def use_cost_curve(self, cost_curve) -> None:
+        self.lookup.use_cost_curve(cost_curve)
+
+    # --- what each source has earned ------------------------------------------------------------------
+    def _model_value(self, depth: int) -> float:
+        """Expected tokens per unit of cost of a step the model drafts ``depth`` tokens for."""
+        first_acc, first_rej, acc, rej = self._stats
+        q, b = first_acc / (first_acc + first_rej), acc / (acc + rej)
+        expected = 1.0 + q * float(np.sum(b ** np.arange(depth)))
+        call = self._model_s / self._step_s if self._model_s and self._step_s else 0.0
+        return expected / (self.lookup.step_cost(depth + 1) + call)
+
+    def _lookup_value(self, found: DraftTree) -> float:
+        match = self.lookup.last_match
+        if match is None:
+            return 1.0 / self.lookup.step_cost(1)  # a plain step
+        path = found.main_path().num_nodes - 1
+        return self.lookup.expected_tokens(match[0], path) / self.lookup.step_cost(found.num_nodes)
+
+    def _clock(self) -> None:
+        """Time steps: from one proposal to the next is one step (plus the model's call, if it ran)."""
+        now = time.perf_counter()
+        if self._last_t is not None:
+            step = now - self._last_t - self._last_model_s
+            self._step_s = step if self._step_s is None else (1 - _EMA) * self._step_s + _EMA * step
+        self._last_t = now
+        self._last_model_s = 0.0
+
+    def _run_model(self, ctx: DraftContext) -> DraftTree:
+        if self._pending:
+            ctx = DraftContext(ctx.tokens, np.concatenate([*self._pending, ctx.hidden]), ctx.root_logits,
+                               ctx.max_nodes)
+            self._pending.clear()
+        t0 = time.perf_counter()
+        drafted = self.model.propose(ctx)
+        took = self._last_model_s = time.perf_counter() - t0
+        if len(ctx.hidden) <= _TYPICAL_CATCH_UP:  # the cost of a call on an ordinary step
+            self._model_s = took if self._model_s is None else (1 - _EMA) * self._model_s + _EMA * took
+        return drafted
+
+    # --- drafting ---------------------------------------------------------------------------------------
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        self._clock()
+        found = self.lookup.propose(ctx)
+        lookup_value = self._lookup_value(found)
+        depth = self._model_depth()
+        use_model = self._model_value(depth) > lookup_value or (not self.chains and found.num_nodes < ctx.max_nodes
+                                                               and found.num_nodes > 1)
+        # Lookup's nodes run unless the model's chain replaces them; only then does lookup learn from the step.
+        self._lookup_nodes = found.num_nodes - 1 if not (self.chains and use_model) else 0
+        if not use_model:
+            self._pending.append(ctx.hidden)
+            self._model_nodes = 0
+            self.sources["lookup" if found.num_nodes > 1 else "plain"] += 1
+            return found.main_path() if self.chains else found
+        drafted = self._run_model(ctx)
+        if self.chains or found.num_nodes == 1:
+            tree = drafted.main_path() if self.chains else drafted
+            self._lookup_nodes = 0
+            self._model_nodes = tree.main_path().num_nodes - 1
+            self.sources["model"] += 1
+            return tree
+        self._model_nodes = 0  # merged under the lookup trie: the model's acceptance is not its own here
+        self.sources["lookup"] += 1
+        return _merge(found, drafted, ctx.max_nodes)
+
+    def _model_depth(self) -> int:
+        """The depth of the model's main path: its chain or static tree depth (dynamic trees: its heads)."""
+        model = self.model
+        tree = getattr(model, "tree", None)
+        return int(tree.depth) if tree is not None else int(getattr(model, "depth", 1) or 1)
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
+        self.model.accepted(nodes, tree)
+        k = len(nodes) - 1
+        if self._model_nodes:  # the model drafted this step's chain: learn its acceptance
+            if k == 0:
+                self._stats[1] += 1
+            else:
+                self._stats[0] += 1
+                self._stats[2] += k - 1
+                self._stats[3] += 1 if k < self._model_nodes else 0
+        if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
+            own = nodes[: 1 + int(np.sum((nodes[1:] >= 1) & (nodes[1:] <= self._lookup_nodes)))]
+            self.lookup.accepted(own, tree)
+
+
+def _merge(first: DraftTree, second: DraftTree, max_nodes: int) -> DraftTree:
+    """``first``'s nodes, then ``second``'s (in its order, parents before children) under the node budget;
+    a ``second`` node whose parent and token match a node already there is that node."""
+    tokens, parents = first.tokens.tolist(), first.parents.tolist()
+    at = {(parents[i], tokens[i]): i for i in range(1, len(tokens))}
+    where = {0: 0}  # second's node -> merged node
+    for j in range(1, second.num_nodes):
+        parent = where.get(int(second.parents[j]))
+        if parent is None:  # its parent did not fit
+            continue
+        key = (parent, int(second.tokens[j]))
+        if key in at:
+            where[j] = at[key]
+        elif len(tokens) < max_nodes:
+            where[j] = at[key] = len(tokens)
+            tokens.append(key[1])
+            parents.append(parent)
+    return DraftTree(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64))
