@@ -185,7 +185,7 @@ def compare_base(bundle_dir: Path, manifest: BundleManifest, step, prompt_ids: l
 
 def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
                       progress: Callable[[str], None] = print) -> StepPlan:
-    """Probe every step plan on this machine, bit for bit (``runtime/plan.py``), and print the verdicts.
+    """Probe every step plan on this machine, bit for bit (``runtime/probe.py``), and print the verdicts.
 
     A plan whose chain rows differ from plain rows is refused for speculative greedy decoding; the
     runtime takes the first exact one (or decodes plainly when none is). Returns the runtime's plan.
