@@ -475,14 +475,14 @@ def test_hybrid_tree_puts_lookup_first_and_merges_the_model_under_the_budget():
     assert hybrid.propose(DraftContext(np.array([5, 6, 7]), h(3), None, 8)).tokens.tolist() == [7, 42]
     assert stub.seen == 3
     hybrid.accepted(np.array([0]), DraftTree.root(7))
-    hybrid._stats = [1.0, 50.0, 1.0, 50.0]  # the model's drafts have been rejected: it no longer pays
+    hybrid.model_acceptance.first = [1.0, 50.0]  # the model's drafts have been rejected: it no longer pays
     tree = hybrid.propose(DraftContext(np.array([5, 6, 7, 5, 6]), h(2), None, 8))
     assert tree.is_chain and tree.tokens.tolist()[:2] == [6, 7] and stub.seen == 3  # lookup; the model idle
     hybrid.accepted(np.array([0, 1]), tree)
     tree = hybrid.propose(DraftContext(np.array([5, 6, 7, 5, 6, 7, 9]), h(2), None, 8))
     assert tree.tokens.tolist() == [9] and stub.seen == 3  # no match, and the model does not pay: plain
     hybrid.accepted(np.array([0]), tree)
-    hybrid._stats = [20.0, 1.0, 20.0, 1.0]  # it pays again
+    hybrid.model_acceptance.first = [20.0, 1.0]  # it pays again
     assert hybrid.propose(DraftContext(np.array([5, 6, 7, 5, 6, 7, 9, 11]), h(1), None, 8)).tokens.tolist() == [11, 42]
     assert stub.seen == 3 + 2 + 2 + 1  # the states accepted while it idled reach it in one call
     assert hybrid.sources == {"lookup": 1, "model": 2, "plain": 1}

@@ -102,7 +102,7 @@ def _drop_graph_files(staged: Path, old: DraftEntry | None, manifest: BundleMani
     except data files that another graph of the bundle still reads (shared weights)."""
     if old is None:
         return
-    others = [g for g in manifest.graphs] + [g for d in manifest.drafts if d is not old for g in d.graphs]
+    others = [*manifest.graphs, *(g for d in manifest.drafts if d is not old for g in d.graphs)]
     still_read = {p.name for g in others for p in graph_paths(staged, g)}
     for g in old.graphs:
         for p in graph_paths(staged, g):

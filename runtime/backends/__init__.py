@@ -8,6 +8,7 @@ lives in ``specdeploy.exporter.reference``). :func:`register_backend` adds one f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -28,7 +29,9 @@ def register_backend(name: str, factory: BackendFactory) -> None:
     _REGISTRY[name] = factory
 
 
+@functools.cache
 def _plugins() -> dict:
+    """The installed plugin backends (read once: every CLI command lists them for its --backend choice)."""
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 

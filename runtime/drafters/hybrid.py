@@ -28,9 +28,8 @@ import numpy as np
 
 from ..tree import DraftTree
 from .base import DraftContext, Drafter
-from .prompt_lookup import PromptLookupDrafter
+from .prompt_lookup import ChainAcceptance, PromptLookupDrafter
 
-_PRIOR = (2.0, 1.0, 2.0, 1.0)  # Beta priors of the model's [first token, later tokens], as for lookup
 _EMA = 0.1  # weight of a new timing in the running means
 _TYPICAL_CATCH_UP = 8  # a model call that catches up on more rows (the prompt, a long lookup run) is not timed
 
@@ -46,10 +45,11 @@ class HybridDrafter(Drafter):
     def reset(self) -> None:
         self.model.reset()
         self.lookup.reset()
-        self._lookup_nodes = 0  # nodes 1..this of the last proposal came from lookup
-        self._model_nodes = 0  # drafted depth of the model's main path in the last proposal (0: none)
+        self._lookup_nodes = 0  # nodes 1..this of the last proposal came from lookup (0: lookup not run)
+        self._model_nodes = 0  # drafted depth of the model's main path in the last proposal (0: not its own)
+        self._model_depth = 1  # depth of the model's main path, as its last proposal had it
         self._pending: list[np.ndarray] = []  # base states accepted since the model last ran
-        self._stats = list(_PRIOR)  # the model's [first accepted, first rejected, later accepted, later rejected]
+        self.model_acceptance = ChainAcceptance()
         self._model_s: float | None = None  # running mean of a model call, seconds
         self._step_s: float | None = None  # running mean of a step (propose to propose) without a model call
         self._last_t: float | None = None
@@ -64,20 +64,18 @@ class HybridDrafter(Drafter):
         self.lookup.use_cost_curve(cost_curve)
 
     # --- what each source has earned ------------------------------------------------------------------
-    def _model_value(self, depth: int) -> float:
-        """Expected tokens per unit of cost of a step the model drafts ``depth`` tokens for."""
-        first_acc, first_rej, acc, rej = self._stats
-        q, b = first_acc / (first_acc + first_rej), acc / (acc + rej)
-        expected = 1.0 + q * float(np.sum(b ** np.arange(depth)))
+    def _model_value(self) -> float:
+        """Expected tokens per unit of cost of a step the model drafts."""
+        depth = self._model_depth
         call = self._model_s / self._step_s if self._model_s and self._step_s else 0.0
-        return expected / (self.lookup.step_cost(depth + 1) + call)
+        return float(self.model_acceptance.expected_tokens(depth)) / (self.lookup.step_cost(depth + 1) + call)
 
     def _lookup_value(self, found: DraftTree) -> float:
+        """Expected tokens per unit of cost of lookup's proposal (a plain step when it found nothing)."""
         match = self.lookup.last_match
-        if match is None:
-            return 1.0 / self.lookup.step_cost(1)  # a plain step
         path = found.main_path().num_nodes - 1
-        return self.lookup.expected_tokens(match[0], path) / self.lookup.step_cost(found.num_nodes)
+        expected = self.lookup.expected_tokens(match[0], path) if match is not None else 1.0
+        return expected / self.lookup.step_cost(found.num_nodes)
 
     def _clock(self) -> None:
         """Time steps: from one proposal to the next is one step (plus the model's call, if it ran)."""
@@ -85,8 +83,7 @@ class HybridDrafter(Drafter):
         if self._last_t is not None:
             step = now - self._last_t - self._last_model_s
             self._step_s = step if self._step_s is None else (1 - _EMA) * self._step_s + _EMA * step
-        self._last_t = now
-        self._last_model_s = 0.0
+        self._last_t, self._last_model_s = now, 0.0
 
     def _run_model(self, ctx: DraftContext) -> DraftTree:
         if self._pending:
@@ -98,50 +95,39 @@ class HybridDrafter(Drafter):
         took = self._last_model_s = time.perf_counter() - t0
         if len(ctx.hidden) <= _TYPICAL_CATCH_UP:  # the cost of a call on an ordinary step
             self._model_s = took if self._model_s is None else (1 - _EMA) * self._model_s + _EMA * took
+        self._model_depth = max(1, drafted.main_path().num_nodes - 1)
         return drafted
 
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._clock()
         found = self.lookup.propose(ctx)
-        lookup_value = self._lookup_value(found)
-        depth = self._model_depth()
-        use_model = self._model_value(depth) > lookup_value or (not self.chains and found.num_nodes < ctx.max_nodes
-                                                               and found.num_nodes > 1)
-        # Lookup's nodes run unless the model's chain replaces them; only then does lookup learn from the step.
-        self._lookup_nodes = found.num_nodes - 1 if not (self.chains and use_model) else 0
+        matched = found.num_nodes > 1
+        if self.chains:  # one chain runs: lookup's, the model's or none, whichever is worth most
+            use_model = self._model_value() > self._lookup_value(found)
+        else:  # a lookup match with room left takes the model's nodes too; otherwise as above
+            use_model = (matched and found.num_nodes < ctx.max_nodes) or (
+                not matched and self._model_value() > self._lookup_value(found))
         if not use_model:
             self._pending.append(ctx.hidden)
-            self._model_nodes = 0
-            self.sources["lookup" if found.num_nodes > 1 else "plain"] += 1
+            self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
+            self.sources["lookup" if matched else "plain"] += 1
             return found.main_path() if self.chains else found
         drafted = self._run_model(ctx)
-        if self.chains or found.num_nodes == 1:
+        if self.chains or not matched:
             tree = drafted.main_path() if self.chains else drafted
-            self._lookup_nodes = 0
-            self._model_nodes = tree.main_path().num_nodes - 1
+            self._lookup_nodes, self._model_nodes = 0, tree.main_path().num_nodes - 1
             self.sources["model"] += 1
             return tree
-        self._model_nodes = 0  # merged under the lookup trie: the model's acceptance is not its own here
+        # Merged under the lookup trie: the main path is lookup's, and the model's acceptance is not its own.
+        self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
 
-    def _model_depth(self) -> int:
-        """The depth of the model's main path: its chain or static tree depth (dynamic trees: its heads)."""
-        model = self.model
-        tree = getattr(model, "tree", None)
-        return int(tree.depth) if tree is not None else int(getattr(model, "depth", 1) or 1)
-
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         self.model.accepted(nodes, tree)
-        k = len(nodes) - 1
         if self._model_nodes:  # the model drafted this step's chain: learn its acceptance
-            if k == 0:
-                self._stats[1] += 1
-            else:
-                self._stats[0] += 1
-                self._stats[2] += k - 1
-                self._stats[3] += 1 if k < self._model_nodes else 0
+            self.model_acceptance.update(len(nodes) - 1, self._model_nodes)
         if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
             own = nodes[: 1 + int(np.sum((nodes[1:] >= 1) & (nodes[1:] <= self._lookup_nodes)))]
             self.lookup.accepted(own, tree)

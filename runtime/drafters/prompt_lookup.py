@@ -23,8 +23,31 @@ import numpy as np
 from ..tree import CPU_COST_CURVE, DraftTree, step_cost
 from .base import DraftContext, Drafter
 
-# Beta(accepted, rejected) priors of [first drafted token, later ones]: optimistic, so new matches get tried.
-_PRIOR = (2.0, 1.0, 2.0, 1.0)
+
+class ChainAcceptance:
+    """Beta estimates of a draft source's acceptance along a chain: the chance that its first drafted
+    token is accepted, and that a later one is, given the one before was. Optimistic priors
+    (2 accepted, 1 rejected), so a new source gets tried."""
+
+    def __init__(self) -> None:
+        self.first = [2.0, 1.0]  # [accepted, rejected]
+        self.later = [2.0, 1.0]
+
+    def expected_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """Expected tokens of a step drafting L tokens, for each L: 1 + p1 (1 + a + ... + a^(L-1))."""
+        p1, a = self.first[0] / sum(self.first), self.later[0] / sum(self.later)
+        lengths = np.asarray(lengths)
+        partial = np.concatenate([[0.0], np.cumsum(a ** np.arange(int(lengths.max(initial=0))))])
+        return 1.0 + p1 * partial[lengths]
+
+    def update(self, accepted: int, drafted: int) -> None:
+        """``accepted`` of the ``drafted`` chain tokens were accepted."""
+        if accepted == 0:
+            self.first[1] += 1
+        else:
+            self.first[0] += 1
+            self.later[0] += accepted - 1
+            self.later[1] += 1 if accepted < drafted else 0  # the first rejected position, if any
 
 
 class PromptLookupDrafter(Drafter):
@@ -52,9 +75,8 @@ class PromptLookupDrafter(Drafter):
         self._lengths = {}
 
     def reset(self) -> None:
-        # Per n-gram size: [first token accepted, first rejected, later token accepted, later rejected]
-        # along the accepted branch.
-        self._stats = {n: list(_PRIOR) for n in range(self.min_ngram, self.max_ngram + 1)}
+        # Per n-gram size, the acceptance of its matches along the accepted branch.
+        self._stats = {n: ChainAcceptance() for n in range(self.min_ngram, self.max_ngram + 1)}
         self._lengths: dict[int, int] = {}  # per n-gram size, the chain length the stats give
         self._last: tuple[int, int] | None = None  # (n-gram size, drafted depth) of the last proposal
         # The context seen so far and an index of its n-grams (n-gram -> start positions, oldest
@@ -68,11 +90,8 @@ class PromptLookupDrafter(Drafter):
         if not self.adaptive:
             return self.num_tokens
         length = self._lengths.get(n)
-        if length is None:
-            first_acc, first_rej, acc, rej = self._stats[n]
-            p1, a = first_acc / (first_acc + first_rej), acc / (acc + rej)
-            # Expected tokens of a step drafting L: 1 + p1 * (1 + a + ... + a^(L-1)); L = 0 is a plain step.
-            expected = 1.0 + p1 * np.concatenate([[0.0], np.cumsum(a ** np.arange(self.num_tokens))])
+        if length is None:  # L = 0 is a plain step
+            expected = self._stats[n].expected_tokens(np.arange(self.num_tokens + 1))
             length = self._lengths[n] = int(np.argmax(expected / self._cost[: self.num_tokens + 1]))
         return length
 
@@ -83,9 +102,7 @@ class PromptLookupDrafter(Drafter):
 
     def expected_tokens(self, n: int, length: int) -> float:
         """Expected tokens of a step that drafts ``length`` tokens from a match of size ``n``."""
-        first_acc, first_rej, acc, rej = self._stats[n]
-        p1, a = first_acc / (first_acc + first_rej), acc / (acc + rej)
-        return 1.0 + p1 * float(np.sum(a ** np.arange(length)))
+        return float(self._stats[n].expected_tokens(length))
 
     def step_cost(self, rows: int) -> float:
         """Cost of a step of ``rows`` rows relative to a 1-row step (the cost curve in use)."""
@@ -158,12 +175,5 @@ class PromptLookupDrafter(Drafter):
         if self._last is None:
             return
         n, depth = self._last
-        k = len(nodes) - 1  # drafted tokens accepted along the best branch
-        stats = self._stats[n]
-        if k == 0:
-            stats[1] += 1
-        else:
-            stats[0] += 1
-            stats[2] += k - 1
-            stats[3] += 1 if k < depth else 0  # the first rejected position, if any
+        self._stats[n].update(len(nodes) - 1, depth)  # drafted tokens accepted along the best branch
         self._lengths.pop(n, None)
