@@ -397,6 +397,9 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     assert w.config.num_heads == 4 and w.meta["data"]["tokens"] > 250_000
     assert w.meta["data"]["config"]["replies"] == "self"
     export_draft(bundle, "chimera", WEIGHTS / "chimera.safetensors", progress=lambda m: None)
+    from specdeploy.exporter.export.shared_data import stored_twice
+
+    assert stored_twice(bundle, _graph_files(bundle)) == []  # the trt and ort graphs share their fp32 weights
     checks = validate_bundle(bundle, progress=lambda m: None)
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int8"}
     prompts = _mtbench(3)

@@ -310,6 +310,23 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
         for p in prompts:
             ids = plain.encode(p, chat=True)
             assert spec.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
+    # The main job's bundle: plus the shipped Chimera draft, lean, and the hybrid lossless on it.
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.exporter.export.shared_data import stored_twice
+
+    weights = Path(__file__).resolve().parents[1] / "graphs" / "weights" / "chimera.safetensors"
+    export_draft(out, "chimera", weights, progress=lambda m: None)
+    bundle = read_manifest(out)
+    files = [g.file for g in bundle.graphs] + [g.file for d in bundle.drafts for g in d.graphs]
+    assert files == ["base-ort.onnx", "chimera-int8.onnx"]  # only what the CPU runtime runs
+    assert stored_twice(out, files) == []  # the draft reads the base's embedding table
+    assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
+    with load(out) as plain, load(out, draft="hybrid") as hybrid:
+        for p in prompts:
+            ids = plain.encode(p, chat=True)
+            assert hybrid.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
+
+
 @pytest.mark.slow
 def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy on the probed plan."""
