@@ -157,6 +157,12 @@ def _apply(options: list):
     return deco
 
 
+_DEVICE_OPTION = click.option(
+    "--device", default="auto", show_default=True,
+    help="Where data generation and training run: auto (cuda when torch sees a GPU), cpu, cuda or cuda:N. "
+         "On a GPU the matmuls run under bf16 autocast.")
+
+
 def _heads_train_options(fn):
     options = [
         click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)."),
@@ -174,6 +180,7 @@ def _heads_train_options(fn):
         click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
                      help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data)."),
         click.option("--threads", default=2, show_default=True, type=int, help="torch threads."),
+        _DEVICE_OPTION,
         click.option("--seed", default=0, show_default=True, type=int),
         click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint."),
         click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over."),
@@ -191,13 +198,14 @@ def _heads_train_options(fn):
 
 def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: int, epochs: int, batch_size: int,
                  lr: float, max_seqs: int, max_len: int, replies: str, reply_tokens: int, vocab_trim: int,
-                 data_dir: Path | None, threads: int, seed: int, resume: str | None, calibrate: bool,
+                 data_dir: Path | None, threads: int, device: str, seed: int, resume: str | None, calibrate: bool,
                  bundle: Path | None, calib_prompts: int, calib_tokens: int) -> None:
     from specdeploy.exporter.train.heads import run_heads_training
 
     log = lambda m: click.echo(m, err=True)
     run_heads_training(kind, model, out, heads, layers, epochs, batch_size, lr, max_seqs, max_len, vocab_trim,
-                       data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens, log=log)
+                       data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens, log=log,
+                       device=device)
     if calibrate:
         from specdeploy.exporter.workflows import calibrate_with_bundle
 
@@ -251,12 +259,13 @@ def train_cerberus(**kw) -> None:
 @click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
               help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
 @click.option("--threads", default=2, show_default=True, type=int, help="torch threads.")
+@_DEVICE_OPTION
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint.")
 @click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
 def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_size: int, lr: float, max_seqs: int,
                   max_len: int, replies: str, reply_tokens: int, vocab_trim: int, feature_weight: float,
-                  data_dir: Path | None, threads: int, seed: int, resume: str | None) -> None:
+                  data_dir: Path | None, threads: int, device: str, seed: int, resume: str | None) -> None:
     """Train a Chimera draft (trigram encoder + one decoder layer + residual heads), base frozen.
 
     By default the training text is the base model's own greedy replies to ShareGPT first turns
@@ -271,7 +280,8 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
     from specdeploy.exporter.train.chimera import run_chimera_training
 
     run_chimera_training(model, out, heads, epochs, batch_size, lr, max_seqs, max_len, vocab_trim, feature_weight,
-                         data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens)
+                         data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens,
+                         device=device)
 
 
 @train.command("calibrate")

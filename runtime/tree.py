@@ -66,6 +66,11 @@ class TreeSpec:
         return max((len(c) for c in self.choices), default=0)
 
     @property
+    def is_chain(self) -> bool:
+        """True for ``chainN``: each depth's top-1 candidate under the one before, and nothing else."""
+        return all(not any(path) for path in self.choices) and len(self.choices) == self.depth
+
+    @property
     def topk(self) -> int:
         """Candidates needed per depth: one more than the largest rank used."""
         return 1 + max((max(c) for c in self.choices), default=-1)

@@ -159,6 +159,38 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_setup, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_device_is_resolved_and_a_missing_gpu_is_one_sentence(monkeypatch):
+    from click.testing import CliRunner
+    from specdeploy.exporter.cli import main
+    from specdeploy.exporter.train.weights import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == resolve_device(None) == "cpu" and resolve_device("CPU") == "cpu"
+    with pytest.raises(TrainingError, match="torch sees no CUDA GPU"):
+        resolve_device("cuda")
+    for bad in ("tpu", "cpu:1", "cuda:x"):
+        with pytest.raises(TrainingError, match="Unknown training device"):
+            resolve_device(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:0") == "cuda:0"
+    with pytest.raises(TrainingError, match="sees 1 GPU"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kind in ("chimera", "medusa"):  # said before the model loads, without a traceback
+        r = CliRunner().invoke(main, ["train", kind, "--out", "x.safetensors", "--device", "cuda"])
+        assert r.exit_code != 0 and "no CUDA GPU" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_task_moves_its_frozen_tensors_to_its_device(tiny_setup):
+    """One code path for every device: the frozen tensors and the batches follow ``task.to`` (the meta
+    device stands in for a GPU here; it holds shapes, not data)."""
+    task = _task(tiny_setup).to("meta")
+    assert task.device_type == "meta"
+    assert all(getattr(task, n).device.type == "meta" for n in task.device_tensors)
+    assert all(t.device.type == "meta" for t in task._batch(task.train_seqs[:2]))
+
+
 def test_bad_training_settings_get_one_sentence():
     with pytest.raises(TrainingError, match="head count"):
         ChimeraTrainConfig(num_heads=0)
@@ -267,6 +299,29 @@ def test_chimera_drafter_matches_plain_greedy(chimera_bundle, tree):
             assert st.steps >= 1 and sum(st.accepted) == st.new_tokens - 1
 
 
+@pytest.mark.parametrize("regime", ["free", "steep"])
+def test_adaptive_chains_follow_the_costs_and_stay_lossless(chimera_bundle, monkeypatch, regime):
+    """A chain is sized per step by the chain policy: when rows and calls cost nothing every head drafts;
+    when a row costs a whole step no step drafts. Either way the output is plain greedy's."""
+    from specdeploy.runtime.drafters.depth import CallTimer
+
+    monkeypatch.setattr(CallTimer, "call_cost", property(lambda self: 0.0))
+    curve = {1: 1.0, 64: 1.0} if regime == "free" else {1: 1.0, 2: 2.0, 64: 64.0}
+    prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8"]
+    with load(chimera_bundle) as plain, load(chimera_bundle, draft="chimera", tree="chain4") as spec:
+        drafter = spec.decoder.drafter
+        assert drafter.policy is not None and drafter.needs_cost_curve
+        drafter.use_cost_curve(curve)
+        for p in prompts:
+            ids = plain.encode(p)
+            st = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(32), st) == plain.generate_ids(ids, GenerationConfig(32))
+            sizes = set(st.tree_sizes)
+            assert sizes == ({5} if regime == "free" else {1}), sizes
+        seen = drafter.policy.calibration.seen
+        assert (seen.sum() > 0) == (regime == "free")  # only drafted steps teach it
+
+
 def test_drafter_state_matches_a_fresh_catch_up(chimera_bundle):
     """After several steps the incremental draft cache gives the same heads as re-encoding everything."""
     from specdeploy.runtime.bundle import read_manifest
@@ -339,9 +394,10 @@ def test_calibration_times_trees_and_records_the_default(chimera_bundle, tiny_we
 
 @pytest.mark.parametrize("first_trees", [True, False])
 def test_chains_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path, monkeypatch, first_trees):
-    """Where the step plan verifies chains only, the calibration times chains and lands under
-    ``row_exact`` (the draft's ``default_chain``); where it allows trees, at the top (``default_tree``).
-    Each keeps the other's result. The plan is forced here: which one this machine gets is the probe's."""
+    """Where the step plan verifies chains only, the calibration times the adaptive chain and lands under
+    ``row_exact``, a record; where it allows trees, at the top (``default_tree``, which the bundle's
+    draft takes). Each keeps the other's result. Under chains the drafter sizes its chains itself, over
+    every head. The plan is forced here: which one this machine gets is the probe's."""
     import dataclasses
 
     from specdeploy.exporter.calibrate.chimera import calibrate_chimera
@@ -359,20 +415,24 @@ def test_chains_calibration_is_kept_apart(chimera_bundle, tiny_weights, tmp_path
     results = {}
     for on in (first_trees, not first_trees):
         trees["on"] = on
-        cands = ("tree8",) if on else ("chain1", "chain2")
+        cands = ("tree8",) if on else None  # None: the default candidates
         results[on] = calibrate_chimera(bundle, draft, prompts=1, max_new_tokens=8, trees=cands,
                                         progress=lambda m: None)
-        assert set(results[on]["sweep"]) == {"ar", *cands}
+        assert set(results[on]["sweep"]) == {"ar", *(cands or ("chain4",))}
         assert all(v["identical"] == "1/1" for v in results[on]["sweep"].values())
     saved = json.loads(draft.with_name("chimera.calibration.json").read_text())
     assert saved["default_tree"] == results[True]["default_tree"] == "tree8"
-    assert saved["row_exact"]["default_tree"] == results[False]["default_tree"]
+    assert saved["row_exact"]["default_tree"] == results[False]["default_tree"] == "chain4"
     entry = read_manifest(bundle).draft("chimera")
     assert entry.setting("default_tree") == "tree8"
-    assert entry.setting("default_chain") == results[False]["default_tree"]
+    assert entry.setting("default_chain") is None
     trees["on"] = False
     with load(bundle, draft="chimera") as eng:
-        assert eng.decoder.drafter.tree.depth == int(results[False]["default_tree"][-1])
+        drafter = eng.decoder.drafter
+        assert drafter.tree.is_chain and drafter.tree.depth == drafter.num_heads and drafter.policy is not None
+    trees["on"] = True
+    with load(bundle, draft="chimera") as eng:
+        assert eng.decoder.drafter.tree.num_nodes == 8 and eng.decoder.drafter.policy is None
 
 
 # --- the real model with the shipped weights -------------------------------------------------------------

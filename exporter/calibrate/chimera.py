@@ -28,9 +28,9 @@ from specdeploy.runtime.bundle import hash_files
 TREE8_DEPTH3 = "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"
 TREE7_DEPTH2 = "[[0],[1],[2],[0,0],[0,1],[1,0]]"
 CHIMERA_TREES = ("chain4", "tree8", "tree16", "dynamic:16", "dynamic:32", TREE8_DEPTH3, TREE7_DEPTH2)
-# Bundles with row-exact steps (int8 activations) verify chains only, so there the candidates are the
-# chain depths.
-CHIMERA_CHAINS = ("chain1", "chain2", "chain3", "chain4")
+# Where the step plan verifies chains only, the drafter sizes each chain itself (runtime/drafters/depth.py),
+# so there is one candidate: the adaptive chain over every head, timed for the record.
+CHIMERA_CHAINS = ("chain4",)
 
 
 def _stderr(msg: str) -> None:
@@ -43,7 +43,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     """Time each candidate tree against plain decoding; write the calibration and update the bundle.
 
     Where the step plan verifies chains only, the result is kept apart, under ``row_exact`` in the same
-    file (the chains section), and the bundle's draft takes it as ``default_chain``.
+    file (the chains section), as a record: there the drafter sizes its chains itself, step by step.
     Returns this run's result (``default_tree``, ``sweep``, ``speedup``, ...).
     """
     from specdeploy.exporter.export.draft import calibration_path, export_draft, read_calibration

@@ -164,7 +164,7 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
             settings[key] = calib[key]
     gate_cal = calib.get("gate") or {}
     if kind == "cerberus" and gate_cal:
-        settings.update(gate_kind=gate_cal["kind"], gate_threshold=float(gate_cal["threshold"]))
+        settings.update(gate_kind=gate_cal["kind"])  # the runtime gate decides per step from costs
     elif kind == "cerberus":
         progress("note: no gate calibration; 'cerberus' will refuse to load, 'cerberus-nogate' works.")
 
@@ -259,9 +259,6 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         calib = read_calibration(cal_path, weights)
         if calib.get("default_tree"):
             settings["default_tree"] = calib["default_tree"]
-        chains = calib.get("row_exact", {})  # the chains section: what a chains-only step plan drafts
-        if chains.get("default_tree"):
-            settings["default_chain"] = chains["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     keep_fp32 = precision == FP32 or any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
     roles = (["chimera"] if keep_fp32 else []) + (["chimera-int8"] if precision == INT8 else [])

@@ -33,6 +33,7 @@ from specdeploy.exporter.train.weights import (
     LoopConfig,
     TrainResult,
     draft_weights_meta,
+    resolve_device,
     save_draft_weights,
     train,
     training_vocab,
@@ -61,6 +62,7 @@ class ChimeraTrainConfig:
 
 class ChimeraTask(DraftTask):
     kind = "chimera"
+    device_tensors = ("embed", "lm_weight", "final_norm", "remap", "train_weight")
 
     def __init__(self, cache, embed_weight, lm_weight, final_norm_weight, base_config, base_weight_sha: str,
                  config: ChimeraTrainConfig, vocab_order: np.ndarray):
@@ -113,15 +115,14 @@ class ChimeraTask(DraftTask):
             assistant[r, : b - a] = c.assistant[a:b] == 1
             hidden[r, : b - a] = c.hidden[a:b]
         lengths = np.asarray([b - a for a, b in spans])
-        return (torch.from_numpy(tokens), torch.from_numpy(hidden), torch.from_numpy(labels),
-                torch.from_numpy(assistant), torch.from_numpy(lengths))
+        return tuple(torch.from_numpy(a).to(self.device) for a in (tokens, hidden, labels, assistant, lengths))
 
     def _targets(self, d: int, labels, assistant, lengths):
         """Rows valid at depth d (1-based): origin i needs token i+d+1 inside the sequence and in a reply."""
         import torch
 
         length = labels.shape[1]
-        i = torch.arange(length)
+        i = torch.arange(length, device=labels.device)
         tgt = (i + d + 1).clamp(max=length - 1)
         valid = ((i + d + 1)[None, :] < lengths[:, None]) & assistant[:, tgt]
         lab = labels[:, (i + d).clamp(max=length - 1)]
@@ -132,7 +133,7 @@ class ChimeraTask(DraftTask):
 
         tokens, hidden, labels, assistant, lengths = self._batch(seqs)
         emb = self.embed[tokens]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             feats = model.unrolled(emb, hidden, self.cfg.num_heads)
         return feats, hidden, labels, assistant, lengths
 
@@ -141,7 +142,7 @@ class ChimeraTask(DraftTask):
         import torch.nn.functional as F
 
         feats, hidden, labels, assistant, lengths = self._forward(model, self.train_seqs[np.sort(index)])
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         stats: dict[str, float] = {}
         for d in range(1, self.cfg.num_heads + 1):
             valid, lab, feat_pos = self._targets(d, labels, assistant, lengths)
@@ -154,7 +155,7 @@ class ChimeraTask(DraftTask):
                 continue
             f = feats[d - 1][keep].float()  # [N, H]
             base_h = hidden[keep]  # h_i, the heads' residual input
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 z = model.head(base_h, f, d - 1)
             logits = torch.matmul(z.to(self.train_weight.dtype), self.train_weight.t()).float()
             ce = F.cross_entropy(logits, lab[keep])
@@ -179,7 +180,7 @@ class ChimeraTask(DraftTask):
         chain_hits, chain_count = np.zeros(k), 0
         in_trim = None
         if self.cfg.vocab_trim:
-            in_trim = torch.zeros(self.lm_weight.shape[0], dtype=torch.bool)
+            in_trim = torch.zeros(self.lm_weight.shape[0], dtype=torch.bool, device=self.device)
             in_trim[self.vocab_order[: self.cfg.vocab_trim]] = True
         with torch.no_grad():
             for a in range(0, seqs.size, 8):
@@ -236,22 +237,24 @@ def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: i
                          feature_weight: float = 0.1, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                          resume: str = "auto", show_progress: bool = True,
                          log: Callable[[str], None] | None = None, replies: str = "self",
-                         reply_tokens: int = 256) -> TrainResult:
+                         reply_tokens: int = 256, device: str = "auto") -> TrainResult:
     """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
     import torch
     from specdeploy.exporter.source import load_model
     from specdeploy.exporter.train.data import data_config, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    device = resolve_device(device)  # before any slow step: a missing GPU is said at once
     cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)
     loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, warmup_steps=20,
-                      ckpt_every=25)
+                      ckpt_every=25, device=device)
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)
     t0 = time.time()
     cache = ensure_cache(loaded, data_config(max_seqs, max_len, seed, replies, reply_tokens), data_dir,
-                         threads=threads, show_progress=show_progress)
+                         threads=threads, show_progress=show_progress,
+                         device=device)
     log(f"training data: {cache.num_sequences} ShareGPT sequences ({replies} replies), {cache.num_tokens} tokens "
         f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
         f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")

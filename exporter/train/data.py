@@ -249,11 +249,13 @@ def default_cache_dir(weight_sha: str, config: DataConfig) -> Path:
 
 
 def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(), threads: int | None = None,
-                show_progress: bool = True) -> HiddenCache:
+                show_progress: bool = True, device: str = "cpu") -> HiddenCache:
     """Run the frozen base over the selected ShareGPT sequences once and write the cache to ``out``.
 
     ``loaded`` is an :class:`~specdeploy.exporter.source.LoadedModel`. Finished shards of an
     interrupted run are kept and skipped; the final arrays are assembled when every shard exists.
+    ``device`` runs generation (bf16) and the feature pass (fp32) there; the base model is moved
+    back to the CPU afterwards.
     """
     import torch
     from tqdm import tqdm
@@ -293,10 +295,10 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
             seqs = pending
             if config.replies == "self":
                 if gen_model is None:  # bf16 generates ~1.7x faster on CPU; the fp32 pass sets the labels
-                    gen_model = copy.deepcopy(model).to(torch.bfloat16)
+                    gen_model = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
                 seqs = generate_replies(gen_model, tok, [ids for ids, _ in pending], config.reply_tokens,
                                         config.min_assistant_tokens)
-            arrays = _forward_shard(model, seqs)
+            arrays = _forward_shard(model.to(device), seqs)
             forward_s += time.time() - t1
             tmp = shards / f".tmp-{shard_index:05d}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -310,16 +312,19 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
         shard_index += 1
         pending.clear()
 
-    with torch.inference_mode():
-        for conv, ids, mask in select_sequences(tok, config):
-            conv_ids.append(conv.id)
-            heldout.append(is_heldout(conv, config.heldout_fraction, config.seed))
-            pending.append((ids, mask))
-            if len(pending) == config.shard_size:
+    try:
+        with torch.inference_mode():
+            for conv, ids, mask in select_sequences(tok, config):
+                conv_ids.append(conv.id)
+                heldout.append(is_heldout(conv, config.heldout_fraction, config.seed))
+                pending.append((ids, mask))
+                if len(pending) == config.shard_size:
+                    flush()
+            if pending:
                 flush()
-        if pending:
-            flush()
-    bar.close()
+    finally:
+        model.to("cpu")
+        bar.close()
     if len(conv_ids) < 2 or all(heldout) or not any(heldout):
         raise TrainingError(
             f"Only {len(conv_ids)} ShareGPT conversations passed the filters, too few for a train/held-out split."
@@ -368,8 +373,10 @@ def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens
     for i, p in enumerate(prompts):  # left padding, as batched generation needs
         ids[i, width - len(p):] = torch.from_numpy(p.astype(np.int64))
         attn[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=eos, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    device = next(model.parameters()).device
+    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos, pad_token_id=pad, temperature=None, top_p=None,
+                         top_k=None).cpu()
     result = []
     for i, p in enumerate(prompts):
         reply = out[i, width:].numpy().astype(np.int32)
@@ -388,12 +395,13 @@ def _forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str
     import torch
 
     hidden, labels = [], []
+    device = next(model.parameters()).device
     for ids, _ in seqs:
-        x = torch.from_numpy(ids.astype(np.int64))[None]  # [1, L]
+        x = torch.from_numpy(ids.astype(np.int64))[None].to(device)  # [1, L]
         h = model.model(input_ids=x).last_hidden_state  # [1, L, H] after the final norm
         logits = model.lm_head(h)  # [1, L, V] fp32, so labels match the deployed fp32 graph's argmax
-        hidden.append(h[0].to(torch.float16).numpy())
-        labels.append(logits[0].argmax(-1).to(torch.int32).numpy())
+        hidden.append(h[0].to(torch.float16).cpu().numpy())
+        labels.append(logits[0].argmax(-1).to(torch.int32).cpu().numpy())
     return {
         "tokens": np.concatenate([ids for ids, _ in seqs]).astype(np.int32),
         "assistant": np.concatenate([m for _, m in seqs]).astype(np.uint8),
@@ -424,9 +432,9 @@ def _assemble(out: Path, num_shards: int, hidden_size: int) -> None:
 
 
 def ensure_cache(loaded, config: DataConfig = DataConfig(), data_dir: str | os.PathLike | None = None,
-                 threads: int | None = None, show_progress: bool = True) -> HiddenCache:
+                 threads: int | None = None, show_progress: bool = True, device: str = "cpu") -> HiddenCache:
     """The cache for this base model and data config: opened if finished, built (or resumed) otherwise."""
     path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
-    return build_cache(loaded, path, config, threads=threads, show_progress=show_progress)
+    return build_cache(loaded, path, config, threads=threads, show_progress=show_progress, device=device)
 
 

@@ -20,6 +20,7 @@ from specdeploy.exporter.train.weights import (
     LoopConfig,
     TrainResult,
     draft_weights_meta,
+    resolve_device,
     save_draft_weights,
     train,
     training_vocab,
@@ -51,6 +52,8 @@ class HeadsTrainConfig:
 
 class HeadsTask(DraftTask):
     """Self-distillation of K heads: head k at position t learns the base argmax ``labels[t+1+k]``."""
+
+    device_tensors = ("lm_weight", "remap", "train_weight", "weights")
 
     def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig,
                  vocab_order: np.ndarray | None = None):
@@ -84,9 +87,9 @@ class HeadsTask(DraftTask):
     def _batch(self, positions: np.ndarray):
         import torch
 
-        hidden = torch.from_numpy(np.asarray(self.cache.hidden[positions], dtype=np.float32))  # [B, H]
+        hidden = np.asarray(self.cache.hidden[positions], dtype=np.float32)  # [B, H]
         labels, valid = self.cache.head_targets(positions, self.cfg.num_heads)  # [B, K] each
-        return hidden, torch.from_numpy(labels), torch.from_numpy(valid)
+        return tuple(torch.from_numpy(a).to(self.device) for a in (hidden, labels, valid))
 
     def loss(self, model, index: np.ndarray):
         import torch
@@ -96,7 +99,8 @@ class HeadsTask(DraftTask):
         if self.remap is not None:
             labels = self.remap[labels]
             valid = valid & (labels >= 0)
-        z = model(hidden)  # [B, K, H]
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device_type == "cuda"):
+            z = model(hidden)  # [B, K, H]; on the CPU the heads stay fp32 (only the lm_head runs in bf16)
         logits = torch.matmul(z.to(self.train_weight.dtype), self.train_weight.t()).float()  # [B, K, V']
         ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
         ce = ce.view_as(labels) * valid  # [B, K]
@@ -119,7 +123,7 @@ class HeadsTask(DraftTask):
         trim_hits = {t: np.zeros(k) for t in trims}
         in_trim = {}
         for t in trims:
-            mask = torch.zeros(self.heads_config.vocab_size, dtype=torch.bool)
+            mask = torch.zeros(self.heads_config.vocab_size, dtype=torch.bool, device=self.device)
             mask[self.vocab_order[:t]] = True
             in_trim[t] = mask
         count = np.zeros(k)
@@ -130,13 +134,13 @@ class HeadsTask(DraftTask):
                 logits = torch.matmul(model(hidden).to(weight.dtype), weight.t()).float()  # [B, K, V]
                 label_logit = logits.gather(-1, labels.unsqueeze(-1))  # [B, K, 1]
                 rank = (logits > label_logit).sum(-1)  # [B, K]: 0 means top-1
-                v = valid.numpy()
+                v = valid.cpu().numpy()
                 count += v.sum(0)
                 for name, r in (("top1", 1), ("top5", 5), ("top10", 10)):
-                    hits[name] += ((rank < r).numpy() & v).sum(0)
+                    hits[name] += ((rank < r).cpu().numpy() & v).sum(0)
                 for t in trims:
                     masked = logits.masked_fill(~in_trim[t], float("-inf"))
-                    hits_t = (masked.argmax(-1) == labels).numpy() & v
+                    hits_t = (masked.argmax(-1) == labels).cpu().numpy() & v
                     trim_hits[t] += hits_t.sum(0)
         out: dict[str, Any] = {name: (h / np.maximum(count, 1)).round(4).tolist() for name, h in hits.items()}
         for t in trims:
@@ -161,21 +165,23 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
                        vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                        resume: str = "auto", show_progress: bool = True,
                        log: Callable[[str], None] | None = None, replies: str = "sharegpt",
-                       reply_tokens: int = 256) -> TrainResult:
+                       reply_tokens: int = 256, device: str = "auto") -> TrainResult:
     """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step)."""
     import torch
     from specdeploy.exporter.source import load_model
     from specdeploy.exporter.train.data import data_config, ensure_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    device = resolve_device(device)  # before any slow step: a missing GPU is said at once
     heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
-    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads)
+    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, device=device)
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)
     data_cfg = data_config(max_seqs, max_len, seed, replies, reply_tokens)
     t0 = time.time()
-    cache = ensure_cache(loaded, data_cfg, data_dir, threads=threads, show_progress=show_progress)
+    cache = ensure_cache(loaded, data_cfg, data_dir, threads=threads, show_progress=show_progress,
+                         device=device)
     log(f"training data: {cache.num_sequences} ShareGPT sequences ({replies} replies), {cache.num_tokens} tokens "
         f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
         f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")

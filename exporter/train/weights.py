@@ -149,16 +149,59 @@ class LoopConfig:
     seed: int = 0
     ckpt_every: int = 100  # steps between checkpoints (one is also written at every epoch end)
     threads: int = 2
+    device: str = "cpu"  # "cpu" or "cuda[:N]" (see resolve_device); a checkpoint resumes on either
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise TrainingError("Training needs epochs >= 1, batch size >= 1 and a positive learning rate.")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str | None = "auto") -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without a GPU gets one sentence."""
+    import torch
+
+    name = (device or "auto").strip().lower()
+    kind = name.split(":", 1)[0]
+    if kind not in DEVICES or (":" in name and (kind != "cuda" or not name.split(":", 1)[1].isdigit())):
+        raise TrainingError(f"Unknown training device '{device}'; choose auto, cpu or cuda (cuda:N for one GPU).")
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError("Training on cuda was asked for, but torch sees no CUDA GPU on this machine.")
+        index = int(name.split(":", 1)[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise TrainingError(f"Training on {name} was asked for, but torch sees {torch.cuda.device_count()} GPU(s).")
+    return name
+
+
 class DraftTask(ABC):
-    """One kind of draft to train: examples, batches, loss and held-out evaluation."""
+    """One kind of draft to train: examples, batches, loss and held-out evaluation.
+
+    Every task runs on one device (:meth:`to`): its frozen tensors (named in ``device_tensors``) and its
+    batches live there, and ``autocast`` takes its device type, so one code path serves CPU and GPU.
+    """
 
     kind: str
+    device: str = "cpu"
+    device_tensors: tuple[str, ...] = ()
+
+    def to(self, device: str) -> DraftTask:
+        """Move the frozen tensors to ``device`` (batches follow it)."""
+        self.device = device
+        for name in self.device_tensors:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.to(device))
+        return self
+
+    @property
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``: what ``torch.autocast`` takes."""
+        return self.device.split(":", 1)[0]
 
     @abstractmethod
     def build(self):
@@ -227,8 +270,10 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
     ckpt_dir = out.with_name(out.name + ".ckpt")
     fingerprint = {"task": task.fingerprint(), "loop": asdict(cfg)}
     fingerprint["loop"].pop("threads")
-    torch.manual_seed(cfg.seed)
-    model = task.build()
+    fingerprint["loop"].pop("device")
+    torch.manual_seed(cfg.seed)  # the initial weights are made on the CPU, the same for every device
+    model = task.build().to(cfg.device)
+    task.to(cfg.device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     n = task.num_examples()
@@ -287,6 +332,8 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
     model.eval()
     final = task.evaluate(model, final=True)
     log("final held-out: " + _fmt_metrics(final))
+    model.cpu()  # the weights file is written from the CPU
+    task.to("cpu")
     summary = {"steps": step, "train_seconds": round(seconds, 1), "history": history, "final": final,
                "loop": asdict(cfg)}
     task.save(model, out, summary)
@@ -333,7 +380,8 @@ def _save_checkpoint(ckpt_dir: Path, step: int, model, opt, state: dict[str, Any
     name = f"step-{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=ckpt_dir))
     try:
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  str(tmp / "model.safetensors"))
         save_file(_optim_tensors(opt), str(tmp / "optim.safetensors"))
         (tmp / "state.json").write_text(json.dumps(state))
         final = ckpt_dir / name
@@ -355,7 +403,7 @@ def _optim_tensors(opt) -> dict[str, Any]:
     out = {}
     for pid, st in opt.state_dict()["state"].items():
         for key, val in st.items():
-            out[f"{pid}.{key}"] = val.detach().clone().contiguous() if torch.is_tensor(val) else torch.tensor(val)
+            out[f"{pid}.{key}"] = val.detach().cpu().contiguous() if torch.is_tensor(val) else torch.tensor(val)
     return out
 
 

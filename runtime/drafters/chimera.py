@@ -11,12 +11,18 @@ Per step (see ``graphs/chimera.py`` for the model):
 3. **Tree.** A static tree (a :class:`TreeSpec`) or a dynamic one is filled from the per-depth top-k,
    as for the Medusa heads; verification by the base model keeps the output lossless.
 
+A chain (``chainN``, and every chain a chains-only step plan runs) is drafted adaptively: after each
+depth, :class:`ChainPolicy` asks whether a deeper chain is expected to pay for its calls, from the
+draft's calibrated confidence and the measured costs, and keeps the prefix worth verifying (possibly
+none: a plain step). N is then the most it drafts.
+
 The draft cache holds ``[1, Hkv, C, D]`` per K and V, bound in place with IOBinding (present aliases
 past), and grows by doubling. numpy and onnxruntime only: this is part of the lean runtime.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +32,7 @@ from ..errors import DraftMismatchError
 from ..precision import INT8
 from ..tree import DraftTree, TreeSpec
 from .base import DraftContext, Drafter
+from .depth import ChainPolicy
 from .heads import check_entry, check_tree_choice, draft_graph, resolve_tree, tree_from_topk
 
 MIN_CAPACITY = 256
@@ -41,9 +48,19 @@ class ChimeraDrafter(Drafter):
         self.num_heads, self.topk = num_heads, topk
         self.tree, self.dynamic_nodes = tree, dynamic_nodes
         self.depth = tree.depth if tree is not None else min(depth or num_heads, num_heads)
+        # A chain stops where going deeper does not pay (the policy learns across generations).
+        self.policy = ChainPolicy(self.depth) if tree is not None and tree.is_chain else None
         self._kv_shape = (1, num_kv_heads, 0, head_dim)
         self._neg = np.finfo(np.float32).min
         self.reset()
+
+    @property
+    def needs_cost_curve(self) -> bool:
+        return self.policy is not None
+
+    def use_cost_curve(self, cost_curve) -> None:
+        if self.policy is not None:
+            self.policy.use_cost_curve(cost_curve)
 
     def reset(self) -> None:
         self.length = 0  # committed real draft slots
@@ -90,16 +107,21 @@ class ChimeraDrafter(Drafter):
             b.bind_output(name)
         b.bind_ortvalue_output("present_key", self._ov[0])  # in place
         b.bind_ortvalue_output("present_value", self._ov[1])
+        t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
+        if self.policy is not None:
+            self.policy.timer.timed(time.perf_counter() - t0, rows=t)
         feat, ids, logp = (o.numpy() for o in b.get_outputs()[:3])
         return feat[0], ids[0], logp[0]
 
     # --- drafting -----------------------------------------------------------------------------------
-    def head_topk(self, tokens: np.ndarray, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def head_topk(self, tokens: np.ndarray, hidden: np.ndarray, adaptive: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray]:
         """Catch up on ``hidden`` (the newly accepted base states) and chain ``depth`` heads.
 
         ``tokens [L]`` ends with the root; ``hidden [A, H]`` are the base states of tokens
-        ``L-1-A .. L-2``. Returns ids and log-probs ``[depth, k]``.
+        ``L-1-A .. L-2``. Returns ids and log-probs ``[D, k]``: D = ``depth``, or fewer where
+        ``adaptive`` and the chain policy stopped.
         """
         n_tok, a = len(tokens), hidden.shape[0]
         start = n_tok - 1 - a
@@ -118,6 +140,8 @@ class ChimeraDrafter(Drafter):
         self.length = start + a
         all_ids, all_logp = [ids], [logp]
         for d in range(2, self.depth + 1):
+            if adaptive and not self.policy.another_call(np.exp([lp[0] for lp in all_logp]), d - 1):
+                break
             seq.append(int(ids[0]))  # the previous head's argmax extends the chain
             slot = self.length + d - 2  # scratch slot; its trigram ends at the new chain token
             k = slot - off
@@ -129,8 +153,17 @@ class ChimeraDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = int(ctx.tokens[-1])
-        ids, logp = self.head_topk(ctx.tokens, ctx.hidden)
-        return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
+        if self.policy is None:
+            ids, logp = self.head_topk(ctx.tokens, ctx.hidden)
+            return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
+        self.policy.timer.start()
+        ids, logp = self.head_topk(ctx.tokens, ctx.hidden, adaptive=True)
+        probs = np.exp(logp[:, 0])
+        return self.policy.chain(root, ids[:, 0], probs, len(ids), ctx.max_nodes)
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
+        if self.policy is not None:
+            self.policy.verdict(len(nodes) - 1)
 
 
 def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,

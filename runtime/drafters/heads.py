@@ -5,10 +5,15 @@ Both run the bundle's heads graph on the base hidden state of the last accepted 
 places after the root. Trees are static (a :class:`TreeSpec` filled with each depth's top-k) or
 dynamic (EAGLE-2 style: grow by cumulative log-prob, keep the best nodes within the budget).
 
-Cerberus adds a gate, asked before every step: when the base model is unsure (high entropy of
-the distribution that produced the root, or a low learned acceptance probability) the step runs
-as plain autoregressive decoding, T=1 with no draft cost. The gate kind and its threshold come
-from the draft's calibration, recorded in the bundle manifest.
+Cerberus adds a gate, asked before every step: from its signal (the entropy of the distribution
+that produced the root, or the learned gate's acceptance probability, whichever the draft's
+calibration chose) and the measured costs, :class:`CostAwareGate` drafts exactly when drafting is
+expected to pay, and otherwise runs the step as plain decoding, T=1 with no draft cost. It learns
+the signal's meaning from the verdicts, on this machine.
+
+A chain (``chainN``, and every chain a chains-only step plan runs) keeps only the prefix worth
+verifying: :class:`ChainPolicy` weighs the heads' calibrated confidence against the measured cost
+of each extra row (a plain step when no drafted token is worth its row).
 
 numpy and onnxruntime only: this is part of the lean runtime.
 """
@@ -16,7 +21,7 @@ numpy and onnxruntime only: this is part of the lean runtime.
 from __future__ import annotations
 
 import json
-import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,47 +40,30 @@ from ..tree import (
     tree_choice,
 )
 from .base import DraftContext, Drafter
+from .depth import ChainPolicy, CostAwareGate
 
 HEADS_DRAFTS = ("medusa", "cerberus", "cerberus-nogate")
 GATE_KINDS = ("entropy", "learned")
 
 
 class GateConfigError(SpecDeployError):
-    """A gate threshold is out of range, or a gate is needed and the draft has no calibration."""
+    """A gate is unknown, or a gate is needed and the draft has no calibration."""
 
 
 @dataclass(frozen=True)
 class GateSpec:
-    """Draft when ``entropy < threshold`` (nats, entropy gate) or ``gate_prob >= threshold`` (learned gate)."""
+    """Which signal the gate reads: the root distribution's entropy, or the learned gate's P(accepted >= 1)."""
 
     kind: str
-    threshold: float
-    vocab_size: int
 
     def __post_init__(self) -> None:
         if self.kind not in GATE_KINDS:
             raise GateConfigError(f"Unknown gate '{self.kind}'; choose one of {', '.join(GATE_KINDS)}.")
-        t = self.threshold
-        if self.kind == "entropy":
-            hi = math.log(self.vocab_size)
-            if not (isinstance(t, (int, float)) and 0.0 <= t <= hi):
-                raise GateConfigError(
-                    f"The entropy gate threshold must be between 0 and ln(vocab) = {hi:.2f} nats, got {t}."
-                )
-        elif not (isinstance(t, (int, float)) and 0.0 <= t <= 1.0):
-            raise GateConfigError(f"The learned gate threshold is a probability between 0 and 1, got {t}.")
 
-    def drafts(self, entropy: float, prob: float) -> bool:
-        return entropy < self.threshold if self.kind == "entropy" else prob >= self.threshold
-
-    @property
-    def never_drafts(self) -> bool:
-        """True when no step can pass (an entropy threshold of 0 nats): the gate need not run at all.
-
-        Calibration picks this when no threshold beats plain decoding; running the gate graph anyway
-        cost ~3% of a plain step on the 4-bit CPU graph (softmax entropy over the whole vocabulary).
-        """
-        return self.kind == "entropy" and self.threshold <= 0.0
+    def signal(self, entropy: float, prob: float) -> float:
+        """A score in [0, 1] that rises with the chance that drafting pays: ``1 / (1 + entropy)`` spreads
+        the entropies that matter (0 to a few nats) over the calibration's bands."""
+        return prob if self.kind == "learned" else 1.0 / (1.0 + max(entropy, 0.0))
 
 
 class HeadsDrafter(Drafter):
@@ -90,16 +78,25 @@ class HeadsDrafter(Drafter):
         self.session, self.gate_session = session, gate_session
         self.num_heads, self.topk = num_heads, topk
         self.tree, self.dynamic_nodes, self.gate = tree, dynamic_nodes, gate
+        self.adaptive = tree is not None and tree.is_chain  # a chain keeps the prefix worth verifying
+        self.policy = ChainPolicy(tree.depth if self.adaptive else num_heads)
+        self.gate_policy = CostAwareGate(self.policy) if gate is not None else None
+
+    @property
+    def needs_cost_curve(self) -> bool:
+        return self.adaptive or self.gate is not None
+
+    def use_cost_curve(self, cost_curve) -> None:
+        self.policy.use_cost_curve(cost_curve)
 
     def wants_draft(self, ctx: DraftContext) -> bool:
         if self.gate is None or ctx.root_logits is None:
             return True
-        if self.gate.never_drafts:
-            return False
         hidden = np.ascontiguousarray(ctx.hidden[-1:], dtype=np.float32)[None]  # [1, 1, H]
         logits = np.ascontiguousarray(ctx.root_logits, dtype=np.float32).reshape(1, 1, -1)  # [1, 1, V]
         entropy, prob = self.gate_session.run(None, {"hidden_states": hidden, "logits": logits})
-        return self.gate.drafts(float(entropy[0, 0]), float(prob[0, 0]))
+        rows = None if self.adaptive else (self.tree.num_nodes if self.tree else self.dynamic_nodes)
+        return self.gate_policy.drafts(self.gate.signal(float(entropy[0, 0]), float(prob[0, 0])), rows)
 
     def head_topk(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``hidden [H]`` -> (ids ``[K, k]``, log-probs ``[K, k]``) of every head, best first."""
@@ -109,8 +106,23 @@ class HeadsDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = int(ctx.tokens[-1])
+        timer = self.policy.timer
+        timer.start()
+        t0 = time.perf_counter()
         ids, logp = self.head_topk(ctx.hidden[-1])
-        return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
+        timer.timed(time.perf_counter() - t0)
+        if not self.adaptive:
+            return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
+        probs = np.exp(logp[: self.tree.depth, 0])
+        return self.policy.chain(root, ids[:, 0], probs, 1, ctx.max_nodes)
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
+        if self.gate_policy is not None:
+            self.gate_policy.verdict(len(nodes) - 1, tree.num_nodes - 1)
+        if self.adaptive:
+            self.policy.verdict(len(nodes) - 1)
+        else:
+            self.policy.timer.stop()
 
 
 def check_tree_choice(tree: TreeSpec | None, dynamic_nodes: int | None, kind: str, num_heads: int,
@@ -187,20 +199,19 @@ def check_entry(entry: DraftEntry, manifest: BundleManifest) -> None:
         )
 
 
-def gate_from_entry(entry: DraftEntry, vocab_size: int) -> GateSpec:
-    kind, threshold = entry.setting("gate_kind"), entry.setting("gate_threshold")
-    if kind in (None, "") or threshold is None:
+def gate_from_entry(entry: DraftEntry) -> GateSpec:
+    kind = entry.setting("gate_kind")
+    if kind in (None, ""):
         raise GateConfigError(
             f"The bundle's {entry.kind} draft has no gate calibration; export it with a calibration file "
             "(specdeploy train calibrate) or use the 'cerberus-nogate' draft."
         )
-    return GateSpec(str(kind), float(threshold), vocab_size)
+    return GateSpec(str(kind))
 
 
-def default_tree(entry: DraftEntry, chains: bool = False) -> str:
-    """The calibrated tree (the calibrated chain under a chains-only step plan), else the cost model's
-    choice under the draft's measured acceptance."""
-    name = (chains and entry.setting("default_chain")) or entry.setting("default_tree")
+def default_tree(entry: DraftEntry) -> str:
+    """The calibrated tree, else the cost model's choice under the draft's measured acceptance."""
+    name = entry.setting("default_tree")
     if name:
         return str(name)
     accept = entry.setting("accept")
@@ -215,7 +226,8 @@ def default_tree(entry: DraftEntry, chains: bool = False) -> str:
 def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, num_heads: int,
                  chains: bool = False) -> tuple[TreeSpec | None, int | None]:
     """``--tree`` (or the draft's default) as a static spec or a dynamic node budget, checked against limits."""
-    tree = tree if tree not in (None, "", "auto") else default_tree(entry, chains)
+    if tree in (None, "", "auto"):  # a chain is drafted adaptively: let it reach every head
+        tree = f"chain{num_heads}" if chains else default_tree(entry)
     return tree_choice(tree, manifest.limits.max_tree, num_heads)
 
 
@@ -230,7 +242,7 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
     entry = manifest.draft(kind)
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
-    gate = gate_from_entry(entry, manifest.model.vocab_size) if name == "cerberus" else None
+    gate = gate_from_entry(entry) if name == "cerberus" else None
 
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
 

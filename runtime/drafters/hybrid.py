@@ -28,10 +28,8 @@ import numpy as np
 
 from ..tree import DraftTree
 from .base import DraftContext, Drafter
+from .depth import CallTimer
 from .prompt_lookup import ChainAcceptance, PromptLookupDrafter
-
-_EMA = 0.1  # weight of a new timing in the running means
-_TYPICAL_CATCH_UP = 8  # a model call that catches up on more rows (the prompt, a long lookup run) is not timed
 
 
 class HybridDrafter(Drafter):
@@ -50,10 +48,7 @@ class HybridDrafter(Drafter):
         self._model_depth = 1  # depth of the model's main path, as its last proposal had it
         self._pending: list[np.ndarray] = []  # base states accepted since the model last ran
         self.model_acceptance = ChainAcceptance()
-        self._model_s: float | None = None  # running mean of a model call, seconds
-        self._step_s: float | None = None  # running mean of a step (propose to propose) without a model call
-        self._last_t: float | None = None
-        self._last_model_s = 0.0
+        self.timer = CallTimer()  # the model's call (a whole proposal) against the rest of a step
         self.sources = {"lookup": 0, "model": 0, "plain": 0}  # steps by the source of their main path
 
     @property
@@ -67,8 +62,8 @@ class HybridDrafter(Drafter):
     def _model_value(self) -> float:
         """Expected tokens per unit of cost of a step the model drafts."""
         depth = self._model_depth
-        call = self._model_s / self._step_s if self._model_s and self._step_s else 0.0
-        return float(self.model_acceptance.expected_tokens(depth)) / (self.lookup.step_cost(depth + 1) + call)
+        return float(self.model_acceptance.expected_tokens(depth)) / (self.lookup.step_cost(depth + 1)
+                                                                      + self.timer.call_cost)
 
     def _lookup_value(self, found: DraftTree) -> float:
         """Expected tokens per unit of cost of lookup's proposal (a plain step when it found nothing)."""
@@ -77,14 +72,6 @@ class HybridDrafter(Drafter):
         expected = self.lookup.expected_tokens(match[0], path) if match is not None else 1.0
         return expected / self.lookup.step_cost(found.num_nodes)
 
-    def _clock(self) -> None:
-        """Time steps: from one proposal to the next is one step (plus the model's call, if it ran)."""
-        now = time.perf_counter()
-        if self._last_t is not None:
-            step = now - self._last_t - self._last_model_s
-            self._step_s = step if self._step_s is None else (1 - _EMA) * self._step_s + _EMA * step
-        self._last_t, self._last_model_s = now, 0.0
-
     def _run_model(self, ctx: DraftContext) -> DraftTree:
         if self._pending:
             ctx = DraftContext(ctx.tokens, np.concatenate([*self._pending, ctx.hidden]), ctx.root_logits,
@@ -92,15 +79,13 @@ class HybridDrafter(Drafter):
             self._pending.clear()
         t0 = time.perf_counter()
         drafted = self.model.propose(ctx)
-        took = self._last_model_s = time.perf_counter() - t0
-        if len(ctx.hidden) <= _TYPICAL_CATCH_UP:  # the cost of a call on an ordinary step
-            self._model_s = took if self._model_s is None else (1 - _EMA) * self._model_s + _EMA * took
+        self.timer.timed(time.perf_counter() - t0, rows=len(ctx.hidden))
         self._model_depth = max(1, drafted.main_path().num_nodes - 1)
         return drafted
 
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
-        self._clock()
+        self.timer.start()
         found = self.lookup.propose(ctx)
         matched = found.num_nodes > 1
         if self.chains:  # one chain runs: lookup's, the model's or none, whichever is worth most
@@ -125,8 +110,9 @@ class HybridDrafter(Drafter):
         return _merge(found, drafted, ctx.max_nodes)
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
-        self.model.accepted(nodes, tree)
-        if self._model_nodes:  # the model drafted this step's chain: learn its acceptance
+        self.timer.stop()
+        if self._model_nodes:  # the model drafted this step's chain: it and the hybrid learn its acceptance
+            self.model.accepted(nodes, tree)
             self.model_acceptance.update(len(nodes) - 1, self._model_nodes)
         if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
             own = nodes[: 1 + int(np.sum((nodes[1:] >= 1) & (nodes[1:] <= self._lookup_nodes)))]
