@@ -146,6 +146,12 @@ def _reply_options(default: str = "sharegpt") -> list:
                           "conversation's first turn (the text the draft meets at run time)."),
         click.option("--reply-tokens", default=256, show_default=True, type=int,
                      help="Longest self-generated reply (--replies self)."),
+        click.option("--engine", default=None, type=click.Path(path_type=Path),
+                     help="Make the training data through this bundle's runtime (its base graph on ONNX Runtime, "
+                          "batched): replies, hidden states and labels in one pass."),
+        click.option("--replies-file", default=None, type=click.Path(path_type=Path, exists=True, dir_okay=False),
+                     help="Take the self replies from this file (the replies.npz every self-reply data cache "
+                          "holds) instead of generating them; the features are derived again."),
     ]
 
 
@@ -197,7 +203,8 @@ def _heads_train_options(fn):
 
 
 def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: int, epochs: int, batch_size: int,
-                 lr: float, max_seqs: int, max_len: int, replies: str, reply_tokens: int, vocab_trim: int,
+                 lr: float, max_seqs: int, max_len: int, replies: str, reply_tokens: int, engine: Path | None,
+                 replies_file: Path | None, vocab_trim: int,
                  data_dir: Path | None, threads: int, device: str, seed: int, resume: str | None, calibrate: bool,
                  bundle: Path | None, calib_prompts: int, calib_tokens: int) -> None:
     from specdeploy.exporter.train.heads import run_heads_training
@@ -205,7 +212,7 @@ def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: in
     log = lambda m: click.echo(m, err=True)
     run_heads_training(kind, model, out, heads, layers, epochs, batch_size, lr, max_seqs, max_len, vocab_trim,
                        data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens, log=log,
-                       device=device)
+                       device=device, engine=engine, replies_file=replies_file)
     if calibrate:
         from specdeploy.exporter.workflows import calibrate_with_bundle
 
@@ -264,8 +271,9 @@ def train_cerberus(**kw) -> None:
 @click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint.")
 @click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
 def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_size: int, lr: float, max_seqs: int,
-                  max_len: int, replies: str, reply_tokens: int, vocab_trim: int, feature_weight: float,
-                  data_dir: Path | None, threads: int, device: str, seed: int, resume: str | None) -> None:
+                  max_len: int, replies: str, reply_tokens: int, engine: Path | None, replies_file: Path | None,
+                  vocab_trim: int, feature_weight: float, data_dir: Path | None, threads: int, device: str, seed: int,
+                  resume: str | None) -> None:
     """Train a Chimera draft (trigram encoder + one decoder layer + residual heads), base frozen.
 
     By default the training text is the base model's own greedy replies to ShareGPT first turns
@@ -281,7 +289,7 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 
     run_chimera_training(model, out, heads, epochs, batch_size, lr, max_seqs, max_len, vocab_trim, feature_weight,
                          data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens,
-                         device=device)
+                         device=device, engine=engine, replies_file=replies_file)
 
 
 @train.command("calibrate")

@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
-    "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts", "lossy", "plan",
+    "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts", "lossy", "plan", "profile",
 }
 PROMPT_KEYS = {
     "index", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "steps",
@@ -77,6 +77,8 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file):
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["mean_accepted_tokens"] == pytest.approx(1.0)
     assert set(ar["acceptance_histogram"]) == {"1"} and ar["depth_acceptance"] == []
     assert ar["gate_decisions"] is None  # no drafter, no gate
+    assert ar["profile"] == {"cost_curve": None}  # nothing to explain: no drafter, no measured curve
+    assert pl["profile"]["cost_curve"]["1"] == pytest.approx(1.0) and set(pl["profile"]["cost_curve"]) >= {"2", "8"}
     # Prompt lookup has no gate: every decode step is a draft step (a root-only tree when nothing matched).
     assert pl["gate_decisions"] == {"draft": pl["steps"], "ar": 0}
     hist = {int(k): c for k, c in pl["acceptance_histogram"].items()}

@@ -20,6 +20,9 @@ JSON schema (stable; CI and other tools read it)::
       depth_acceptance [per draft depth d = 1, 2, ...: fraction of steps that accepted the depth-d token],
       gate_decisions {draft, ar}: decode steps the drafter's gate sent to draft + verify and to a plain
                      1-token step (ours with a drafter; null otherwise),
+      profile {cost_curve {rows: cost relative to a 1-row step, as measured at load; null when not
+               measured}, draft_call_ms, step_ms (a step without its draft calls), and the drafter's
+               own counts: gate {draft, explore, plain}, steps_by_source} (ours only; the last run's),
       steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
@@ -149,6 +152,7 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
         "depth_acceptance": depth_acceptance(accepted) if have_steps else None,
         "gate_decisions": ({"draft": sum(r.gate_parallel for r in runs), "ar": sum(r.gate_ar for r in runs)}
                            if all(r.gate_parallel is not None and r.gate_ar is not None for r in runs) else None),
+        "profile": runs[-1].profile if runs else None,
         "steps": len(accepted) if have_steps else None,
         "new_tokens": sum(len(r.tokens) for r in runs),
         "seconds": sum(r.seconds for r in runs),
@@ -162,7 +166,7 @@ def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
             "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None,
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
             "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None,
-            "gate_decisions": None, "steps": None,
+            "gate_decisions": None, "profile": None, "steps": None,
             "new_tokens": None,
             "seconds": None, "prompts": []}
 

@@ -56,6 +56,9 @@ class RunResult:
     lossy: bool = False  # inexact speculation, allowed by the variant (ours only)
     plan: str | None = None  # the step plan's one line (ours only)
     refused: bool = False  # the variant's draft was refused: no exact step plan here, so plain decoding
+    # What explains the number (ours only): the measured step-cost curve {rows: cost relative to one row}
+    # and the drafter's running costs (draft call and step, ms) after this generation.
+    profile: dict | None = None
 
 
 class Runner(ABC):

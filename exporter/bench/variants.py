@@ -63,6 +63,12 @@ class OursRunner(Runner):
             self.engine = load(self.bundle, backend=options.get("backend", "ort-cpu"), draft=self.spec.draft,
                                threads=self.threads, tree=tree, allow_inexact=options.get("allow_inexact", False))
 
+    def _profile(self) -> dict:
+        drafter = self.engine.decoder.drafter
+        curve = self.engine.cost_curve
+        return {"cost_curve": {int(t): round(float(c), 4) for t, c in curve.items()} if curve else None,
+                **(drafter.profile() if drafter is not None else {})}
+
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         from specdeploy.runtime.decode import DecodeStats, GenerationConfig, SamplingParams
 
@@ -81,6 +87,7 @@ class OursRunner(Runner):
             lossy=stats.lossy,
             plan=self.engine.plan.reason,
             refused=bool(self.spec.draft) and self.engine.draft_name == "none",
+            profile=self._profile(),
         )
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
-"""Calibrate a heads draft on held-in prompts: its default tree and, for Cerberus, the gate and its threshold.
+"""Calibrate a heads draft on held-in prompts: its default tree and, for Cerberus, which signal its gate reads.
 
 The Cerberus paper sets the entropy threshold by hand per model and calls that a limitation. Here
-it is chosen to maximise tokens/s, from measurements on this machine:
+the gate's signal is chosen to maximise tokens/s, from measurements on this machine (at run time the
+gate then decides step by step from that signal and the measured costs: ``runtime/drafters/depth.py``):
 
 1. **Trace.** Plain greedy decoding of ShareGPT first user turns (held-in prompts, never the
    MT-bench questions) through the runtime records, at every generated position s, the base hidden
@@ -22,7 +23,8 @@ it is chosen to maximise tokens/s, from measurements on this machine:
    the better of gate-off and always-AR.
 5. **Learned gate.** An MLP on ``[h ; entropy ; max log-prob]`` learns P(accepted >= 1) for the
    chosen tree from the traces of half the prompts, is checked on the other half (AUC), and its
-   threshold is swept like the entropy gate's. The faster of the two gates is recorded.
+   threshold is swept like the entropy gate's. The faster of the two becomes the gate's signal; its
+   best threshold is kept in the calibration file as a record.
 6. **Confirm.** The real loop runs fresh held-in prompts with AR, gate-off and the chosen gate, and
    the measured tokens/s go into the calibration file next to the simulated ones.
 """

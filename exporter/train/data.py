@@ -36,6 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from specdeploy.exporter.train.selfdistill import (
+    load_replies,
+    replies_of,
+    save_replies,
+    shard_arrays,
+    with_reply,
+)
 from specdeploy.exporter.train.sharegpt import (
     Conversation,
     ascii_fraction,
@@ -68,6 +75,11 @@ class DataConfig:
     # by the base model itself (greedy, up to reply_tokens), i.e. the text the draft will see at run time.
     replies: str = "sharegpt"
     reply_tokens: int = 256
+    # Where "self" replies and the features come from: "" the torch model (on --device), or the identity
+    # of a bundle's base graph run through the runtime (selfdistill.RuntimeGenerator.description).
+    engine: str = ""
+    # A replies file (save_replies) to take "self" replies from instead of generating them.
+    replies_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_seqs < 2 or self.max_len < 8 or not (0.0 < self.heldout_fraction < 1.0):
@@ -76,11 +88,18 @@ class DataConfig:
             raise TrainingError(f"Unknown reply source '{self.replies}'; choose one of {', '.join(REPLY_SOURCES)}.")
         if self.replies == "self" and not (self.min_assistant_tokens <= self.reply_tokens < self.max_len - 8):
             raise TrainingError("Self-generated replies need min_assistant_tokens <= reply_tokens < max_len - 8.")
+        if self.replies_file and self.replies != "self":
+            raise TrainingError("A replies file holds self-generated replies; use it with --replies self.")
 
     def key(self) -> str:
         """Short hash of everything that changes the cache's contents."""
         d = asdict(self)
         d.pop("shard_size")
+        for optional in ("engine", "replies_file"):  # keys of caches made before these existed stay
+            if not d[optional]:
+                d.pop(optional)
+        if self.replies_file:  # the file's contents, wherever it lies
+            d["replies_file"] = hashlib.sha256(Path(self.replies_file).read_bytes()).hexdigest()
         if self.replies == "sharegpt":  # caches built before self-generated replies existed keep their key
             d.pop("replies")
             d.pop("reply_tokens")
@@ -89,10 +108,11 @@ class DataConfig:
 
 # --- ShareGPT ---------------------------------------------------------------------------------
 def data_config(max_seqs: int, max_len: int, seed: int, replies: str = "sharegpt",
-                reply_tokens: int = 256) -> DataConfig:
+                reply_tokens: int = 256, engine: str = "", replies_file: str | None = None) -> DataConfig:
     """The training commands' data config. Self-generated replies are made in batches of one shard."""
     return DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed, replies=replies, reply_tokens=reply_tokens,
-                      shard_size=32 if replies == "self" else 16)
+                      shard_size=32 if replies == "self" else 16, engine=engine,
+                      replies_file=str(Path(replies_file).resolve()) if replies_file else None)
 
 
 def select_sequences(tokenizer, config: DataConfig) -> Iterator[tuple[Conversation, np.ndarray, np.ndarray]]:
@@ -249,13 +269,15 @@ def default_cache_dir(weight_sha: str, config: DataConfig) -> Path:
 
 
 def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(), threads: int | None = None,
-                show_progress: bool = True, device: str = "cpu") -> HiddenCache:
+                show_progress: bool = True, device: str = "cpu", generator=None) -> HiddenCache:
     """Run the frozen base over the selected ShareGPT sequences once and write the cache to ``out``.
 
     ``loaded`` is an :class:`~specdeploy.exporter.source.LoadedModel`. Finished shards of an
     interrupted run are kept and skipped; the final arrays are assembled when every shard exists.
     ``device`` runs generation (bf16) and the feature pass (fp32) there; the base model is moved
-    back to the CPU afterwards.
+    back to the CPU afterwards. ``generator`` (a :class:`~.selfdistill.RuntimeGenerator`, required when
+    ``config.engine`` names one) makes replies, hidden states and labels in one pass through the runtime
+    instead. The reply token ids are also written to ``replies.npz`` (see :func:`save_replies`).
     """
     import torch
     from tqdm import tqdm
@@ -282,24 +304,39 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     conv_ids: list[str] = []
     heldout: list[bool] = []
     pending: list[tuple[np.ndarray, np.ndarray]] = []
-    shard_index, forward_s, tokens_done = 0, 0.0, 0
+    shard_index, forward_s, tokens_done, positions_done, made = 0, 0.0, 0, 0, 0  # made: positions made by this run
+    if bool(config.engine) != (generator is not None) or (generator is not None and generator.description
+                                                          != config.engine):
+        raise TrainingError("internal: the data config's engine and the generator given differ")
+    known = load_replies(config.replies_file) if config.replies_file else None
     desc = "generating replies + caching base features" if config.replies == "self" else "caching base features"
     bar = tqdm(total=config.max_seqs, desc=desc, unit="seq", disable=not show_progress)
     gen_model = None
 
     def flush() -> None:
-        nonlocal shard_index, forward_s, tokens_done, gen_model
+        nonlocal shard_index, forward_s, tokens_done, positions_done, made, gen_model
         final = shards / f"{shard_index:05d}"
         if not final.is_dir():
             t1 = time.time()
             seqs = pending
-            if config.replies == "self":
-                if gen_model is None:  # bf16 generates ~1.7x faster on CPU; the fp32 pass sets the labels
-                    gen_model = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
-                seqs = generate_replies(gen_model, tok, [ids for ids, _ in pending], config.reply_tokens,
-                                        config.min_assistant_tokens)
-            arrays = _forward_shard(model.to(device), seqs)
+            prompts = [ids for ids, _ in pending]
+            if config.replies == "self" and known is not None:  # replies from the file, features derived
+                seqs = [with_reply(ids, known, cid, config.min_assistant_tokens)
+                        for (ids, _), cid in zip(pending, conv_ids[-len(pending):])]
+            if generator is not None and config.replies == "self" and known is None:
+                arrays = shard_arrays(generator.generate(prompts, config.reply_tokens, config.min_assistant_tokens))
+            elif generator is not None:
+                arrays = shard_arrays(generator.features(seqs))
+            else:
+                if config.replies == "self" and known is None:
+                    if gen_model is None:  # bf16 generates ~1.7x faster on CPU; the fp32 pass sets the labels
+                        gen_model = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+                    seqs = generate_replies(gen_model, tok, prompts, config.reply_tokens,
+                                            config.min_assistant_tokens)
+                arrays = _forward_shard(model.to(device), seqs)
+            arrays["prompt_lengths"] = np.asarray([len(p) for p in prompts], dtype=np.int64)
             forward_s += time.time() - t1
+            made += int(arrays["assistant"].sum())
             tmp = shards / f".tmp-{shard_index:05d}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -307,8 +344,10 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
                 np.save(tmp / f"{name}.npy", arr)
             os.replace(tmp, final)
         tokens_done += int(np.load(final / "lengths.npy").sum())
+        positions_done += int(np.load(final / "assistant.npy").sum())
         bar.update(len(pending))
-        bar.set_postfix(tokens=tokens_done, tok_s=f"{tokens_done / max(1e-9, time.time() - t0):.0f}")
+        bar.set_postfix(tokens=tokens_done, positions=positions_done,
+                        per_hour=f"{made / max(forward_s, 1e-9) * 3600:.0f}")
         shard_index += 1
         pending.clear()
 
@@ -331,6 +370,9 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
         )
     _assemble(out, shard_index, hidden_size)
     np.save(out / "heldout.npy", np.asarray(heldout, dtype=bool))
+    if config.replies == "self":
+        save_replies(out / "replies.npz", conv_ids, replies_of(out / "shards", shard_index))
+    seconds = time.time() - t0
     meta = {
         "format": CACHE_FORMAT,
         "base_weight_sha": loaded.weight_sha,
@@ -343,7 +385,11 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
         "num_sequences": len(conv_ids),
         "num_tokens": int(np.load(out / "offsets.npy")[-1]),
         "num_heldout_sequences": int(sum(heldout)),
-        "build_seconds": round(time.time() - t0, 1),
+        "build_seconds": round(seconds, 1),
+        "reply_positions": positions_done,
+        # the rate of the shards this run made (a resumed run's earlier shards are not timed)
+        "positions_per_hour": round(made / forward_s * 3600) if made and forward_s > 0 else None,
+        "engine": config.engine or f"torch ({device})",
         "threads": torch.get_num_threads(),
     }
     tmp_meta = out / "meta.json.tmp"
@@ -432,9 +478,33 @@ def _assemble(out: Path, num_shards: int, hidden_size: int) -> None:
 
 
 def ensure_cache(loaded, config: DataConfig = DataConfig(), data_dir: str | os.PathLike | None = None,
-                 threads: int | None = None, show_progress: bool = True, device: str = "cpu") -> HiddenCache:
+                 threads: int | None = None, show_progress: bool = True, device: str = "cpu",
+                 generator=None) -> HiddenCache:
     """The cache for this base model and data config: opened if finished, built (or resumed) otherwise."""
     path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
-    return build_cache(loaded, path, config, threads=threads, show_progress=show_progress, device=device)
+    return build_cache(loaded, path, config, threads=threads, show_progress=show_progress, device=device,
+                       generator=generator)
 
 
+def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | None = None, engine: str | None = None,
+                   threads: int | None = None, show_progress: bool = True, device: str = "cpu",
+                   log=lambda m: None) -> HiddenCache:
+    """The train commands' data: ``engine`` (a bundle) makes it through the runtime, else the torch model does."""
+    from dataclasses import replace
+
+    from specdeploy.exporter.train.selfdistill import RuntimeGenerator
+
+    generator = None
+    if engine:
+        generator = RuntimeGenerator(engine, threads)
+        generator.check_base(loaded.weight_sha)
+        config = replace(config, engine=generator.description)
+    t0 = time.time()
+    cache = ensure_cache(loaded, config, data_dir, threads=threads, show_progress=show_progress, device=device,
+                         generator=generator)
+    m = cache.meta
+    rate = f", {m['positions_per_hour']} reply positions per hour" if m.get("positions_per_hour") else ""
+    log(f"training data: {cache.num_sequences} ShareGPT sequences ({config.replies} replies), {cache.num_tokens} "
+        f"tokens ({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; cache built "
+        f"in {m.get('build_seconds')} s by {m.get('engine', 'torch')}{rate}) [{time.time() - t0:.0f} s]")
+    return cache

@@ -6,7 +6,6 @@ Plugs into the generic loop of :mod:`.train`.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -165,11 +164,12 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
                        vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
                        resume: str = "auto", show_progress: bool = True,
                        log: Callable[[str], None] | None = None, replies: str = "sharegpt",
-                       reply_tokens: int = 256, device: str = "auto") -> TrainResult:
+                       reply_tokens: int = 256, device: str = "auto", engine: str | None = None,
+                       replies_file: str | None = None) -> TrainResult:
     """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step)."""
     import torch
     from specdeploy.exporter.source import load_model
-    from specdeploy.exporter.train.data import data_config, ensure_cache, vocab_order
+    from specdeploy.exporter.train.data import data_config, training_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     device = resolve_device(device)  # before any slow step: a missing GPU is said at once
@@ -178,13 +178,8 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, 
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)
-    data_cfg = data_config(max_seqs, max_len, seed, replies, reply_tokens)
-    t0 = time.time()
-    cache = ensure_cache(loaded, data_cfg, data_dir, threads=threads, show_progress=show_progress,
-                         device=device)
-    log(f"training data: {cache.num_sequences} ShareGPT sequences ({replies} replies), {cache.num_tokens} tokens "
-        f"({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; "
-        f"cache built in {cache.meta.get('build_seconds')} s) [{time.time() - t0:.0f} s]")
+    cache = training_cache(loaded, data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file),
+                           data_dir, engine, threads=threads, show_progress=show_progress, device=device, log=log)
     order = vocab_order(cache, loaded.tokenizer)
     task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg, order)
     result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)

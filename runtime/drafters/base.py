@@ -41,6 +41,10 @@ class Drafter(ABC):
     def use_cost_curve(self, cost_curve) -> None:
         """Cost of a T-token step relative to a 1-token step, as measured on the backend in use."""
 
+    def profile(self) -> dict:
+        """What this drafter's work has cost on this machine so far (running means), for reports."""
+        return {}
+
     def wants_draft(self, ctx: DraftContext) -> bool:
         """Asked before every step; False runs the step as plain decoding (T=1, no draft cost)."""
         return True

@@ -161,6 +161,9 @@ class ChimeraDrafter(Drafter):
         probs = np.exp(logp[:, 0])
         return self.policy.chain(root, ids[:, 0], probs, len(ids), ctx.max_nodes)
 
+    def profile(self) -> dict:
+        return self.policy.timer.profile() if self.policy is not None else {}
+
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self.policy is not None:
             self.policy.verdict(len(nodes) - 1)

@@ -106,6 +106,15 @@ class CallTimer:
     def call_cost(self) -> float:
         return self.call_s / self.step_s if self.call_s and self.step_s else 0.0
 
+    def profile(self) -> dict:
+        """``draft_call_ms`` and ``step_ms`` (a step without its draft calls), once measured."""
+        out = {}
+        if self.call_s is not None:
+            out["draft_call_ms"] = round(1e3 * self.call_s, 3)
+        if self.step_s is not None:
+            out["step_ms"] = round(1e3 * self.step_s, 3)
+        return out
+
 
 class ChainPolicy:
     """The length of a model draft's chain with the most expected tokens per unit of cost."""
@@ -165,8 +174,8 @@ class ChainPolicy:
 class CostAwareGate:
     """Before a step: draft + verify, or a plain step, whichever is expected to give more tokens per cost.
 
-    The gate's signal (a probability-like score in [0, 1]: the learned gate's P(accepted >= 1), or
-    ``exp(-entropy)`` of the distribution that produced the root) goes through its own calibration, per
+    The gate's signal (a score in [0, 1]: the learned gate's P(accepted >= 1), or ``1 / (1 + entropy)``
+    of the distribution that produced the root) goes through its own calibration, per
     band, to the chance that the first drafted token is accepted; deeper tokens take the chain policy's
     typical chances. Drafting pays when the best chain's expected tokens per unit of cost (rows from the
     measured cost curve, plus the draft call) beat a plain step's 1. It learns from the verdict of every

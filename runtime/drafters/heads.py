@@ -116,6 +116,12 @@ class HeadsDrafter(Drafter):
         probs = np.exp(logp[: self.tree.depth, 0])
         return self.policy.chain(root, ids[:, 0], probs, 1, ctx.max_nodes)
 
+    def profile(self) -> dict:
+        out = self.policy.timer.profile()
+        if self.gate_policy is not None:
+            out["gate"] = dict(self.gate_policy.decisions)
+        return out
+
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self.gate_policy is not None:
             self.gate_policy.verdict(len(nodes) - 1, tree.num_nodes - 1)

@@ -109,6 +109,9 @@ class HybridDrafter(Drafter):
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
 
+    def profile(self) -> dict:
+        return {**self.timer.profile(), "steps_by_source": dict(self.sources)}
+
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         self.timer.stop()
         if self._model_nodes:  # the model drafted this step's chain: it and the hybrid learn its acceptance

@@ -1,0 +1,235 @@
+"""Self-distillation data through the runtime: batched greedy replies, hidden states and labels in one pass.
+
+A draft learns to predict what the deployed model will say next, from the hidden states the runtime
+will hand it. So the data comes from the runtime itself: a bundle's base graph on ONNX Runtime (the
+graph that verifies multi-row steps, which takes a batch dimension), the same arithmetic that decodes.
+
+One pass over a batch of prompts (left-padded, each row with its own positions and mask, one cache)
+yields, per sequence, the three things training reads:
+
+* the reply: greedy tokens until the end-of-turn token or ``max_new_tokens``;
+* the base's last hidden state at every position (prompt and reply), stored fp16;
+* the base's greedy label at every position that predicts a reply token, which for greedy decoding is
+  the next token itself (and the next token elsewhere, where no loss reads it).
+
+Rows that finish leave the batch (their cache rows are dropped), so a short reply costs no more steps.
+Reply token ids are small (4 bytes a token): :func:`save_replies` writes them so that a later run
+(:class:`RuntimeFeatures` via ``--replies FILE``) re-derives the features, teacher-forced, without
+generating again.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from specdeploy.runtime.errors import TrainingError
+
+
+@dataclass
+class Sequenced:
+    """One training sequence: prompt + reply ids, its reply mask, fp16 hidden states and labels."""
+
+    ids: np.ndarray  # [N] int32
+    mask: np.ndarray  # [N] uint8, 1 on reply tokens
+    hidden: np.ndarray  # [N, H] fp16
+    labels: np.ndarray  # [N] int32
+
+
+def shard_arrays(seqs: Sequence[Sequenced]) -> dict[str, np.ndarray]:
+    """A cache shard's arrays from :class:`Sequenced` sequences."""
+    return {
+        "tokens": np.concatenate([q.ids for q in seqs]).astype(np.int32),
+        "assistant": np.concatenate([q.mask for q in seqs]).astype(np.uint8),
+        "hidden": np.concatenate([q.hidden for q in seqs]).astype(np.float16),
+        "labels": np.concatenate([q.labels for q in seqs]).astype(np.int32),
+        "lengths": np.asarray([len(q.ids) for q in seqs], dtype=np.int64),
+    }
+
+
+class RuntimeGenerator:
+    """The bundle's multi-row base graph on ONNX Runtime, driven in batches with one cache per batch."""
+
+    def __init__(self, bundle: str | os.PathLike, threads: int | None = None):
+        from specdeploy.runtime.backends.ort import OrtBackend
+        from specdeploy.runtime.bundle import read_manifest
+
+        self.bundle = Path(bundle)
+        self.manifest = read_manifest(self.bundle)
+        graph = self.manifest.cpu_base(multi_row=True)
+        self.backend = OrtBackend(self.bundle, self.manifest, threads=threads, graph=graph)
+        self.graph = graph
+        self._neg = np.finfo(self.backend.mask_dtype).min
+        self.eos = frozenset(self.manifest.model.eos_token_ids)
+
+    @property
+    def description(self) -> str:
+        """Which graph made the features (part of the cache's identity)."""
+        return f"{self.graph.file} ({self.graph.precision}) sha {self.graph.sha256[:12]}"
+
+    def check_base(self, weight_sha: str) -> None:
+        if self.manifest.source.weight_sha != weight_sha:
+            raise TrainingError(
+                f"The bundle '{self.bundle}' was exported from another base model than the one being trained for."
+            )
+
+    # --- one batch ----------------------------------------------------------------------------------
+    def _step(self, cache, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, write: np.ndarray,
+              logits_rows: np.ndarray):
+        from specdeploy.runtime.backends.base import StepInputs
+
+        return self.backend.step(StepInputs(ids.astype(np.int64), pos.astype(np.int64), mask,
+                                            write.astype(np.int64), logits_rows.astype(np.int64)), cache)
+
+    def _prefill(self, prompts: Sequence[np.ndarray], capacity: int):
+        """Left-padded prefill: row r's prompt sits at slots ``width - len(r) .. width - 1``."""
+        b, width = len(prompts), max(len(p) for p in prompts)
+        cache = self.backend.new_cache(b, capacity)
+        ids = np.zeros((b, width), dtype=np.int64)
+        pos = np.zeros((b, width), dtype=np.int64)
+        mask = np.full((b, 1, width, capacity), self._neg, dtype=self.backend.mask_dtype)
+        causal = np.tril(np.ones((width, width), dtype=bool))
+        for r, p in enumerate(prompts):
+            off = width - len(p)
+            ids[r, off:] = p
+            pos[r, off:] = np.arange(len(p))
+            seen = causal.copy()
+            seen[:, :off] = False
+            seen[np.arange(off), np.arange(off)] = True  # padding rows see themselves (their output is unused)
+            mask[r, 0, :, :width] = np.where(seen, 0.0, self._neg)
+        out = self._step(cache, ids, pos, mask, np.arange(width), np.array([width - 1]))
+        return cache, out, width
+
+    def generate(self, prompts: Sequence[np.ndarray], max_new_tokens: int, min_tokens: int = 1) -> list[Sequenced]:
+        """Greedy replies to ``prompts`` with every position's hidden state and label, in one pass.
+
+        Each reply token is fed once (the last one too), which gives its hidden state and the base's
+        prediction after it. A reply shorter than ``min_tokens`` gets an all-zero mask (no training
+        position).
+        """
+        if not prompts:
+            return []
+        lengths = np.array([len(p) for p in prompts])
+        capacity = int(lengths.max()) + max_new_tokens + 2  # +1: a graph may write a dummy slot after a row
+        cache, out, width = self._prefill(prompts, capacity)
+        hidden: list[list[np.ndarray]] = [[out.hidden_states[r, width - n :]] for r, n in enumerate(lengths)]
+        replies: list[list[int]] = [[] for _ in prompts]
+        after = np.zeros(len(prompts), dtype=np.int64)  # the base's prediction after each reply's last token
+        rows = np.arange(len(prompts))  # the prompts still generating, in cache row order
+        reach = np.zeros((len(prompts), capacity), dtype=bool)  # per cache row, the slots it attends
+        for r, n in enumerate(lengths):
+            reach[r, width - n : width] = True
+        nxt = out.logits[:, 0].argmax(-1)
+        for t in range(max_new_tokens):
+            slot = width + t
+            reach[:, slot] = True
+            mask = np.where(reach[:, None, None, :], 0.0, self._neg).astype(self.backend.mask_dtype)
+            step = self._step(cache, nxt.reshape(-1, 1), (lengths[rows] + t).reshape(-1, 1), mask,
+                              np.array([slot]), np.array([0]))
+            done = np.array([int(x) in self.eos for x in nxt]) | (t == max_new_tokens - 1)
+            for i, r in enumerate(rows):
+                replies[r].append(int(nxt[i]))
+                hidden[r].append(step.hidden_states[i])
+            nxt = step.logits[:, 0].argmax(-1)
+            after[rows[done]] = nxt[done]
+            if done.all():
+                break
+            if done.any():  # finished rows leave the batch
+                live = np.flatnonzero(~done)
+                cache = _keep_rows(self.backend, cache, live)
+                reach, rows, nxt = reach[live], rows[live], nxt[live]
+        return [_sequence(p, replies[r], hidden[r], int(after[r]), min_tokens) for r, p in enumerate(prompts)]
+
+
+    def features(self, seqs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Sequenced]:
+        """Teacher-forced: hidden states and the base's greedy labels for given ``(ids, reply mask)``.
+
+        One prefill per sequence (a prefill is already many rows); the labels of the rows that predict a
+        reply token (the last prompt token's on) are the argmax of their logits, the others the next token.
+        """
+        out = []
+        for ids, mask in seqs:
+            n = len(ids)
+            cache = self.backend.new_cache(1, n + 2)
+            causal = np.where(np.tril(np.ones((n, n), dtype=bool)), 0.0, self._neg)
+            attn = np.full((1, 1, n, n + 2), self._neg, dtype=self.backend.mask_dtype)
+            attn[0, 0, :, :n] = causal
+            first = max(0, int(np.argmax(mask)) - 1) if mask.any() else n - 1  # the last prompt token
+            rows = np.arange(first, n)
+            step = self._step(cache, np.asarray(ids)[None], np.arange(n)[None], attn, np.arange(n), rows)
+            labels = np.append(np.asarray(ids[1:], dtype=np.int32), 0)
+            labels[rows] = step.logits[0].argmax(-1)
+            out.append(Sequenced(np.asarray(ids, np.int32), np.asarray(mask, np.uint8),
+                                 step.hidden_states[0].astype(np.float16), labels.astype(np.int32)))
+        return out
+
+
+def _keep_rows(backend, cache, rows: np.ndarray):
+    """A cache holding only ``rows`` of ``cache`` (same capacity, same length)."""
+    new = backend.new_cache(len(rows), cache.capacity)
+    for dst, src in zip(new.buffers(), cache.buffers()):
+        dst[...] = src[rows]
+    new.length = cache.length
+    return new
+
+
+def _sequence(prompt: np.ndarray, reply: list[int], hidden: list[np.ndarray], after: int,
+              min_tokens: int) -> Sequenced:
+    ids = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(reply, dtype=np.int32)])
+    h = np.concatenate(hidden).astype(np.float16)
+    labels = np.append(ids[1:], after).astype(np.int32)  # greedy: the label is the next token
+    mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(reply), np.uint8)])
+    if len(reply) < min_tokens:
+        mask[:] = 0
+    return Sequenced(ids, mask, h, labels)
+
+
+# --- reply ids, kept -------------------------------------------------------------------------------------
+def save_replies(path: Path, conversation_ids: list[str], replies: list[np.ndarray] | None) -> None:
+    """The reply token ids of a self-reply cache, by conversation id: small enough to commit (int32)."""
+    if replies is None:
+        return
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in replies])]).astype(np.int64)
+    ids = np.concatenate(replies).astype(np.int32) if replies else np.zeros(0, np.int32)
+    tmp = path.with_name(f".{path.name}.tmp.npz")
+    np.savez_compressed(tmp, conversation_ids=np.asarray(conversation_ids), offsets=offsets, ids=ids)
+    os.replace(tmp, path)
+
+
+def load_replies(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """``{conversation id: reply ids}`` from :func:`save_replies`; a bad file gets one sentence."""
+    try:
+        with np.load(path) as f:
+            cids, offsets, ids = f["conversation_ids"], f["offsets"], f["ids"]
+    except (OSError, KeyError, ValueError) as exc:
+        raise TrainingError(f"'{path}' is not a replies file ({type(exc).__name__}).") from None
+    return {str(c): ids[offsets[i] : offsets[i + 1]] for i, c in enumerate(cids)}
+
+
+def with_reply(prompt: np.ndarray, known: dict[str, np.ndarray], conversation_id: str,
+                min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    reply = known.get(conversation_id)
+    if reply is None:
+        raise TrainingError(f"The replies file has no reply for conversation {conversation_id}; "
+                            "make it with the same data settings.")
+    mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(reply), np.uint8)])
+    if len(reply) < min_tokens:
+        mask[:] = 0
+    return np.concatenate([prompt, reply]).astype(np.int32), mask
+
+
+def replies_of(shards: Path, num_shards: int) -> list[np.ndarray] | None:
+    """Each sequence's reply ids (what follows its prompt), from the shards; None for shards of old runs."""
+    replies = []
+    for i in range(num_shards):
+        d = shards / f"{i:05d}"
+        if not (d / "prompt_lengths.npy").is_file():
+            return None
+        tokens, lengths = np.load(d / "tokens.npy"), np.load(d / "lengths.npy")
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        for j, n in enumerate(np.load(d / "prompt_lengths.npy")):
+            replies.append(tokens[starts[j] + n : starts[j + 1]])
+    return replies

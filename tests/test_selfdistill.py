@@ -1,0 +1,109 @@
+"""The self-distillation data engine: batched greedy replies, hidden states and labels through the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from specdeploy.exporter.train.data import DataConfig, build_cache
+from specdeploy.exporter.train.selfdistill import RuntimeGenerator, load_replies, save_replies
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import GenerationConfig
+from specdeploy.runtime.errors import TrainingError
+
+SELF_DATA = DataConfig(max_seqs=6, max_len=96, min_assistant_tokens=4, heldout_fraction=0.3, shard_size=3,
+                       replies="self", reply_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_factory, tiny_bundle):
+    from specdeploy.exporter.source import load_model
+
+    return load_model(str(tiny_model_factory("llama"))), tiny_bundle
+
+
+def _prompts(engine) -> list[np.ndarray]:
+    texts = ["Hello there, how are you today?", "1 2 3", "The cat sat on the mat. The cat sat on the"]
+    return [np.asarray(engine.encode(t), dtype=np.int32) for t in texts]
+
+
+def test_one_batched_pass_gives_plain_greedy_replies_their_hidden_states_and_labels(setup):
+    _, bundle = setup
+    gen = RuntimeGenerator(bundle, threads=2)
+    with load(bundle) as plain:
+        prompts = _prompts(plain)
+        seqs = gen.generate(prompts, max_new_tokens=10)
+        for p, q in zip(prompts, seqs):
+            reply = plain.generate_ids(p.tolist(), GenerationConfig(10))
+            reply = reply[: next((i + 1 for i, t in enumerate(reply) if t in gen.eos), len(reply))]
+            assert q.ids.tolist() == p.tolist() + reply  # left padding and batching change nothing
+            assert q.mask.tolist() == [0] * len(p) + [1] * len(reply)
+            # the hidden states are those of one teacher-forced prefill over the whole sequence
+            state, _ = plain.decoder.prefill(q.ids.tolist())
+            np.testing.assert_allclose(q.hidden.astype(np.float32), state.hidden, atol=2e-2, rtol=1e-2)
+            # greedy labels: each reply-predicting position's label is the token that followed it
+            assert q.labels[len(p) - 1 : -1].tolist() == reply
+        features = gen.features([(q.ids, q.mask) for q in seqs])  # teacher-forced, from the ids alone
+        for q, f in zip(seqs, features):
+            n = int(np.argmax(q.mask)) - 1
+            assert f.labels[n:].tolist() == q.labels[n:].tolist()
+            np.testing.assert_allclose(f.hidden.astype(np.float32), q.hidden.astype(np.float32), atol=2e-2)
+
+
+def test_finished_rows_leave_the_batch_and_the_others_go_on(setup):
+    _, bundle = setup
+    gen = RuntimeGenerator(bundle, threads=2)
+    with load(bundle) as plain:
+        prompts = _prompts(plain)
+    gen.eos = frozenset()
+    full = gen.generate(prompts, max_new_tokens=8)
+    stop = int(full[0].ids[len(prompts[0]) + 2])  # row 0's third reply token becomes an end-of-turn token
+    gen.eos = frozenset({stop})
+    cut = gen.generate(prompts, max_new_tokens=8)
+    for p, a, b in zip(prompts, full, cut):
+        reply = a.ids[len(p):].tolist()
+        end = reply.index(stop) + 1 if stop in reply else len(reply)
+        assert b.ids[len(p):].tolist() == reply[:end]
+        np.testing.assert_allclose(b.hidden.astype(np.float32), a.hidden[: len(b.ids)].astype(np.float32), atol=2e-2)
+    assert len(cut[0].ids) == len(prompts[0]) + 3
+
+
+def test_a_cache_made_through_the_runtime_keeps_its_replies_for_a_rerun(setup, tmp_path):
+    loaded, bundle = setup
+    gen = RuntimeGenerator(bundle, threads=2)
+    config = replace(SELF_DATA, engine=gen.description)
+    cache = build_cache(loaded, tmp_path / "made", config, show_progress=False, generator=gen)
+    assert cache.meta["engine"] == gen.description and cache.meta["positions_per_hour"] > 0
+    assert cache.meta["reply_positions"] == int(cache.assistant.sum()) > 0
+    replies = load_replies(tmp_path / "made" / "replies.npz")
+    assert list(replies) == cache.meta["conversation_ids"]
+    # a later run takes the reply ids from the file and derives the same data, without generating
+    again = replace(config, replies_file=str(tmp_path / "made" / "replies.npz"))
+    gen.generate = None  # any generation would fail
+    rerun = build_cache(loaded, tmp_path / "rerun", again, show_progress=False, generator=gen)
+    np.testing.assert_array_equal(rerun.tokens, cache.tokens)
+    np.testing.assert_array_equal(rerun.assistant, cache.assistant)
+    reply_rows = np.flatnonzero(np.append(cache.assistant[1:], 0) == 1)  # rows that predict a reply token
+    np.testing.assert_array_equal(rerun.labels[reply_rows], cache.labels[reply_rows])
+    np.testing.assert_allclose(rerun.hidden.astype(np.float32), cache.hidden.astype(np.float32), atol=2e-2)
+    # ... and the torch path reads the same file (features by the torch model this time)
+    torch_rerun = build_cache(loaded, tmp_path / "torch", replace(again, engine=""), show_progress=False)
+    np.testing.assert_array_equal(torch_rerun.tokens, cache.tokens)
+
+
+def test_bad_replies_files_and_mismatched_bundles_get_one_sentence(setup, tmp_path, tiny_bundle_factory):
+    loaded, bundle = setup
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(TrainingError, match="is not a replies file"):
+        load_replies(bad)
+    partial = tmp_path / "partial.npz"
+    save_replies(partial, ["nobody"], [np.array([1, 2, 3])])
+    with pytest.raises(TrainingError, match="has no reply for conversation"):
+        build_cache(loaded, tmp_path / "x", replace(SELF_DATA, replies_file=str(partial)), show_progress=False)
+    with pytest.raises(TrainingError, match="use it with --replies self"):
+        replace(SELF_DATA, replies="sharegpt", replies_file=str(partial))
+    other = RuntimeGenerator(tiny_bundle_factory("qwen2"), threads=2)
+    with pytest.raises(TrainingError, match="another base model"):
+        other.check_base(loaded.weight_sha)
