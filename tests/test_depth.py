@@ -37,9 +37,9 @@ def test_length_weighs_each_rows_cost_against_its_chance():
     curve = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
     mid = _policy(curve, 0.0)
     assert mid.length([0.95, 0.95, 0.05, 0.95], calls=1) == 2  # a weak link ends what is worth verifying
-    tree = mid.chain(7, np.array([11, 12, 13, 14]), np.array([0.95, 0.95, 0.05, 0.95]), 1, max_nodes=8)
+    tree = mid.chain(np.array([5, 7]), np.array([11, 12, 13, 14]), np.array([0.95, 0.95, 0.05, 0.95]), 1, max_nodes=8)
     assert tree.tokens.tolist() == [7, 11, 12] and tree.parents.tolist() == [-1, 0, 1]
-    assert mid.chain(7, np.array([11, 12, 13, 14]), np.array([0.95] * 4), 1, max_nodes=3).num_nodes == 3
+    assert mid.chain(np.array([7]), np.array([11, 12, 13, 14]), np.array([0.95] * 4), 1, max_nodes=3).num_nodes == 3
 
 
 def test_another_call_only_when_a_deeper_chain_pays_for_it():
@@ -55,7 +55,7 @@ def test_the_policy_learns_a_draft_that_is_overconfident():
     policy = _policy(curve, 0.05)
     assert policy.length([0.95, 0.95], calls=2) == 2
     for _ in range(40):
-        policy.chain(1, np.array([2, 3]), np.array([0.95, 0.95]), 2, max_nodes=8)
+        policy.chain(np.array([1]), np.array([2, 3]), np.array([0.95, 0.95]), 2, max_nodes=8)
         policy.verdict(accepted=0)
     assert policy.length([0.95, 0.95], calls=2) == 0
     assert not policy.another_call([0.95], calls=1)
@@ -101,3 +101,27 @@ def test_cost_aware_gate_drafts_where_it_pays_and_keeps_exploring():
         gate.drafts(0.95)
         gate.verdict(accepted=0, drafted=3)
     assert not gate.drafts(0.95)
+
+
+def test_the_token_past_a_fully_accepted_chain_is_judged_by_the_next_root():
+    """A chain cut short still teaches: when all of it is accepted, the next root is the base's choice for
+    the first token it left out. Only the step right after counts."""
+    policy = _policy({1: 1.0, 2: 1.9, 3: 2.8}, 0.0, depth=2)  # a row costs nearly a step: nothing verified
+    tree = policy.chain(np.array([4, 5, 6]), np.array([8, 9]), np.array([0.55, 0.95]), 1, max_nodes=8)
+    assert tree.num_nodes == 1
+    policy.verdict(accepted=0)
+    assert policy.observe(np.array([4, 5, 6, 8])) == (0, True)  # the base chose 8: head 1 was right
+    assert policy.calibration.seen[0, 5].tolist() == [1, 0]
+    assert policy.observe(np.array([4, 5, 6, 8])) is None  # settled once
+    policy.chain(np.array([4, 5, 6]), np.array([8, 9]), np.array([0.55, 0.95]), 1, max_nodes=8)
+    policy.verdict(accepted=0)
+    assert policy.observe(np.array([4, 5, 6, 1, 2])) is None  # not the step right after: ignored
+    assert policy.calibration.seen[0, 5].tolist() == [1, 0]
+    gate = CostAwareGate(policy)
+    assert gate.drafts(0.95)
+    policy.chain(np.array([4, 5, 6]), np.array([8, 9]), np.array([0.55, 0.95]), 1, max_nodes=8)
+    policy.verdict(accepted=0)
+    gate.verdict(accepted=0, drafted=0)  # drafted but verified nothing: waits for the next root
+    assert gate.calibration.seen.sum() == 0
+    gate.settle(policy.observe(np.array([4, 5, 6, 3])))  # the base chose 3, not 8
+    assert gate.calibration.seen[0, 9].tolist() == [0, 1]

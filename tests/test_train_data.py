@@ -149,7 +149,7 @@ def test_interrupted_cache_build_resumes_from_its_shards(tiny_model_factory, tmp
 
     loaded = load_model(str(tiny_model_factory("llama")))
     calls = []
-    real = td._forward_shard
+    real = td.forward_shard
 
     def flaky(model, seqs):
         calls.append(len(seqs))
@@ -157,12 +157,12 @@ def test_interrupted_cache_build_resumes_from_its_shards(tiny_model_factory, tmp
             raise KeyboardInterrupt
         return real(model, seqs)
 
-    monkeypatch.setattr(td, "_forward_shard", flaky)
+    monkeypatch.setattr(td, "forward_shard", flaky)
     with pytest.raises(KeyboardInterrupt):
         build_cache(loaded, tmp_path / "c", TINY_DATA, show_progress=False)
     assert len(list((tmp_path / "c" / "shards").glob("0*"))) == 1
     calls.clear()
-    monkeypatch.setattr(td, "_forward_shard", real)
+    monkeypatch.setattr(td, "forward_shard", real)
     cache = build_cache(loaded, tmp_path / "c", TINY_DATA, show_progress=False)
     assert cache.num_sequences == TINY_DATA.max_seqs
     assert not (tmp_path / "c" / "shards").exists()
@@ -212,6 +212,6 @@ def test_data_config_rejects_unknown_reply_sources():
     import hashlib
 
     d = dataclasses.asdict(DataConfig())
-    for k in ("shard_size", "replies", "reply_tokens"):
+    for k in ("shard_size", "replies", "reply_tokens", "engine", "replies_file"):
         d.pop(k)
     assert DataConfig().key() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

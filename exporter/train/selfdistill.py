@@ -1,8 +1,10 @@
 """Self-distillation data through the runtime: batched greedy replies, hidden states and labels in one pass.
 
 A draft learns to predict what the deployed model will say next, from the hidden states the runtime
-will hand it. So the data comes from the runtime itself: a bundle's base graph on ONNX Runtime (the
-graph that verifies multi-row steps, which takes a batch dimension), the same arithmetic that decodes.
+will hand it. So the data comes from the runtime itself: a bundle's base graph on ONNX Runtime. It is
+the bundle's standard-op graph (``trt`` target), which takes any batch: the fused ``ort`` graph's
+attention kernel (``GroupQueryAttention``) runs one sequence at a time once a cache holds a past,
+and that graph pads every step to at least two rows.
 
 One pass over a batch of prompts (left-padded, each row with its own positions and mask, one cache)
 yields, per sequence, the three things training reads:
@@ -59,7 +61,12 @@ class RuntimeGenerator:
 
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
-        graph = self.manifest.cpu_base(multi_row=True)
+        graph = next((g for g in self.manifest.graphs if g.role == "base" and g.target == "trt"), None)
+        if graph is None:
+            raise TrainingError(
+                f"The bundle '{self.bundle}' has no standard-op base graph, which batched generation needs "
+                "(ONNX Runtime's fused attention takes one sequence at a time); export one with --target all or trt."
+            )
         self.backend = OrtBackend(self.bundle, self.manifest, threads=threads, graph=graph)
         self.graph = graph
         self._neg = np.finfo(self.backend.mask_dtype).min
@@ -68,7 +75,7 @@ class RuntimeGenerator:
     @property
     def description(self) -> str:
         """Which graph made the features (part of the cache's identity)."""
-        return f"{self.graph.file} ({self.graph.precision}) sha {self.graph.sha256[:12]}"
+        return f"{self.graph.file} ({self.graph.precision}) {self.graph.sha[:12]}"
 
     def check_base(self, weight_sha: str) -> None:
         if self.manifest.source.weight_sha != weight_sha:

@@ -156,10 +156,11 @@ class ChimeraDrafter(Drafter):
         if self.policy is None:
             ids, logp = self.head_topk(ctx.tokens, ctx.hidden)
             return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
+        self.policy.observe(ctx.tokens)
         self.policy.timer.start()
         ids, logp = self.head_topk(ctx.tokens, ctx.hidden, adaptive=True)
         probs = np.exp(logp[:, 0])
-        return self.policy.chain(root, ids[:, 0], probs, len(ids), ctx.max_nodes)
+        return self.policy.chain(ctx.tokens, ids[:, 0], probs, len(ids), ctx.max_nodes)
 
     def profile(self) -> dict:
         return self.policy.timer.profile() if self.policy is not None else {}

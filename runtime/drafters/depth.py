@@ -72,6 +72,10 @@ class ConfidenceCalibration:
         for d in range(min(accepted + 1, len(probs), self.depth)):
             self.seen[d, self.band(probs[d]), 0 if d < accepted else 1] += 1.0
 
+    def observe(self, d: int, prob: float, right: bool) -> None:
+        """One verdict on a depth-``d`` token whose predecessors were right."""
+        self.seen[d, self.band(prob), 0 if right else 1] += 1.0
+
 
 class CallTimer:
     """Running means of one draft call and of one step without its calls, on this machine.
@@ -123,6 +127,11 @@ class ChainPolicy:
         self.calibration = ConfidenceCalibration(depth)
         self.timer = CallTimer()
         self._probs: list[float] = []  # draft probabilities of the last chain proposed
+        # The first drafted token past the verified chain, (depth, prob, id, where), where being the index
+        # its token takes in the context: when the whole chain is accepted, the next root, which the base
+        # chose there, says whether it was right. Until then it is pending.
+        self._beyond: tuple[int, float, int, int] | None = None
+        self._pending: tuple[int, float, int, int] | None = None
         self.use_cost_curve(cost_curve)
 
     def use_cost_curve(self, cost_curve: Mapping[int, float]) -> None:
@@ -156,19 +165,33 @@ class ChainPolicy:
         deeper = np.concatenate([q, more])
         return any(self.best(deeper[: d + j], calls + j)[1] > now for j in range(1, len(more) + 1))
 
-    def chain(self, root: int, ids: np.ndarray, probs: np.ndarray, calls: int, max_nodes: int) -> DraftTree:
-        """The chain ``root, ids[0], ..`` cut to the length worth verifying (``probs``: the ids' draft
+    def chain(self, tokens: np.ndarray, ids: np.ndarray, probs: np.ndarray, calls: int,
+              max_nodes: int) -> DraftTree:
+        """The chain ``tokens[-1], ids[0], ..`` cut to the length worth verifying (``probs``: the ids' draft
         probabilities); its probabilities are kept for :meth:`verdict`."""
         n = min(self.length(probs, calls), max_nodes - 1)
         self._probs = [float(p) for p in probs[:n]]
-        return DraftTree(np.concatenate([[root], ids[:n]]), np.arange(-1, n))
+        self._beyond = (n, float(probs[n]), int(ids[n]), len(tokens) + n) if n < len(probs) else None
+        return DraftTree(np.concatenate([[tokens[-1]], ids[:n]]), np.arange(-1, n))
 
     def verdict(self, accepted: int) -> None:
         """``accepted`` tokens of the last :meth:`chain` were accepted: time the step, learn from it."""
         self.timer.stop()
         if self._probs:
             self.calibration.update(self._probs, accepted)
-        self._probs = []
+        self._pending = self._beyond if accepted == len(self._probs) else None
+        self._probs, self._beyond = [], None
+
+    def observe(self, tokens: np.ndarray) -> tuple[int, bool] | None:
+        """Settle the pending token past the last verified chain from the context that followed that step
+        (its root is the base's choice there); returns (its depth, whether it was right), or None."""
+        pending, self._pending = self._pending, None
+        if pending is None or len(tokens) != pending[3] + 1:  # not the step right after it
+            return None
+        d, prob, token, where = pending
+        right = int(tokens[where]) == token
+        self.calibration.observe(d, prob, right)
+        return d, right
 
 
 class CostAwareGate:
@@ -218,7 +241,14 @@ class CostAwareGate:
         return True
 
     def verdict(self, accepted: int, drafted: int) -> None:
-        """``accepted`` of the ``drafted`` tokens of the step this gate let draft were accepted."""
+        """``accepted`` of the ``drafted`` tokens of the step this gate let draft were accepted. A step
+        that drafted but verified nothing waits for :meth:`settle`."""
         if self._signal is not None and drafted > 0:
             self.calibration.update([self._signal], accepted)
+            self._signal = None
+
+    def settle(self, observed: tuple[int, bool] | None) -> None:
+        """The verdict on the first drafted token of a step that verified none (``ChainPolicy.observe``)."""
+        if self._signal is not None and observed is not None and observed[0] == 0:
+            self.calibration.observe(0, self._signal, observed[1])
         self._signal = None

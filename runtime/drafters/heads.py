@@ -90,6 +90,9 @@ class HeadsDrafter(Drafter):
         self.policy.use_cost_curve(cost_curve)
 
     def wants_draft(self, ctx: DraftContext) -> bool:
+        observed = self.policy.observe(ctx.tokens) if self.adaptive else None
+        if self.gate_policy is not None:
+            self.gate_policy.settle(observed)
         if self.gate is None or ctx.root_logits is None:
             return True
         hidden = np.ascontiguousarray(ctx.hidden[-1:], dtype=np.float32)[None]  # [1, 1, H]
@@ -106,6 +109,8 @@ class HeadsDrafter(Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = int(ctx.tokens[-1])
+        if self.adaptive:  # (a no-op when wants_draft already settled it)
+            self.policy.observe(ctx.tokens)
         timer = self.policy.timer
         timer.start()
         t0 = time.perf_counter()
@@ -114,7 +119,7 @@ class HeadsDrafter(Drafter):
         if not self.adaptive:
             return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
         probs = np.exp(logp[: self.tree.depth, 0])
-        return self.policy.chain(root, ids[:, 0], probs, 1, ctx.max_nodes)
+        return self.policy.chain(ctx.tokens, ids[:, 0], probs, 1, ctx.max_nodes)
 
     def profile(self) -> dict:
         out = self.policy.timer.profile()

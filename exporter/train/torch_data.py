@@ -1,0 +1,66 @@
+"""The torch engine of the self-distillation data: batched greedy replies, then a teacher-forced pass.
+
+It runs on any torch device (``--device``); the runtime's engine is :mod:`.selfdistill`. Both feed the
+same cache (:mod:`.data`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int,
+                     min_tokens: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The base model's own greedy replies to ``prompts``, batched: (prompt + reply ids, reply mask).
+
+    ``model`` may be a bf16 copy of the base, for speed: the teacher-forced fp32 pass that follows
+    recomputes the labels, so where bf16 and fp32 disagree the label is still the deployed model's
+    choice. A reply ends after the end-of-turn token; one shorter than ``min_tokens`` is dropped
+    (returned with an all-zero mask).
+    """
+    import torch
+
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[i, width - len(p):] = torch.from_numpy(p.astype(np.int64))
+        attn[i, width - len(p):] = 1
+    device = next(model.parameters()).device
+    out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos, pad_token_id=pad, temperature=None, top_p=None,
+                         top_k=None).cpu()
+    result = []
+    for i, p in enumerate(prompts):
+        reply = out[i, width:].numpy().astype(np.int32)
+        ends = np.flatnonzero(reply == eos)
+        if ends.size:
+            reply = reply[: ends[0] + 1]
+        mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(reply), np.uint8)])
+        if len(reply) < min_tokens:
+            mask[:] = 0
+        result.append((np.concatenate([p, reply]).astype(np.int32), mask))
+    return result
+
+
+def forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Teacher-forced base pass, one sequence at a time (no padding waste): fp16 hidden + argmax labels."""
+    import torch
+
+    hidden, labels = [], []
+    device = next(model.parameters()).device
+    for ids, _ in seqs:
+        x = torch.from_numpy(ids.astype(np.int64))[None].to(device)  # [1, L]
+        h = model.model(input_ids=x).last_hidden_state  # [1, L, H] after the final norm
+        logits = model.lm_head(h)  # [1, L, V] fp32, so labels match the deployed fp32 graph's argmax
+        hidden.append(h[0].to(torch.float16).cpu().numpy())
+        labels.append(logits[0].argmax(-1).to(torch.int32).cpu().numpy())
+    return {
+        "tokens": np.concatenate([ids for ids, _ in seqs]).astype(np.int32),
+        "assistant": np.concatenate([m for _, m in seqs]).astype(np.uint8),
+        "hidden": np.concatenate(hidden),
+        "labels": np.concatenate(labels),
+        "lengths": np.asarray([len(ids) for ids, _ in seqs], dtype=np.int64),
+    }
