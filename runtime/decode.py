@@ -295,13 +295,16 @@ class Decoder:
         stats.decode_s = time.perf_counter() - t_dec
 
 
-def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,
+def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 9,
                        past: int = 256) -> dict[int, float]:
     """Cost of a T-token step relative to a 1-token step, measured on ``decoder``'s backend.
 
     Each size runs ``repeats`` chain steps over a scratch cache holding ``past`` tokens (fewer when the
-    bundle's context is short), in rounds over the sizes so that a slow spell of the machine hits
-    them all alike; the fastest run counts, which is the least disturbed by other work.
+    bundle's context is short), in rounds over the sizes; each round gives every size's cost relative
+    to that round's 1-token step, and the median over the rounds counts. A slow spell of the machine
+    then hits a ratio's two sides alike, and one lucky or unlucky step moves nothing (the fastest run
+    of each size, used before, put the 2-row cost of one bundle anywhere between 1.07 and 1.30 across
+    the workers of one bench run).
     On a backend that runs 1-row and multi-row steps on different graphs (``OrtBackend`` with a
     GGUF-block graph) the curve has a step between T = 1 and T = 2, which a fixed table cannot know.
     """
@@ -315,11 +318,14 @@ def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 1
         feeds[size] = decoder._inputs(np.zeros(t, dtype=np.int64), np.arange(t),
                                       np.tril(np.ones((t, t), dtype=bool)), cache, np.arange(t))
         decoder.backend.step(feeds[size], cache)  # warm-up (first run of this shape)
-    best = dict.fromkeys(sizes, float("inf"))
+    ratios: dict[int, list[float]] = {t: [] for t in sizes}
     for _ in range(repeats):
+        took = {}
         for size in sizes:
             t0 = time.perf_counter()
             decoder.backend.step(feeds[size], cache)
-            best[size] = min(best[size], time.perf_counter() - t0)
-    return {t: best[t] / best[sizes[0]] for t in sizes}
+            took[size] = time.perf_counter() - t0
+        for size in sizes:
+            ratios[size].append(took[size] / took[sizes[0]])
+    return {t: float(np.median(ratios[t])) for t in sizes}
 
