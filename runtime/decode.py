@@ -295,16 +295,16 @@ class Decoder:
         stats.decode_s = time.perf_counter() - t_dec
 
 
-def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 9,
+def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,
                        past: int = 256) -> dict[int, float]:
     """Cost of a T-token step relative to a 1-token step, measured on ``decoder``'s backend.
 
     Each size runs ``repeats`` chain steps over a scratch cache holding ``past`` tokens (fewer when the
     bundle's context is short), in rounds over the sizes; each round gives every size's cost relative
-    to that round's 1-token step, and the median over the rounds counts. A slow spell of the machine
-    then hits a ratio's two sides alike, and one lucky or unlucky step moves nothing (the fastest run
-    of each size, used before, put the 2-row cost of one bundle anywhere between 1.07 and 1.30 across
-    the workers of one bench run).
+    to that round's 1-token step, and the median over the rounds counts: a slow spell of the machine
+    hits a ratio's two sides alike, and one lucky or unlucky step moves nothing. (Neither this nor the
+    fastest run of each size, used before, makes the curve agree between the workers of one bench run:
+    2 rows cost 1.07-1.30 of 1 row with the one, 1.12-1.30 with the other, on the AMD EPYC.)
     On a backend that runs 1-row and multi-row steps on different graphs (``OrtBackend`` with a
     GGUF-block graph) the curve has a step between T = 1 and T = 2, which a fixed table cannot know.
     """

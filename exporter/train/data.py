@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -434,8 +434,6 @@ def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | Non
                    threads: int | None = None, show_progress: bool = True, device: str = "cpu",
                    log=lambda m: None) -> HiddenCache:
     """The train commands' data: ``engine`` (a bundle) makes it through the runtime, else the torch model does."""
-    from dataclasses import replace
-
     from specdeploy.exporter.train.selfdistill import RuntimeGenerator
 
     generator = None

@@ -16,8 +16,8 @@ yields, per sequence, the three things training reads:
 
 Rows that finish leave the batch (their cache rows are dropped), so a short reply costs no more steps.
 Reply token ids are small (4 bytes a token): :func:`save_replies` writes them so that a later run
-(:class:`RuntimeFeatures` via ``--replies FILE``) re-derives the features, teacher-forced, without
-generating again.
+(``--replies-file``: :meth:`RuntimeGenerator.features`, or the torch engine's pass) re-derives the
+features, teacher-forced, without generating again.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def shard_arrays(seqs: Sequence[Sequenced]) -> dict[str, np.ndarray]:
 
 
 class RuntimeGenerator:
-    """The bundle's multi-row base graph on ONNX Runtime, driven in batches with one cache per batch."""
+    """The bundle's standard-op base graph on ONNX Runtime, driven in batches with one cache per batch."""
 
     def __init__(self, bundle: str | os.PathLike, threads: int | None = None):
         from specdeploy.runtime.backends.ort import OrtBackend
@@ -150,7 +150,6 @@ class RuntimeGenerator:
                 reach, rows, nxt = reach[live], rows[live], nxt[live]
         return [_sequence(p, replies[r], hidden[r], int(after[r]), min_tokens) for r, p in enumerate(prompts)]
 
-
     def features(self, seqs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Sequenced]:
         """Teacher-forced: hidden states and the base's greedy labels for given ``(ids, reply mask)``.
 
@@ -188,10 +187,13 @@ def _sequence(prompt: np.ndarray, reply: list[int], hidden: list[np.ndarray], af
     ids = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(reply, dtype=np.int32)])
     h = np.concatenate(hidden).astype(np.float16)
     labels = np.append(ids[1:], after).astype(np.int32)  # greedy: the label is the next token
-    mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(reply), np.uint8)])
-    if len(reply) < min_tokens:
-        mask[:] = 0
-    return Sequenced(ids, mask, h, labels)
+    return Sequenced(ids, reply_mask(len(prompt), len(reply), min_tokens), h, labels)
+
+
+def reply_mask(prompt_len: int, reply_len: int, min_tokens: int) -> np.ndarray:
+    """1 on the reply's tokens; all 0 for a reply shorter than ``min_tokens`` (no training position)."""
+    ones = 1 if reply_len >= min_tokens else 0
+    return np.concatenate([np.zeros(prompt_len, np.uint8), np.full(reply_len, ones, np.uint8)])
 
 
 # --- reply ids, kept -------------------------------------------------------------------------------------
@@ -222,10 +224,7 @@ def with_reply(prompt: np.ndarray, known: dict[str, np.ndarray], conversation_id
     if reply is None:
         raise TrainingError(f"The replies file has no reply for conversation {conversation_id}; "
                             "make it with the same data settings.")
-    mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(reply), np.uint8)])
-    if len(reply) < min_tokens:
-        mask[:] = 0
-    return np.concatenate([prompt, reply]).astype(np.int32), mask
+    return np.concatenate([prompt, reply]).astype(np.int32), reply_mask(len(prompt), len(reply), min_tokens)
 
 
 def replies_of(shards: Path, num_shards: int) -> list[np.ndarray] | None:

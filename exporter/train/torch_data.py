@@ -7,6 +7,7 @@ same cache (:mod:`.data`).
 from __future__ import annotations
 
 import numpy as np
+from specdeploy.exporter.train.selfdistill import reply_mask
 
 
 def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int,
@@ -38,10 +39,7 @@ def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens
         ends = np.flatnonzero(reply == eos)
         if ends.size:
             reply = reply[: ends[0] + 1]
-        mask = np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(reply), np.uint8)])
-        if len(reply) < min_tokens:
-            mask[:] = 0
-        result.append((np.concatenate([p, reply]).astype(np.int32), mask))
+        result.append((np.concatenate([p, reply]).astype(np.int32), reply_mask(len(p), len(reply), min_tokens)))
     return result
 
 
