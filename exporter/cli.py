@@ -292,6 +292,45 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
                          device=device, engine=engine, replies_file=replies_file)
 
 
+@train.command("data")
+@click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
+@click.option("--max-seqs", default=1024, show_default=True, type=int, help="ShareGPT sequences to cache.")
+@click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
+@_apply(_reply_options("self"))
+@click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
+              help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
+@click.option("--threads", default=2, show_default=True, type=int, help="torch (and ONNX Runtime) threads.")
+@_DEVICE_OPTION
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--time-limit", default=None, type=click.FloatRange(min=0),
+              help="Stop after this many minutes, keeping the finished shards for the next run.")
+def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, reply_tokens: int, engine: Path | None,
+               replies_file: Path | None, data_dir: Path | None, threads: int, device: str, seed: int,
+               time_limit: float | None) -> None:
+    """Make (or go on making) the training data alone: replies, base hidden states and labels.
+
+    The same options as a train command find the same cache, so `train chimera|medusa|cerberus` then
+    starts training at once. With --time-limit it stops between shards and keeps the replies made so
+    far in replies.partial.npz; the same command resumes.
+
+    \b
+    Example (the data of the shipped drafts' next training, through the runtime):
+      specdeploy train data --max-seqs 5120 --engine bundles/smollm2 --time-limit 60
+    """
+    from specdeploy.exporter.source import load_model
+    from specdeploy.exporter.train.data import data_config, training_cache
+    from specdeploy.exporter.train.weights import resolve_device
+
+    log = lambda m: click.echo(m, err=True)
+    device = resolve_device(device)
+    config = data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file)
+    loaded = load_model(model)
+    cache = training_cache(loaded, config, data_dir, engine, threads=threads, device=device, log=log,
+                           time_limit_s=None if time_limit is None else time_limit * 60)
+    if cache is not None:
+        click.echo(str(cache.path))
+
+
 @train.command("calibrate")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--kind", required=True, type=click.Choice(TRAINED_KINDS))

@@ -114,3 +114,75 @@ def test_bad_replies_files_and_mismatched_bundles_get_one_sentence(setup, tmp_pa
     other = RuntimeGenerator(tiny_bundle_factory("qwen2"), threads=2)
     with pytest.raises(TrainingError, match="another base model"):
         other.check_base(loaded.weight_sha)
+
+
+def test_a_time_limited_build_keeps_its_shards_and_replies_and_resumes(setup, tmp_path):
+    loaded, bundle = setup
+    gen = RuntimeGenerator(bundle, threads=2)
+    config = replace(SELF_DATA, engine=gen.description)
+    real = gen.generate
+    made = []
+
+    def stop_after_one(prompts, *a, **k):  # the first shard takes longer than the whole limit
+        made.append(len(prompts))
+        return real(prompts, *a, **k)
+
+    gen.generate = stop_after_one
+    assert build_cache(loaded, tmp_path / "c", config, show_progress=False, generator=gen, time_limit_s=0) is None
+    assert made == [] and not (tmp_path / "c" / "shards" / "00000").exists()
+    import specdeploy.exporter.train.data as td
+
+    clock = iter([0.0, 0.0, 100.0, 100.0, 100.0])
+    real_time = td.time.time
+    td.time.time = lambda: next(clock, 100.0)
+    try:
+        assert build_cache(loaded, tmp_path / "c", config, show_progress=False, generator=gen, time_limit_s=50) is None
+    finally:
+        td.time.time = real_time
+    assert made == [SELF_DATA.shard_size]  # one shard made, then the limit
+    partial = load_replies(tmp_path / "c" / "replies.partial.npz")
+    assert len(partial) == SELF_DATA.shard_size
+    cache = build_cache(loaded, tmp_path / "c", config, show_progress=False, generator=gen)
+    assert made == [SELF_DATA.shard_size] * 2  # the rerun made only the missing shard
+    full = load_replies(tmp_path / "c" / "replies.npz")
+    assert list(full)[: len(partial)] == list(partial)
+    for cid, ids in partial.items():
+        np.testing.assert_array_equal(full[cid], ids)
+    assert cache.num_sequences == SELF_DATA.max_seqs
+
+
+def test_replies_files_are_small_and_keep_their_ids(tmp_path):
+    path = tmp_path / "r.npz"
+    save_replies(path, ["a", "b"], [np.array([1, 49151], np.int32), np.array([65535])])
+    with np.load(path) as f:
+        assert f["ids"].dtype == np.uint16
+    got = load_replies(path)
+    assert got["a"].tolist() == [1, 49151] and got["b"].tolist() == [65535] and got["a"].dtype == np.int32
+    save_replies(path, ["c"], [np.array([70000])])  # a vocabulary past 16 bits keeps int32
+    assert load_replies(path)["c"].tolist() == [70000]
+
+
+def test_training_data_stops_before_the_held_in_prompts(setup, monkeypatch):
+    import specdeploy.exporter.train.data as td
+
+    loaded, _ = setup
+    monkeypatch.setattr(td, "HELDIN_START", 3)
+    with pytest.raises(TrainingError, match="where the held-in calibration prompts start; lower --max-seqs"):
+        list(td.select_sequences(loaded.tokenizer, SELF_DATA))
+
+
+def test_train_data_command_makes_the_data_alone_and_resumes(setup, tmp_path, tiny_model_factory):
+    from click.testing import CliRunner
+    from specdeploy.exporter.cli import main
+
+    _, bundle = setup
+    args = ["train", "data", "--model", str(tiny_model_factory("llama")), "--engine", str(bundle), "--max-seqs", "32",
+            "--max-len", "96", "--reply-tokens", "40", "--data", str(tmp_path / "d"), "--device", "cpu"]
+    first = CliRunner().invoke(main, [*args, "--time-limit", "0"])
+    assert first.exit_code == 0, first.output
+    assert "time limit reached: 0 of 1 shards (0 reply positions)" in first.output
+    assert "run the same command again to go on" in first.output
+    done = CliRunner().invoke(main, args)
+    assert done.exit_code == 0, done.output
+    assert (tmp_path / "d" / "meta.json").is_file() and (tmp_path / "d" / "replies.npz").is_file()
+    assert str(tmp_path / "d") in done.output and "reply positions per hour" in done.output

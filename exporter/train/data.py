@@ -44,6 +44,7 @@ from specdeploy.exporter.train.selfdistill import (
     with_reply,
 )
 from specdeploy.exporter.train.sharegpt import (
+    HELDIN_START,
     Conversation,
     ascii_fraction,
     default_sharegpt_path,
@@ -123,7 +124,10 @@ def select_sequences(tokenizer, config: DataConfig) -> Iterator[tuple[Conversati
     for ``reply_tokens``) and the mask is empty: :func:`generate_replies` completes them.
     """
     kept = 0
-    for conv in iter_conversations(config.source):
+    for index, conv in enumerate(iter_conversations(config.source)):
+        if index >= HELDIN_START:
+            raise TrainingError(f"{config.max_seqs} training sequences would reach ShareGPT conversation "
+                                f"{HELDIN_START}, where the held-in calibration prompts start; lower --max-seqs.")
         if ascii_fraction(conv) < config.min_ascii:
             continue
         if config.replies == "self":
@@ -269,8 +273,13 @@ def default_cache_dir(weight_sha: str, config: DataConfig) -> Path:
     return cache_root() / "train-data" / f"{weight_sha[:16]}-{config.key()}-v{CACHE_FORMAT}"
 
 
+class _OutOfTime(Exception):
+    """build_cache's time limit came before a shard that was still to be made."""
+
+
 def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(), threads: int | None = None,
-                show_progress: bool = True, device: str = "cpu", generator=None) -> HiddenCache:
+                show_progress: bool = True, device: str = "cpu", generator=None,
+                time_limit_s: float | None = None) -> HiddenCache | None:
     """Run the frozen base over the selected ShareGPT sequences once and write the cache to ``out``.
 
     ``loaded`` is an :class:`~specdeploy.exporter.source.LoadedModel`. Finished shards of an
@@ -279,6 +288,10 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     back to the CPU afterwards. ``generator`` (a :class:`~.selfdistill.RuntimeGenerator`, required when
     ``config.engine`` names one) makes replies, hidden states and labels in one pass through the runtime
     instead. The reply token ids are also written to ``replies.npz`` (see :func:`save_replies`).
+
+    ``time_limit_s`` stops before the first shard still to be made once that many seconds have passed:
+    the finished shards stay for a rerun to resume from, their replies go to ``replies.partial.npz``
+    (self replies), and the result is None.
     """
     import torch
     from tqdm import tqdm
@@ -318,6 +331,8 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
         nonlocal shard_index, forward_s, tokens_done, positions_done, made, gen_model
         final = shards / f"{shard_index:05d}"
         if not final.is_dir():
+            if time_limit_s is not None and time.time() - t0 >= time_limit_s:
+                raise _OutOfTime
             t1 = time.time()
             seqs = pending
             prompts = [ids for ids, _ in pending]
@@ -362,6 +377,11 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
                     flush()
             if pending:
                 flush()
+    except _OutOfTime:
+        if config.replies == "self":
+            save_replies(out / "replies.partial.npz", conv_ids[: shard_index * config.shard_size],
+                         replies_of(shards, shard_index))
+        return None
     finally:
         model.to("cpu")
         bar.close()
@@ -423,17 +443,22 @@ def _assemble(out: Path, num_shards: int, hidden_size: int) -> None:
 
 def ensure_cache(loaded, config: DataConfig = DataConfig(), data_dir: str | os.PathLike | None = None,
                  threads: int | None = None, show_progress: bool = True, device: str = "cpu",
-                 generator=None) -> HiddenCache:
-    """The cache for this base model and data config: opened if finished, built (or resumed) otherwise."""
+                 generator=None, time_limit_s: float | None = None) -> HiddenCache | None:
+    """The cache for this base model and data config: opened if finished, built (or resumed) otherwise.
+
+    With ``time_limit_s`` the result is None when time ran out first (see :func:`build_cache`)."""
     path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
     return build_cache(loaded, path, config, threads=threads, show_progress=show_progress, device=device,
-                       generator=generator)
+                       generator=generator, time_limit_s=time_limit_s)
 
 
 def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | None = None, engine: str | None = None,
                    threads: int | None = None, show_progress: bool = True, device: str = "cpu",
-                   log=lambda m: None) -> HiddenCache:
-    """The train commands' data: ``engine`` (a bundle) makes it through the runtime, else the torch model does."""
+                   log=lambda m: None, time_limit_s: float | None = None) -> HiddenCache | None:
+    """The train commands' data: ``engine`` (a bundle) makes it through the runtime, else the torch model does.
+
+    With ``time_limit_s`` (``train data --time-limit``) it may stop early: then it says how far it got and
+    where, and returns None; the same call later resumes."""
     from specdeploy.exporter.train.selfdistill import RuntimeGenerator
 
     generator = None
@@ -442,8 +467,16 @@ def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | Non
         generator.check_base(loaded.weight_sha)
         config = replace(config, engine=generator.description)
     t0 = time.time()
-    cache = ensure_cache(loaded, config, data_dir, threads=threads, show_progress=show_progress, device=device,
-                         generator=generator)
+    path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
+    cache = ensure_cache(loaded, config, path, threads=threads, show_progress=show_progress, device=device,
+                         generator=generator, time_limit_s=time_limit_s)
+    if cache is None:
+        done = sorted((path / "shards").glob("[0-9]*"))
+        positions = sum(int(np.load(d / "assistant.npy").sum()) for d in done)
+        kept = f"; their replies are in {path / 'replies.partial.npz'}" if config.replies == "self" else ""
+        log(f"time limit reached: {len(done)} of {-(-config.max_seqs // config.shard_size)} shards "
+            f"({positions} reply positions) are done in {path}{kept}; run the same command again to go on.")
+        return None
     m = cache.meta
     rate = f", {m['positions_per_hour']} reply positions per hour" if m.get("positions_per_hour") else ""
     log(f"training data: {cache.num_sequences} ShareGPT sequences ({config.replies} replies), {cache.num_tokens} "

@@ -198,11 +198,13 @@ def reply_mask(prompt_len: int, reply_len: int, min_tokens: int) -> np.ndarray:
 
 # --- reply ids, kept -------------------------------------------------------------------------------------
 def save_replies(path: Path, conversation_ids: list[str], replies: list[np.ndarray] | None) -> None:
-    """The reply token ids of a self-reply cache, by conversation id: small enough to commit (int32)."""
+    """The reply token ids of a self-reply cache, by conversation id: small enough to commit (uint16 when
+    every id fits, else int32; compressed)."""
     if replies is None:
         return
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in replies])]).astype(np.int64)
-    ids = np.concatenate(replies).astype(np.int32) if replies else np.zeros(0, np.int32)
+    ids = np.concatenate(replies).astype(np.int64) if replies else np.zeros(0, np.int64)
+    ids = ids.astype(np.uint16 if ids.size == 0 or (ids.min() >= 0 and ids.max() < 1 << 16) else np.int32)
     tmp = path.with_name(f".{path.name}.tmp.npz")
     np.savez_compressed(tmp, conversation_ids=np.asarray(conversation_ids), offsets=offsets, ids=ids)
     os.replace(tmp, path)
@@ -215,6 +217,7 @@ def load_replies(path: str | os.PathLike) -> dict[str, np.ndarray]:
             cids, offsets, ids = f["conversation_ids"], f["offsets"], f["ids"]
     except (OSError, KeyError, ValueError) as exc:
         raise TrainingError(f"'{path}' is not a replies file ({type(exc).__name__}).") from None
+    ids = ids.astype(np.int32)
     return {str(c): ids[offsets[i] : offsets[i + 1]] for i, c in enumerate(cids)}
 
 

@@ -171,13 +171,17 @@ def encode_first_turn(tokenizer, conv: Conversation) -> np.ndarray:
     return np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
 
 
-def heldin_prompts(encode, count: int, skip: int = 2000, max_prompt_tokens: int = 256,
+# Held-in prompts (calibration) start at this conversation; training data must end before it.
+HELDIN_START = 12000
+
+
+def heldin_prompts(encode, count: int, skip: int = HELDIN_START, max_prompt_tokens: int = 256,
                    source: str | None = None, min_ascii: float = 0.9) -> list[list[int]]:
     """Token ids of ShareGPT first user turns, for calibrating gates and trees on held-in prompts.
 
     ``encode(messages) -> ids`` renders the chat template (the runtime's own encoder, so the ids are
-    what decoding sees). The first ``skip`` conversations are passed over: the default training
-    cache draws from the start of the file, and the benchmark's MT-bench questions are never used.
+    what decoding sees). The first ``skip`` conversations are passed over: training caches draw from
+    the start of the file and stop before :data:`HELDIN_START`, and MT-bench questions are never used.
     """
     out: list[list[int]] = []
     seen_roots: set[str] = set()
