@@ -52,8 +52,12 @@ class ChimeraConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     base_weight_sha: str = ""
+    # EAGLE-3-style fusion: the base decoder layers (0-based; their residual outputs) whose states feed the
+    # real draft slots, instead of the last hidden state alone. Empty: the last hidden state (Chimera).
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if self.kind != "chimera":
             raise ValueError(f"a ChimeraConfig has kind 'chimera', not {self.kind!r}")
         if self.num_heads < 1 or self.hidden_size < 1 or self.vocab_size < 1 or self.head_dim < 2:
@@ -62,7 +66,8 @@ class ChimeraConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @classmethod
-    def for_base(cls, base_config, num_heads: int = 4, base_weight_sha: str = "") -> ChimeraConfig:
+    def for_base(cls, base_config, num_heads: int = 4, base_weight_sha: str = "",
+                 feature_layers: tuple[int, ...] = ()) -> ChimeraConfig:
         """The draft shape for a Hugging Face Llama-family config: one layer of the base's width."""
         c = base_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -71,10 +76,42 @@ class ChimeraConfig:
             theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return cls("chimera", int(num_heads), int(c.hidden_size), int(c.vocab_size), int(c.num_attention_heads),
                    int(c.num_key_value_heads), int(head_dim), int(c.intermediate_size), float(c.rms_norm_eps),
-                   float(theta), base_weight_sha)
+                   float(theta), base_weight_sha, tuple(feature_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high taps for a base of ``num_layers`` decoder layers."""
+    if num_layers < 4:
+        raise ValueError("feature fusion needs a base of at least 4 decoder layers")
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+class LayerFusion(nn.Module):
+    """EAGLE-3's fusion of low, mid and high base features into one slot input: ``W [n(s_1); ..; n(s_L)]``.
+
+    Each tapped residual state is RMS-normalised with its own learned weight (the raw residual stream's
+    scale grows with depth), then one linear map takes the concatenation to the hidden width. It starts as
+    "the deepest tap, normalised", close to the base's last hidden state that a plain Chimera reads.
+    """
+
+    def __init__(self, hidden: int, taps: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.norms = nn.Parameter(torch.ones(taps, hidden))
+        self.proj = nn.Linear(taps * hidden, hidden, bias=False)
+        nn.init.normal_(self.proj.weight, std=0.02 / taps)
+        with torch.no_grad():
+            self.proj.weight[:, (taps - 1) * hidden :] += torch.eye(hidden)
+
+    def forward(self, layers: torch.Tensor) -> torch.Tensor:
+        """``layers [..., L*H]`` (the taps side by side) -> ``[..., H]``."""
+        taps, hidden = self.norms.shape
+        x = layers.unflatten(-1, (taps, hidden))
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norms
+        return self.proj(x.flatten(-2))
 
 
 class TrigramEncoder(nn.Module):
@@ -150,6 +187,8 @@ class ChimeraDraft(nn.Module):
         with torch.no_grad():  # start by passing the base hidden state through
             self.fuse.weight[:, :h] += torch.eye(h)
         self.layer = DraftLayer(config)
+        self.fusion = (LayerFusion(h, len(config.feature_layers), config.rms_norm_eps)
+                       if config.feature_layers else None)
         self.out_norm = nn.Parameter(torch.ones(h))
         self.head_weight = nn.Parameter(torch.zeros(k, 2 * h, h))  # [K, 2H, H]: z = f + SiLU([h; f] W + b)
         self.head_bias = nn.Parameter(torch.zeros(k, h))
@@ -182,11 +221,20 @@ class ChimeraDraft(nn.Module):
         tri = torch.stack([(m - 2).clamp(min=0), (m - 1).clamp(min=0), m], dim=-1)  # earliest token repeated
         return self.trigram(emb[:, tri])
 
-    def unrolled(self, emb: torch.Tensor, hidden: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    def real_input(self, hidden: torch.Tensor, layers: torch.Tensor | None = None) -> torch.Tensor:
+        """What a real slot reads: the base hidden state, or with feature fusion the fused tapped layers."""
+        if self.fusion is None:
+            return hidden
+        if layers is None:
+            raise ValueError("this draft fuses base layers: pass their states")
+        return self.fusion(layers)
+
+    def unrolled(self, emb: torch.Tensor, hidden: torch.Tensor, depth: int,
+                 layers: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training forward for every origin at once, ``depth`` draft steps deep.
 
         ``emb [B, L, H]`` are the base embeddings of the tokens and ``hidden [B, L, H]`` the base
-        hidden states. Returns ``depth`` tensors ``[B, L, H]``: entry d-1 at origin i is ``f_{i+d}``,
+        hidden states (``layers [B, L, taps*H]`` the tapped layers' states, for a fusing draft). Returns ``depth`` tensors ``[B, L, H]``: entry d-1 at origin i is ``f_{i+d}``,
         the feature predicting the token ``x_{i+d+1}``, computed exactly as decoding would: slot i
         reads the real ``h_i``; the depth-d slot (position ``i+d-1``) reads the depth-(d-1) feature and
         the trigram ending at ``x_{i+d}``, and attends to the real slots ``<= i`` plus its own chain.
@@ -204,7 +252,7 @@ class ChimeraDraft(nn.Module):
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
         real_k = real_v = None
-        prev = hidden
+        prev = self.real_input(hidden, layers)
         for d in range(1, depth + 1):
             x = self.fuse(torch.cat([prev, e_all[:, (idx + d).clamp(max=length - 1)]], dim=-1))
             cos, sin = self.rope((idx + d - 1).expand(bsz, length))

@@ -563,3 +563,70 @@ def test_hybrid_names(chimera_bundle):
         make_drafter("hybrid:nope", chimera_bundle, manifest)
     with pytest.raises(Mismatch, match="medusa"):  # the bundle has no Medusa heads
         make_drafter("hybrid:medusa", chimera_bundle, manifest)
+
+
+# --- EAGLE-3-style layer fusion (training side) --------------------------------------------------------------
+def test_layer_fusion_starts_near_the_deepest_tap_normalised():
+    from specdeploy.graphs.base_step import rms_norm
+    from specdeploy.graphs.chimera import LayerFusion, default_feature_layers
+
+    assert default_feature_layers(30) == (1, 14, 26)  # EAGLE-3's low, mid and high taps on SmolLM2
+    with pytest.raises(ValueError):
+        default_feature_layers(3)
+    torch.manual_seed(0)
+    fusion = LayerFusion(64, 3, 1e-5)
+    taps = torch.randn(5, 3 * 64) * torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(64)  # scales grow with depth
+    out = fusion(taps)
+    deepest = rms_norm(taps[:, 128:], torch.ones(64), 1e-5)
+    assert torch.nn.functional.cosine_similarity(out, deepest, dim=-1).min() > 0.9
+
+
+def test_a_fusing_draft_reads_the_tapped_layers_at_its_real_slots():
+    from dataclasses import replace
+
+    cfg = replace(TINY, feature_layers=[0, 1])
+    assert cfg.feature_layers == (0, 1)
+    torch.manual_seed(0)
+    draft = ChimeraDraft(cfg).eval()
+    emb, hidden = torch.randn(1, 6, 16), torch.randn(1, 6, 16)
+    layers = torch.randn(1, 6, 32)
+    with torch.no_grad():
+        a = draft.unrolled(emb, hidden, 2, layers)
+        b = draft.unrolled(emb, hidden, 2, layers * 2 + 1)
+    assert not torch.allclose(a[0], b[0])
+    with pytest.raises(ValueError, match="pass their states"):
+        draft.unrolled(emb, hidden, 2)
+    assert ChimeraDraft(TINY).fusion is None  # a plain Chimera has no fusion weights
+
+
+def test_training_a_fusing_draft_on_a_cache_with_layer_states(tiny_model_factory, tmp_path):
+    from dataclasses import replace
+
+    from specdeploy.exporter.export.draft import export_chimera
+    from specdeploy.exporter.source import load_model
+
+    loaded = load_model(str(tiny_model_factory("llama")))
+    cfg = replace(TINY_DATA, feature_layers=(0,))
+    assert cfg.key() != TINY_DATA.key()
+    cache = build_cache(loaded, tmp_path / "data", cfg, show_progress=False)
+    h = loaded.model.config.hidden_size
+    assert cache.layers.shape == (cache.num_tokens, h) and cache.layers.dtype == np.float16
+    with torch.no_grad():  # layer 0's residual output, as transformers computes it
+        seq = torch.from_numpy(np.asarray(cache.tokens[: cache.offsets[1]], dtype=np.int64))[None]
+        ref = loaded.model.model(input_ids=seq, output_hidden_states=True).hidden_states[1][0]
+    np.testing.assert_allclose(cache.layers[: cache.offsets[1]].astype(np.float32), ref.numpy(), rtol=2e-3, atol=2e-3)
+    with pytest.raises(TrainingError, match="build the data with the same --feature-layers"):
+        _task((loaded, tiny_cache_without := build_cache(loaded, tmp_path / "plain", TINY_DATA, show_progress=False)),
+              feature_layers=(0,))
+    assert tiny_cache_without.layers is None
+    task = _task((loaded, cache), feature_layers=(0,))
+    out = tmp_path / "fused.safetensors"
+    torch.manual_seed(0)
+    before = float(task.loss(task.build(), np.arange(task.num_examples()))[0].detach())
+    train(task, out, TINY_LOOP, show_progress=False, log=lambda m: None)
+    w = load_draft_weights(out, "chimera")
+    assert w.config.feature_layers == (0,)
+    after = float(task.loss(chimera_from_weights(w), np.arange(task.num_examples()))[0].detach())
+    assert after < before
+    with pytest.raises(DraftMismatchError, match="fuses base layers"):
+        export_chimera(tmp_path / "nowhere", out)

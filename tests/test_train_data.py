@@ -151,11 +151,11 @@ def test_interrupted_cache_build_resumes_from_its_shards(tiny_model_factory, tmp
     calls = []
     real = td.forward_shard
 
-    def flaky(model, seqs):
+    def flaky(model, seqs, *rest):
         calls.append(len(seqs))
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(model, seqs)
+        return real(model, seqs, *rest)
 
     monkeypatch.setattr(td, "forward_shard", flaky)
     with pytest.raises(KeyboardInterrupt):
@@ -212,6 +212,6 @@ def test_data_config_rejects_unknown_reply_sources():
     import hashlib
 
     d = dataclasses.asdict(DataConfig())
-    for k in ("shard_size", "replies", "reply_tokens", "engine", "replies_file"):
+    for k in ("shard_size", "replies", "reply_tokens", "engine", "replies_file", "feature_layers"):
         d.pop(k)
     assert DataConfig().key() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]

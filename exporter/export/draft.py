@@ -236,8 +236,12 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     from torch.export import Dim
 
     bundle = Path(bundle)
-    manifest = read_manifest(bundle)
     weights = load_draft_weights(draft, "chimera")
+    if weights.config.feature_layers:
+        raise DraftMismatchError(
+            f"'{draft}' fuses base layers {list(weights.config.feature_layers)} (an EAGLE-3 training experiment); "
+            "base graphs do not expose layer states, so only drafts on the last hidden state can be exported.")
+    manifest = read_manifest(bundle)
     m = manifest.model
     check_draft_base(weights.config, manifest.source.weight_sha, m.hidden_size, m.vocab_size, "the bundle's base model")
     progress(f"[1/3] loading the base model's embedding and lm_head ({manifest.source.path}) ...")

@@ -49,8 +49,10 @@ class ChimeraTrainConfig:
     bf16: bool = True  # autocast the draft's matmuls to bf16 (AMX on this CPU); loss, softmax and norms fp32
     min_len: int = 16
     eval_sequences: int = 48  # held-out sequences per epoch (all of them in the final evaluation)
+    feature_layers: tuple[int, ...] = ()  # base layers fused into the real slots (EAGLE-3); () = last hidden
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
         if not 1 <= self.num_heads <= 8:
             raise TrainingError("The Chimera head count must be between 1 and 8.")
         if self.vocab_trim < 0 or self.vocab_trim > VOCAB_ORDER_SIZE:
@@ -70,7 +72,12 @@ class ChimeraTask(DraftTask):
         vocab, hidden = int(lm_weight.shape[0]), int(lm_weight.shape[1])
         cache.check_base(base_weight_sha, hidden, vocab)
         self.cache, self.cfg = cache, config
-        self.chimera_config = ChimeraConfig.for_base(base_config, config.num_heads, base_weight_sha)
+        self.chimera_config = ChimeraConfig.for_base(base_config, config.num_heads, base_weight_sha,
+                                                     config.feature_layers)
+        cached = tuple(cache.meta["config"].get("feature_layers") or ())
+        if config.feature_layers and cached != config.feature_layers:
+            raise TrainingError(f"This draft fuses base layers {list(config.feature_layers)}, but the training-data "
+                                f"cache holds {list(cached) or 'none'}; build the data with the same --feature-layers.")
         self.embed = embed_weight.detach().float()
         self.lm_weight = lm_weight.detach().float()
         self.final_norm = final_norm_weight.detach().float()
@@ -97,7 +104,8 @@ class ChimeraTask(DraftTask):
         return int(self.train_seqs.size)
 
     def _batch(self, seqs: np.ndarray):
-        """Padded ``tokens, hidden, labels, assistant [B, L(, H)]`` and ``lengths [B]`` of sequences ``seqs``."""
+        """Padded ``tokens, hidden, labels, assistant [B, L(, H)]``, ``lengths [B]`` and (fusing drafts) the
+        tapped ``layers [B, L, taps*H]`` of sequences ``seqs``."""
         import torch
 
         c = self.cache
@@ -108,13 +116,18 @@ class ChimeraTask(DraftTask):
         labels = np.zeros((len(spans), length), dtype=np.int64)
         assistant = np.zeros((len(spans), length), dtype=bool)
         hidden = np.zeros((len(spans), length, h), dtype=np.float32)
+        fused = self.cfg.feature_layers
+        layers = np.zeros((len(spans), length, len(fused) * h), dtype=np.float32) if fused else None
         for r, (a, b) in enumerate(spans):
             tokens[r, : b - a] = c.tokens[a:b]
             labels[r, : b - a] = c.labels[a:b]
             assistant[r, : b - a] = c.assistant[a:b] == 1
             hidden[r, : b - a] = c.hidden[a:b]
+            if fused:
+                layers[r, : b - a] = c.layers[a:b]
         lengths = np.asarray([b - a for a, b in spans])
-        return tuple(torch.from_numpy(a).to(self.device) for a in (tokens, hidden, labels, assistant, lengths))
+        arrays = (tokens, hidden, labels, assistant, lengths) + ((layers,) if fused else ())
+        return tuple(torch.from_numpy(a).to(self.device) for a in arrays)
 
     def _targets(self, d: int, labels, assistant, lengths):
         """Rows valid at depth d (1-based): origin i needs token i+d+1 inside the sequence and in a reply."""
@@ -130,10 +143,10 @@ class ChimeraTask(DraftTask):
     def _forward(self, model, seqs: np.ndarray):
         import torch
 
-        tokens, hidden, labels, assistant, lengths = self._batch(seqs)
+        tokens, hidden, labels, assistant, lengths, *layers = self._batch(seqs)
         emb = self.embed[tokens]
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            feats = model.unrolled(emb, hidden, self.cfg.num_heads)
+            feats = model.unrolled(emb, hidden, self.cfg.num_heads, layers[0] if layers else None)
         return feats, hidden, labels, assistant, lengths
 
     def loss(self, model, index: np.ndarray):

@@ -14,6 +14,7 @@ Cache layout (one directory; arrays are ``.npy`` opened memory-mapped)::
     hidden    [N, H] fp16   base last hidden state at every position
     labels    [N] int32     base argmax at every position: labels[j] is the base's prediction of token j+1
     assistant [N] uint8     1 where token j is part of an assistant reply (loss positions)
+    layers    [N, L*H] fp16 (only with ``feature_layers``) the residual states of the tapped decoder layers
     offsets   [S+1] int64   sequence s spans offsets[s]:offsets[s+1]
     heldout   [S] bool      held-out split, decided per conversation (hash of its id and the seed)
     meta.json               base weight sha, sizes, the data config, conversation ids, timing
@@ -82,8 +83,13 @@ class DataConfig:
     engine: str = ""
     # A replies file (save_replies) to take "self" replies from instead of generating them.
     replies_file: str | None = None
+    # Decoder layers whose residual states are cached too (``layers``), for drafts that fuse them (EAGLE-3).
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        if self.feature_layers and self.engine:
+            raise TrainingError("Base layer features come from the torch engine only; drop --engine.")
         if self.max_seqs < 2 or self.max_len < 8 or not (0.0 < self.heldout_fraction < 1.0):
             raise TrainingError("The data config needs max_seqs >= 2, max_len >= 8 and 0 < heldout_fraction < 1.")
         if self.replies not in REPLY_SOURCES:
@@ -97,7 +103,7 @@ class DataConfig:
         """Short hash of everything that changes the cache's contents."""
         d = asdict(self)
         d.pop("shard_size")
-        for optional in ("engine", "replies_file"):  # keys of caches made before these existed stay
+        for optional in ("engine", "replies_file", "feature_layers"):  # keys of caches made before these existed stay
             if not d[optional]:
                 d.pop(optional)
         if self.replies_file:  # the file's contents, wherever it lies
@@ -110,11 +116,13 @@ class DataConfig:
 
 # --- ShareGPT ---------------------------------------------------------------------------------
 def data_config(max_seqs: int, max_len: int, seed: int, replies: str = "sharegpt",
-                reply_tokens: int = 256, engine: str = "", replies_file: str | None = None) -> DataConfig:
+                reply_tokens: int = 256, engine: str = "", replies_file: str | None = None,
+                feature_layers: tuple[int, ...] = ()) -> DataConfig:
     """The training commands' data config. Self-generated replies are made in batches of one shard."""
     return DataConfig(max_seqs=max_seqs, max_len=max_len, seed=seed, replies=replies, reply_tokens=reply_tokens,
                       shard_size=32 if replies == "self" else 16, engine=engine,
-                      replies_file=str(Path(replies_file).resolve()) if replies_file else None)
+                      replies_file=str(Path(replies_file).resolve()) if replies_file else None,
+                      feature_layers=tuple(feature_layers))
 
 
 def select_sequences(tokenizer, config: DataConfig) -> Iterator[tuple[Conversation, np.ndarray, np.ndarray]]:
@@ -157,6 +165,7 @@ class HiddenCache:
         self.assistant: np.ndarray = arrays["assistant"]  # [N] uint8
         self.offsets: np.ndarray = arrays["offsets"]  # [S+1] int64
         self.heldout: np.ndarray = arrays["heldout"]  # [S] bool
+        self.layers: np.ndarray | None = arrays.get("layers")  # [N, L*H] fp16, feature_layers taps
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> HiddenCache:
@@ -169,10 +178,13 @@ class HiddenCache:
             if meta.get("format") != CACHE_FORMAT:
                 raise TrainingError(f"The training-data cache '{path}' has an old format; delete it and rebuild.")
             arrays = {n: np.load(path / f"{n}.npy", mmap_mode="r") for n in (*_ARRAYS, "offsets", "heldout")}
+            if meta["config"].get("feature_layers"):
+                arrays["layers"] = np.load(path / "layers.npy", mmap_mode="r")
         except (OSError, ValueError, json.JSONDecodeError) as exc:
             raise TrainingError(f"The training-data cache '{path}' is corrupt ({exc}); delete it and rebuild.") from None
         n = int(arrays["offsets"][-1])
-        if any(arrays[a].shape[0] != n for a in _ARRAYS) or arrays["hidden"].shape[1] != meta["hidden_size"]:
+        if any(arrays[a].shape[0] != n for a in arrays if a not in ("offsets", "heldout")) or \
+                arrays["hidden"].shape[1] != meta["hidden_size"]:
             raise TrainingError(f"The training-data cache '{path}' is corrupt (array sizes disagree); rebuild it.")
         return cls(path, meta, arrays)
 
@@ -308,7 +320,10 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     hidden_size, vocab = int(model.config.hidden_size), int(model.config.vocab_size)
     shards = out / "shards"
     shards.mkdir(parents=True, exist_ok=True)
-    stamp = {"base_weight_sha": loaded.weight_sha, "config": asdict(config), "format": CACHE_FORMAT}
+    identity = asdict(config)
+    if not config.feature_layers:  # as a partial cache made before the field existed says
+        identity.pop("feature_layers")
+    stamp = json.loads(json.dumps({"base_weight_sha": loaded.weight_sha, "config": identity, "format": CACHE_FORMAT}))
     stamp_path = out / "building.json"
     if stamp_path.is_file() and json.loads(stamp_path.read_text()) != stamp:
         raise TrainingError(f"'{out}' holds a partial cache for another model or data config; delete it first.")
@@ -349,7 +364,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
                         gen_model = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
                     seqs = generate_replies(gen_model, tok, prompts, config.reply_tokens,
                                             config.min_assistant_tokens)
-                arrays = forward_shard(model.to(device), seqs)
+                arrays = forward_shard(model.to(device), seqs, config.feature_layers)
             arrays["prompt_lengths"] = np.asarray([len(p) for p in prompts], dtype=np.int64)
             forward_s += time.time() - t1
             made += int(arrays["assistant"].sum())
@@ -389,7 +404,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
         raise TrainingError(
             f"Only {len(conv_ids)} ShareGPT conversations passed the filters, too few for a train/held-out split."
         )
-    _assemble(out, shard_index, hidden_size)
+    _assemble(out, shard_index, hidden_size, layers=bool(config.feature_layers))
     np.save(out / "heldout.npy", np.asarray(heldout, dtype=bool))
     if config.replies == "self":
         save_replies(out / "replies.npz", conv_ids, replies_of(out / "shards", shard_index))
@@ -421,15 +436,15 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     return HiddenCache.open(out)
 
 
-def _assemble(out: Path, num_shards: int, hidden_size: int) -> None:
+def _assemble(out: Path, num_shards: int, hidden_size: int, layers: bool = False) -> None:
     """Concatenate the shards into the final memory-mappable arrays."""
     dirs = [out / "shards" / f"{i:05d}" for i in range(num_shards)]
     lengths = np.concatenate([np.load(d / "lengths.npy") for d in dirs])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     total = int(offsets[-1])
-    for name in _ARRAYS:
+    for name in (*_ARRAYS, "layers") if layers else _ARRAYS:
         first = np.load(dirs[0] / f"{name}.npy", mmap_mode="r")
-        shape = (total, hidden_size) if name == "hidden" else (total,)
+        shape = (total, *first.shape[1:])
         dest = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=first.dtype, shape=shape)
         at = 0
         for d in dirs:

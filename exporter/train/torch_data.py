@@ -43,22 +43,37 @@ def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens
     return result
 
 
-def forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Teacher-forced base pass, one sequence at a time (no padding waste): fp16 hidden + argmax labels."""
+def forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]],
+                  feature_layers: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+    """Teacher-forced base pass, one sequence at a time (no padding waste): fp16 hidden + argmax labels.
+
+    ``feature_layers`` adds ``layers`` ``[n, L*H]`` fp16: the residual output of each listed decoder layer
+    (0-based), side by side, for drafts that fuse low, mid and high features (EAGLE-3).
+    """
     import torch
 
-    hidden, labels = [], []
+    num_layers = int(model.config.num_hidden_layers)
+    if any(not 0 <= i < num_layers - 1 for i in feature_layers):
+        raise ValueError(f"feature layers must lie in 0..{num_layers - 2}, got {feature_layers}")
+    hidden, labels, layers = [], [], []
     device = next(model.parameters()).device
     for ids, _ in seqs:
         x = torch.from_numpy(ids.astype(np.int64))[None].to(device)  # [1, L]
-        h = model.model(input_ids=x).last_hidden_state  # [1, L, H] after the final norm
+        out = model.model(input_ids=x, output_hidden_states=bool(feature_layers))
+        h = out.last_hidden_state  # [1, L, H] after the final norm
         logits = model.lm_head(h)  # [1, L, V] fp32, so labels match the deployed fp32 graph's argmax
         hidden.append(h[0].to(torch.float16).cpu().numpy())
         labels.append(logits[0].argmax(-1).to(torch.int32).cpu().numpy())
-    return {
+        if feature_layers:  # hidden_states[i + 1] is decoder layer i's output (index 0: the embeddings)
+            taps = torch.cat([out.hidden_states[i + 1][0] for i in feature_layers], dim=-1)
+            layers.append(taps.to(torch.float16).cpu().numpy())
+    arrays = {
         "tokens": np.concatenate([ids for ids, _ in seqs]).astype(np.int32),
         "assistant": np.concatenate([m for _, m in seqs]).astype(np.uint8),
         "hidden": np.concatenate(hidden),
         "labels": np.concatenate(labels),
         "lengths": np.asarray([len(ids) for ids, _ in seqs], dtype=np.int64),
     }
+    if feature_layers:
+        arrays["layers"] = np.concatenate(layers)
+    return arrays
