@@ -66,6 +66,9 @@ def forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]],
         labels.append(logits[0].argmax(-1).to(torch.int32).cpu().numpy())
         if feature_layers:  # hidden_states[i + 1] is decoder layer i's output (index 0: the embeddings)
             taps = torch.cat([out.hidden_states[i + 1][0] for i in feature_layers], dim=-1)
+            # Mid layers carry "massive activations" (SmolLM2: |x| ~ 2e4 at the first tokens): keep them finite
+            # in fp16; the draft RMS-normalises each tap, so these rare outliers only saturate.
+            taps = taps.clamp(-65504.0, 65504.0)
             layers.append(taps.to(torch.float16).cpu().numpy())
     arrays = {
         "tokens": np.concatenate([ids for ids, _ in seqs]).astype(np.int32),
