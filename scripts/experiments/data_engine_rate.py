@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
-import subprocess
 from dataclasses import replace
 
+from specdeploy.exporter.bench.report import machine_info
 from specdeploy.exporter.source import load_model
 from specdeploy.exporter.train.data import build_cache, data_config
 from specdeploy.exporter.train.selfdistill import RuntimeGenerator
 
 
 def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
+    m = machine_info()
+    return f"{m['cpu_model']} ({m['cpu_isa']})"
 
 
 def main() -> None:

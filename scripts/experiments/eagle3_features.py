@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
+from specdeploy.exporter.bench.report import machine_info
 from specdeploy.exporter.source import load_model
 from specdeploy.exporter.train.chimera import ChimeraTask, ChimeraTrainConfig
 from specdeploy.exporter.train.data import build_cache, data_config, select_sequences, vocab_order
@@ -30,11 +29,8 @@ from specdeploy.graphs.chimera import default_feature_layers
 
 
 def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
+    m = machine_info()
+    return f"{m['cpu_model']} ({m['cpu_isa']})"
 
 
 def main() -> None:
