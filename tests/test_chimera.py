@@ -630,3 +630,20 @@ def test_training_a_fusing_draft_on_a_cache_with_layer_states(tiny_model_factory
     assert after < before
     with pytest.raises(DraftMismatchError, match="fuses base layers"):
         export_chimera(tmp_path / "nowhere", out)
+
+
+def test_bf16_autocast_only_where_bf16_matmuls_are_fast(tiny_setup, monkeypatch):
+    """On a CPU without AMX or AVX-512 BF16 torch emulates bf16: training there runs fp32 unless asked."""
+    from specdeploy.exporter.train.weights import bf16_fast
+
+    for amx, avx512_bf16, fast in ((False, False, False), (True, False, True), (False, True, True)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert bf16_fast("cpu") is fast
+        task = _task(tiny_setup)
+        assert task.bf16 is fast and task.train_weight.dtype == (torch.bfloat16 if fast else torch.float32)
+        assert task.train_weight32.dtype == torch.float32
+        forced = _task(tiny_setup, bf16=not fast)
+        assert forced.bf16 is (not fast) and forced.to("cpu").train_weight.dtype == (
+            torch.float32 if fast else torch.bfloat16)
+    assert bf16_fast("meta") is False

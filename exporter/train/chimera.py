@@ -46,7 +46,8 @@ class ChimeraTrainConfig:
     vocab_trim: int = 8192  # loss (and default export) over the N most useful ids; 0 = the full lm_head
     head_decay: float = 0.8
     feature_weight: float = 0.1  # smooth-L1 feature regression; 0 turns it off
-    bf16: bool = True  # autocast the draft's matmuls to bf16 (AMX on this CPU); loss, softmax and norms fp32
+    # Autocast the draft's matmuls to bf16 (loss, softmax and norms stay fp32); None: where bf16 is fast.
+    bf16: bool | None = None
     min_len: int = 16
     eval_sequences: int = 48  # held-out sequences per epoch (all of them in the final evaluation)
     feature_layers: tuple[int, ...] = ()  # base layers fused into the real slots (EAGLE-3); () = last hidden
@@ -63,7 +64,7 @@ class ChimeraTrainConfig:
 
 class ChimeraTask(DraftTask):
     kind = "chimera"
-    device_tensors = ("embed", "lm_weight", "final_norm", "remap", "train_weight")
+    device_tensors = ("embed", "lm_weight", "final_norm", "remap", "train_weight32")
 
     def __init__(self, cache, embed_weight, lm_weight, final_norm_weight, base_config, base_weight_sha: str,
                  config: ChimeraTrainConfig, vocab_order: np.ndarray):
@@ -81,8 +82,10 @@ class ChimeraTask(DraftTask):
         self.embed = embed_weight.detach().float()
         self.lm_weight = lm_weight.detach().float()
         self.final_norm = final_norm_weight.detach().float()
-        self.vocab_order, self.remap, self.train_weight = training_vocab(self.lm_weight, vocab_order, config.vocab_trim,
-                                                                         config.bf16)
+        self.bf16_setting = config.bf16
+        self.vocab_order, self.remap, self.train_weight32 = training_vocab(self.lm_weight, vocab_order,
+                                                                           config.vocab_trim)
+        self.cast_projection()
         lengths = np.diff(cache.offsets)
         ok = lengths >= config.min_len
         self.train_seqs = np.flatnonzero(~cache.heldout & ok)
@@ -145,7 +148,7 @@ class ChimeraTask(DraftTask):
 
         tokens, hidden, labels, assistant, lengths, *layers = self._batch(seqs)
         emb = self.embed[tokens]
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
             feats = model.unrolled(emb, hidden, self.cfg.num_heads, layers[0] if layers else None)
         return feats, hidden, labels, assistant, lengths
 
@@ -167,7 +170,7 @@ class ChimeraTask(DraftTask):
                 continue
             f = feats[d - 1][keep].float()  # [N, H]
             base_h = hidden[keep]  # h_i, the heads' residual input
-            with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
                 z = model.head(base_h, f, d - 1)
             logits = torch.matmul(z.to(self.train_weight.dtype), self.train_weight.t()).float()
             ce = F.cross_entropy(logits, lab[keep])

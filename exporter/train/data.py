@@ -360,8 +360,13 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
                 arrays = shard_arrays(generator.features(seqs))
             else:
                 if config.replies == "self" and known is None:
-                    if gen_model is None:  # bf16 generates ~1.7x faster on CPU; the fp32 pass sets the labels
-                        gen_model = copy.deepcopy(model).to(device=device, dtype=torch.bfloat16)
+                    if gen_model is None:  # bf16 generates ~1.7x faster where it is fast (AMX, GPUs); the fp32
+                        # pass sets the labels either way. Elsewhere torch emulates bf16: generate in fp32.
+                        from specdeploy.exporter.train.weights import bf16_fast
+
+                        fast = bf16_fast(device.split(":", 1)[0])
+                        gen_model = model.to(device) if not fast else copy.deepcopy(model).to(device=device,
+                                                                                   dtype=torch.bfloat16)
                     seqs = generate_replies(gen_model, tok, prompts, config.reply_tokens,
                                             config.min_assistant_tokens)
                 arrays = forward_shard(model.to(device), seqs, config.feature_layers)

@@ -36,7 +36,8 @@ class HeadsTrainConfig:
     layers: int = 1
     head_decay: float = 0.8  # loss weight of head k is head_decay**k (Medusa-1)
     vocab_trim: int = 0  # > 0: the loss (and the exported graph) use only the N most frequent label ids
-    bf16: bool = True  # the lm_head matmuls in bf16 (AMX on this CPU, ~4x); softmax and loss stay fp32
+    # The lm_head matmuls in bf16 (~4x on AMX; softmax and loss stay fp32); None: where bf16 is fast.
+    bf16: bool | None = None
     assistant_only: bool = True  # train on positions inside assistant replies
     eval_positions: int = 4096  # held-out positions per epoch (all of them in the final evaluation)
 
@@ -52,7 +53,7 @@ class HeadsTrainConfig:
 class HeadsTask(DraftTask):
     """Self-distillation of K heads: head k at position t learns the base argmax ``labels[t+1+k]``."""
 
-    device_tensors = ("lm_weight", "remap", "train_weight", "weights")
+    device_tensors = ("lm_weight", "remap", "train_weight32", "weights")
 
     def __init__(self, cache, lm_weight, base_weight_sha: str, config: HeadsTrainConfig,
                  vocab_order: np.ndarray | None = None):
@@ -67,8 +68,10 @@ class HeadsTask(DraftTask):
         self.lm_weight = lm_weight.detach().float()  # [V, H] frozen, shared with the base
         if vocab_order is None:  # most frequent training label first, ties by id
             vocab_order = np.lexsort((np.arange(vocab), -cache.label_counts(vocab)))
-        self.vocab_order, self.remap, self.train_weight = training_vocab(self.lm_weight, vocab_order, config.vocab_trim,
-                                                                         config.bf16)
+        self.bf16_setting = config.bf16
+        self.vocab_order, self.remap, self.train_weight32 = training_vocab(self.lm_weight, vocab_order,
+                                                                           config.vocab_trim)
+        self.cast_projection()
         self.train_pos = cache.positions("train", config.assistant_only)
         self.heldout_pos = cache.positions("heldout", config.assistant_only)
         if self.train_pos.size == 0 or self.heldout_pos.size == 0:
@@ -98,7 +101,7 @@ class HeadsTask(DraftTask):
         if self.remap is not None:
             labels = self.remap[labels]
             valid = valid & (labels >= 0)
-        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device_type == "cuda"):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16 and self.device_type == "cuda"):
             z = model(hidden)  # [B, K, H]; on the CPU the heads stay fp32 (only the lm_head runs in bf16)
         logits = torch.matmul(z.to(self.train_weight.dtype), self.train_weight.t()).float()  # [B, K, V']
         ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
