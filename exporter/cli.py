@@ -69,8 +69,12 @@ def export() -> None:
 @click.option("--gguf-blocks/--no-gguf-blocks", default=True, show_default=True,
               help="From a Q4_1 GGUF (the default model), also write base-q4.onnx, the ort graph with the file's "
                    "own 4-bit blocks (the same weights, ~2x fewer bytes per step), which plain CPU decoding runs.")
+@click.option("--feature-layers", default="", metavar="LAYERS",
+              help="Also output these decoder layers' residual states (comma-separated, 0-based; 'eagle3' for "
+                   "EAGLE-3's low, mid and high taps), for Chimera drafts that fuse them.")
 def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int | None, max_tree: int,
-                    precision: str, block_size: int | None, target: str | None, gguf_blocks: bool) -> None:
+                    precision: str, block_size: int | None, target: str | None, gguf_blocks: bool,
+                    feature_layers: str) -> None:
     """Export the base decoder step (tree attention, in-place KV) to ONNX.
 
     \b
@@ -99,7 +103,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     if block_size is not None and precision not in MATMULNBITS_BITS:
         raise click.UsageError("--block-size applies to --precision int8 or int4 only.")
     export_base(model, out, force=force, max_context=max_context, max_tree=max_tree, precision=precision,
-                target=target, block_size=block_size, gguf_blocks=gguf_blocks)
+                target=target, block_size=block_size, gguf_blocks=gguf_blocks, feature_layers=feature_layers)
     click.echo(f"Wrote bundle {out}")
 
 
@@ -249,6 +253,12 @@ def train_cerberus(**kw) -> None:
     _train_heads("cerberus", **kw)
 
 
+_FEATURE_LAYERS_OPTION = click.option(
+    "--feature-layers", default="", metavar="LAYERS",
+    help="Fuse these base layers' residual states into the draft's input (EAGLE-3; comma-separated, 0-based, or "
+         "'eagle3' for its low, mid and high taps). The data keeps them; the bundle must be exported with the same.")
+
+
 @train.command("chimera")
 @click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write.")
@@ -263,6 +273,7 @@ def train_cerberus(**kw) -> None:
               help="Train (and export by default) on the N most useful ids; 0 = the full shared lm_head.")
 @click.option("--feature-weight", default=0.1, show_default=True, type=float,
               help="Weight of the hidden-state regression term (0 turns it off).")
+@_FEATURE_LAYERS_OPTION
 @click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
               help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
 @click.option("--threads", default=2, show_default=True, type=int, help="torch threads.")
@@ -272,8 +283,8 @@ def train_cerberus(**kw) -> None:
 @click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
 def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_size: int, lr: float, max_seqs: int,
                   max_len: int, replies: str, reply_tokens: int, engine: Path | None, replies_file: Path | None,
-                  vocab_trim: int, feature_weight: float, data_dir: Path | None, threads: int, device: str, seed: int,
-                  resume: str | None) -> None:
+                  vocab_trim: int, feature_weight: float, feature_layers: str, data_dir: Path | None, threads: int,
+                  device: str, seed: int, resume: str | None) -> None:
     """Train a Chimera draft (trigram encoder + one decoder layer + residual heads), base frozen.
 
     By default the training text is the base model's own greedy replies to ShareGPT first turns
@@ -289,7 +300,7 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 
     run_chimera_training(model, out, heads, epochs, batch_size, lr, max_seqs, max_len, vocab_trim, feature_weight,
                          data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens,
-                         device=device, engine=engine, replies_file=replies_file)
+                         device=device, engine=engine, replies_file=replies_file, feature_layers=feature_layers)
 
 
 @train.command("data")
@@ -304,9 +315,10 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--time-limit", default=None, type=click.FloatRange(min=0),
               help="Stop after this many minutes, keeping the finished shards for the next run.")
+@_FEATURE_LAYERS_OPTION
 def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, reply_tokens: int, engine: Path | None,
                replies_file: Path | None, data_dir: Path | None, threads: int, device: str, seed: int,
-               time_limit: float | None) -> None:
+               time_limit: float | None, feature_layers: str) -> None:
     """Make (or go on making) the training data alone: replies, base hidden states and labels.
 
     The same options as a train command find the same cache, so `train chimera|medusa|cerberus` then
@@ -319,12 +331,14 @@ def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, rep
     """
     from specdeploy.exporter.source import load_model
     from specdeploy.exporter.train.data import data_config, training_cache
-    from specdeploy.exporter.train.weights import resolve_device
+    from specdeploy.exporter.train.weights import resolve_device, resolve_feature_layers
 
     log = lambda m: click.echo(m, err=True)
     device = resolve_device(device)
-    config = data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file)
     loaded = load_model(model)
+    taps = resolve_feature_layers(feature_layers, loaded.model.config)
+    config = data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file,
+                         feature_layers=taps)
     cache = training_cache(loaded, config, data_dir, engine, threads=threads, device=device, log=log,
                            time_limit_s=None if time_limit is None else time_limit * 60)
     if cache is not None:

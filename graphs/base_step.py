@@ -12,6 +12,7 @@ One graph serves prefill, the 1-token autoregressive step and the tree verificat
   ->
     logits         [B, K, V]
     hidden_states  [B, T, H]     the lm_head input, which the drafts need
+    layer_states   [B, T, L*H]   only with ``feature_layers``: the tapped layers' residual outputs
     present_key_i  [B, Hkv, C, D] the cache with the T new rows written (bind it to past_key_i)
     present_value_i
 
@@ -75,9 +76,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class BaseStep(nn.Module):
     """Stateless decoder step over a Hugging Face Llama-family causal LM (weights are shared, not copied)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()):
         super().__init__()
         cfg = model.config
+        if any(not 0 <= i < cfg.num_hidden_layers - 1 for i in feature_layers) or list(feature_layers) != sorted(
+                set(feature_layers)):
+            raise ValueError(f"feature layers must increase within 0..{cfg.num_hidden_layers - 2}, got {feature_layers}")
+        self.feature_layers = tuple(int(i) for i in feature_layers)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -106,6 +111,7 @@ class BaseStep(nn.Module):
         cos, sin = self.rotary_emb(x, position_ids)  # [B, T, D] each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
         presents: list[torch.Tensor] = []
+        taps: list[torch.Tensor] = []
         widx = write_indices.view(1, 1, t, 1).expand(bsz, hkv, t, d)  # [B, Hkv, T, D]
         for i, blk in enumerate(self.blocks):
             h = rms_norm(x, blk.input_norm_weight, blk.input_norm_eps)
@@ -131,8 +137,12 @@ class BaseStep(nn.Module):
             x = x + blk.o_proj(ctx)
             gate, up = blk.gate_up(rms_norm(x, blk.post_norm_weight, blk.post_norm_eps)).chunk(2, dim=-1)
             x = x + blk.down_proj(blk.act(gate) * up)
+            if i in self.feature_layers:
+                taps.append(x)
         hidden = rms_norm(x, self.norm_weight, self.norm_eps)  # [B, T, H]
         logits = self.lm_head(hidden.index_select(1, logits_index))  # [B, K, V]
+        if taps:
+            return (logits, hidden, torch.cat(taps, dim=-1), *presents)
         return (logits, hidden, *presents)
 
 

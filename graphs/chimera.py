@@ -89,6 +89,19 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
+def feature_layers_option(value: str | tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+    """``--feature-layers``: "" (none), "eagle3" (:func:`default_feature_layers`) or "1,14,26"."""
+    if value is None or not isinstance(value, str):
+        return tuple(value or ())
+    value = value.strip().lower()
+    if value == "eagle3":
+        return default_feature_layers(num_layers)
+    try:
+        return tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated layer numbers or 'eagle3', got '{value}'") from None
+
+
 class LayerFusion(nn.Module):
     """EAGLE-3's fusion of low, mid and high base features into one slot input: ``W [n(s_1); ..; n(s_L)]``.
 
@@ -315,6 +328,11 @@ class ChimeraStepGraph(nn.Module):
 
     def forward(self, hidden, trigram_ids, position_ids, attention_mask, write_indices, base_hidden, head_index,
                 past_key, past_value):
+        return self.step(hidden, trigram_ids, position_ids, attention_mask, write_indices, base_hidden, head_index,
+                         past_key, past_value)
+
+    def step(self, hidden, trigram_ids, position_ids, attention_mask, write_indices, base_hidden, head_index,
+             past_key, past_value):
         draft, layer = self.draft, self.draft.layer
         bsz, t, _ = hidden.shape
         hq, hkv, dh = layer.hq, layer.hkv, layer.d
@@ -339,6 +357,22 @@ class ChimeraStepGraph(nn.Module):
         return feat, idx, values, k_all, v_all
 
 
+class FusedChimeraStepGraph(ChimeraStepGraph):
+    """The step of a draft that fuses base layers (``feature_layers``): two more inputs.
+
+    ``layer_states [B, T, taps*H]`` are the tapped base layers' states of real slots, and ``from_layers [1]``
+    (float) is 1 where the call's slots are real (they read the fused taps) and 0 where they are chain slots
+    (they read ``hidden``, the fed-back feature). The blend ``w * fused + (1 - w) * hidden`` is exact at 0 and 1.
+    """
+
+    def forward(self, hidden, layer_states, from_layers, trigram_ids, position_ids, attention_mask, write_indices,
+                base_hidden, head_index, past_key, past_value):
+        w = from_layers.view(1, 1, 1)
+        slots = w * self.draft.fusion(layer_states) + (1.0 - w) * hidden
+        return self.step(slots, trigram_ids, position_ids, attention_mask, write_indices, base_hidden, head_index,
+                         past_key, past_value)
+
+
 def trigram_ids(tokens, slots):
     """Trigram ids ``[len(slots), 3]`` for draft slots: slot j ends at token j+1, earliest token repeated.
 
@@ -360,8 +394,11 @@ def example_step_inputs(config: ChimeraConfig, batch: int = 2, t: int = 3, capac
     for j in range(t):
         mask[:, :, j, past_len : past_len + j + 1] = 0.0
     kv = (batch, config.num_key_value_heads, capacity, config.head_dim)
+    fused = (torch.randn(batch, t, len(config.feature_layers) * config.hidden_size), torch.ones(1)) \
+        if config.feature_layers else ()
     return (
         torch.randn(batch, t, config.hidden_size),
+        *fused,
         torch.randint(0, config.vocab_size, (batch, t, 3)),
         (past_len + torch.arange(t)).expand(batch, t).contiguous(),
         mask,

@@ -66,6 +66,8 @@ class GraphEntry:
     # graph, see ``exporter/ort_graph.py``), which makes a 1-row step's attention row 0 of a 2-row
     # one. Informative only: whether steps are row-exact is measured at load (runtime/plan.py).
     attention_rows: int = 1
+    # Base graphs: the decoder layers whose residual outputs come out as ``layer_states`` (contract.py).
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ manifest records what each graph has, and the backends bind these names.
 - ``logits_index`` ``[kept]``: the rows whose logits come back;
 - ``past_{key,value}_{layer}`` ``[batch, kv_heads, capacity, head_dim]``, written in place;
 - outputs ``logits`` ``[batch, kept, vocab]``, ``hidden_states`` ``[batch, tree, hidden]`` (the lm_head
-  input, which the drafts read) and ``present_{key,value}_{layer}`` (the same buffers as ``past``).
+  input, which the drafts read) and ``present_{key,value}_{layer}`` (the same buffers as ``past``);
+- optionally ``layer_states`` ``[batch, tree, taps * hidden]``: the residual outputs of the decoder layers a
+  graph was exported to tap (its ``specdeploy.feature_layers`` metadata), side by side, for drafts that
+  fuse low, mid and high features (EAGLE-3).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ WRITE_INDICES = "write_indices"
 LOGITS_INDEX = "logits_index"
 LOGITS = "logits"
 HIDDEN_STATES = "hidden_states"
+LAYER_STATES = "layer_states"
+FEATURE_LAYERS_KEY = "specdeploy.feature_layers"  # model metadata: the tapped layers, e.g. "1,14,26"
 
 # Dynamic dimensions, by name.
 BATCH, TREE, CAPACITY, KEPT = "batch", "tree", "capacity", "kept"
@@ -37,9 +42,17 @@ STEP_INPUTS: tuple[tuple[str, str, tuple], ...] = (
 INPUT_NAMES = tuple(name for name, _, _ in STEP_INPUTS)
 
 
-def step_outputs(vocab_size: int, hidden_size: int) -> tuple[tuple[str, str, tuple], ...]:
-    """(name, dtype, dims) of the step outputs before the cache."""
-    return ((LOGITS, "float32", (BATCH, KEPT, vocab_size)), (HIDDEN_STATES, "float32", (BATCH, TREE, hidden_size)))
+def step_outputs(vocab_size: int, hidden_size: int, taps: int = 0) -> tuple[tuple[str, str, tuple], ...]:
+    """(name, dtype, dims) of the step outputs before the cache (``taps`` tapped layers add ``layer_states``)."""
+    out = ((LOGITS, "float32", (BATCH, KEPT, vocab_size)), (HIDDEN_STATES, "float32", (BATCH, TREE, hidden_size)))
+    if taps:
+        out += ((LAYER_STATES, "float32", (BATCH, TREE, taps * hidden_size)),)
+    return out
+
+
+def parse_feature_layers(value: str | None) -> tuple[int, ...]:
+    """The tapped layers from a graph's ``FEATURE_LAYERS_KEY`` metadata ("" or None: none)."""
+    return tuple(int(v) for v in value.split(",")) if value else ()
 
 
 def kv_dims(num_kv_heads: int, head_dim: int) -> tuple:

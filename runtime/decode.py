@@ -19,7 +19,7 @@ import numpy as np
 from .backends.base import Backend, StepInputs, StepOutputs
 from .bundle import BundleManifest
 from .drafters.base import DraftContext, Drafter
-from .errors import PromptError, TreeSpecError
+from .errors import DraftMismatchError, PromptError, TreeSpecError
 from .kvcache import KVCache, bucket_for, capacity_buckets
 from .plan import StepPlan
 from .tree import DraftTree, TreeBuffers
@@ -106,6 +106,7 @@ class DecodeState:
     tokens: list[int]  # prompt + emitted; tokens[-1] is the root, whose K/V is not in the cache yet
     hidden: np.ndarray  # [A, H] base hidden states of the last accepted nodes
     root_logits: np.ndarray  # [V] logits that produced the root
+    layers: np.ndarray | None = None  # [A, taps*H] their tapped layer states (graphs with feature_layers)
 
 
 class Decoder:
@@ -128,6 +129,9 @@ class Decoder:
             raise TreeSpecError(f"The tree budget must be at least 1 node; got {self.max_tree}.")
         if drafter is not None:
             drafter.check(manifest)
+            if drafter.feature_layers and not backend.layer_states:
+                raise DraftMismatchError(f"The {drafter.kind} draft reads base layers {list(drafter.feature_layers)}, "
+                                         f"which the {backend.name} backend does not return.")
         self.buckets = capacity_buckets(manifest.limits.max_context, limit)
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
@@ -158,15 +162,17 @@ class Decoder:
         causal = np.tril(np.ones((rows, rows), dtype=bool))
         logits_rows = np.full(max(1, self.min_rows), n - 1)  # the lm_head too runs >= min_rows rows
         out = self.backend.step(self._inputs(tokens, np.arange(rows), causal, cache, logits_rows), cache)
-        out = StepOutputs(out.logits[:, :1], out.hidden_states[:, :n])
+        out = out.first(1, n)
         cache.length = n
-        state = DecodeState(cache, list(prompt), out.hidden_states[0], out.logits[0, -1])
+        layers = None if out.layer_states is None else out.layer_states[0]
+        state = DecodeState(cache, list(prompt), out.hidden_states[0], out.logits[0, -1], layers)
         return state, out
 
     def propose(self, state: DecodeState, budget: int, stats: DecodeStats | None = None) -> DraftTree:
         if self.drafter is None or budget <= 1:
             return DraftTree.root(state.tokens[-1])
-        ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget)
+        ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget,
+                           state.layers)
         if not self.drafter.wants_draft(ctx):  # the gate: a hard step runs as plain decoding
             if stats is not None:
                 stats.gate_ar += 1
@@ -187,7 +193,7 @@ class Decoder:
             tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
             padded = DraftTree(tokens, np.arange(-1, self.min_rows - 1))
             out = self._step(state, padded, padded.buffers())  # cached by shape
-            return StepOutputs(out.logits[:, :n], out.hidden_states[:, :n])
+            return out.first(n, n)
         return self._step(state, tree, buffers)
 
     def _step(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
@@ -213,6 +219,8 @@ class Decoder:
         if self.drafter is not None:
             self.drafter.accepted(acc.nodes, tree)
         state.hidden = out.hidden_states[0, acc.nodes]
+        if out.layer_states is not None:
+            state.layers = out.layer_states[0, acc.nodes]
         state.root_logits = out.logits[0, acc.nodes[-1]]
         emitted = acc.tokens.tolist()
         state.tokens.extend(emitted)

@@ -599,37 +599,114 @@ def test_a_fusing_draft_reads_the_tapped_layers_at_its_real_slots():
     assert ChimeraDraft(TINY).fusion is None  # a plain Chimera has no fusion weights
 
 
-def test_training_a_fusing_draft_on_a_cache_with_layer_states(tiny_model_factory, tmp_path):
+@pytest.fixture(scope="module")
+def fused_setup(tiny_model_factory, tmp_path_factory):
+    """A tiny cache with layer 0's states and a draft trained to fuse them."""
     from dataclasses import replace
 
-    from specdeploy.exporter.export.draft import export_chimera
     from specdeploy.exporter.source import load_model
 
     loaded = load_model(str(tiny_model_factory("llama")))
-    cfg = replace(TINY_DATA, feature_layers=(0,))
-    assert cfg.key() != TINY_DATA.key()
-    cache = build_cache(loaded, tmp_path / "data", cfg, show_progress=False)
+    tmp = tmp_path_factory.mktemp("fused")
+    cache = build_cache(loaded, tmp / "data", replace(TINY_DATA, feature_layers=(0,)), show_progress=False)
+    out = tmp / "fused.safetensors"
+    torch.manual_seed(0)
+    train(_task((loaded, cache), feature_layers=(0,)), out, TINY_LOOP, show_progress=False, log=lambda m: None)
+    return loaded, cache, out
+
+
+def test_training_a_fusing_draft_on_a_cache_with_layer_states(fused_setup, tmp_path):
+    loaded, cache, out = fused_setup
+    from dataclasses import replace
+
+    assert replace(TINY_DATA, feature_layers=(0,)).key() != TINY_DATA.key()
     h = loaded.model.config.hidden_size
     assert cache.layers.shape == (cache.num_tokens, h) and cache.layers.dtype == np.float16
     with torch.no_grad():  # layer 0's residual output, as transformers computes it
         seq = torch.from_numpy(np.asarray(cache.tokens[: cache.offsets[1]], dtype=np.int64))[None]
         ref = loaded.model.model(input_ids=seq, output_hidden_states=True).hidden_states[1][0]
     np.testing.assert_allclose(cache.layers[: cache.offsets[1]].astype(np.float32), ref.numpy(), rtol=2e-3, atol=2e-3)
+    plain_cache = build_cache(loaded, tmp_path / "plain", TINY_DATA, show_progress=False)
+    assert plain_cache.layers is None
     with pytest.raises(TrainingError, match="build the data with the same --feature-layers"):
-        _task((loaded, tiny_cache_without := build_cache(loaded, tmp_path / "plain", TINY_DATA, show_progress=False)),
-              feature_layers=(0,))
-    assert tiny_cache_without.layers is None
+        _task((loaded, plain_cache), feature_layers=(0,))
     task = _task((loaded, cache), feature_layers=(0,))
-    out = tmp_path / "fused.safetensors"
     torch.manual_seed(0)
-    before = float(task.loss(task.build(), np.arange(task.num_examples()))[0].detach())
-    train(task, out, TINY_LOOP, show_progress=False, log=lambda m: None)
+    idx = np.arange(task.num_examples())
+    before = float(task.loss(task.build(), idx)[0].detach())
     w = load_draft_weights(out, "chimera")
     assert w.config.feature_layers == (0,)
-    after = float(task.loss(chimera_from_weights(w), np.arange(task.num_examples()))[0].detach())
-    assert after < before
-    with pytest.raises(DraftMismatchError, match="fuses base layers"):
-        export_chimera(tmp_path / "nowhere", out)
+    assert float(task.loss(chimera_from_weights(w), idx)[0].detach()) < before
+
+
+def test_base_graphs_output_the_tapped_layers_and_keep_their_other_outputs(tiny_model_factory, tiny_bundle, tmp_path):
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.runtime.backends.ort import OrtBackend
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.errors import SpecDeployError
+    from specdeploy.runtime.plan import Candidate, StepPlan
+
+    model_dir = tiny_model_factory("llama")
+    with pytest.raises(SpecDeployError, match="--feature-layers: feature layers must increase"):
+        export_base(str(model_dir), tmp_path / "bad", max_context=128, feature_layers="1", progress=lambda m: None)
+    bundle = tmp_path / "taps"
+    export_base(str(model_dir), bundle, max_context=512, max_tree=64, feature_layers="0", progress=lambda m: None)
+    manifest, plain = read_manifest(bundle), read_manifest(tiny_bundle)
+    bases = [g for g in manifest.graphs if g.role == "base"]
+    assert {g.target for g in bases} == {"trt", "ort"} and all(g.feature_layers == (0,) for g in bases)
+    assert all(any(o.name == "layer_states" for o in g.outputs) for g in bases)
+    from specdeploy.exporter.source import load_model
+
+    hf = load_model(str(model_dir)).model
+    ids = [3, 17, 5, 9, 11, 2]
+    with torch.no_grad():
+        ref = hf.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0].numpy()
+    for graph in bases:
+        outs = []
+        for m in (manifest, plain):
+            entry = next(g for g in m.graphs if g.role == "base" and g.target == graph.target)
+            backend = OrtBackend(bundle if m is manifest else tiny_bundle, m, graph=entry)
+            plan = StepPlan(Candidate("one-graph", False, 1), True, True, True, 16, "test")
+            _, out = Decoder(backend, m, plan=plan).prefill(ids)
+            outs.append(out)
+        tapped, untapped = outs
+        assert untapped.layer_states is None
+        np.testing.assert_allclose(tapped.layer_states[0], ref, atol=1e-4, rtol=1e-4)
+        np.testing.assert_array_equal(tapped.logits, untapped.logits)
+        np.testing.assert_array_equal(tapped.hidden_states, untapped.hidden_states)
+
+
+def test_a_fusing_draft_exports_to_a_tapped_bundle_only_and_stays_lossless(fused_setup, tiny_model_factory,
+                                                                          tiny_bundle, tmp_path):
+    from specdeploy.exporter.check.validate import compare_drafts
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+
+    loaded, _, weights = fused_setup
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_bundle, plain)
+    with pytest.raises(DraftMismatchError, match="re-export the base with --feature-layers 0"):
+        export_draft(plain, "chimera", weights, progress=lambda m: None)
+    bundle = tmp_path / "taps"
+    export_base(str(tiny_model_factory("llama")), bundle, max_context=512, max_tree=64, feature_layers="0",
+                progress=lambda m: None)
+    export_draft(bundle, "chimera", weights, progress=lambda m: None)
+    manifest = read_manifest(bundle)
+    entry = manifest.draft("chimera")
+    assert entry.setting("feature_layers") == "0"
+    assert {"layer_states", "from_layers"} <= {i.name for g in entry.graphs for i in g.inputs}
+    checks = compare_drafts(bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
+    assert checks and all(c.passed for c in checks), checks
+    prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
+    for draft in ("chimera", "hybrid"):
+        with load(bundle) as base, load(bundle, draft=draft, tree="chain4") as spec:
+            for p in prompts:
+                ids = base.encode(p)
+                st = DecodeStats()
+                assert spec.generate_ids(ids, GenerationConfig(40), st) == base.generate_ids(ids, GenerationConfig(40))
+                assert st.steps >= 1
 
 
 def test_bf16_autocast_only_where_bf16_matmuls_are_fast(tiny_setup, monkeypatch):
@@ -647,3 +724,24 @@ def test_bf16_autocast_only_where_bf16_matmuls_are_fast(tiny_setup, monkeypatch)
         assert forced.bf16 is (not fast) and forced.to("cpu").train_weight.dtype == (
             torch.float32 if fast else torch.bfloat16)
     assert bf16_fast("meta") is False
+
+
+def test_a_fusing_draft_on_a_backend_without_layer_states_is_one_sentence(fused_setup, tiny_model_factory, tmp_path,
+                                                                          monkeypatch):
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.backends.ort import OrtBackend
+
+    bundle = tmp_path / "taps"
+    export_base(str(tiny_model_factory("llama")), bundle, max_context=512, max_tree=64, feature_layers="0",
+                progress=lambda m: None)
+    export_draft(bundle, "chimera", fused_setup[2], progress=lambda m: None)
+    real = OrtBackend.__init__
+
+    def without(self, *a, **k):
+        real(self, *a, **k)
+        self.layer_states = False
+
+    monkeypatch.setattr(OrtBackend, "__init__", without)
+    with pytest.raises(DraftMismatchError, match=r"reads base layers \[0\], which the ort-cpu backend does not"):
+        load(bundle, draft="chimera")

@@ -186,3 +186,42 @@ def test_train_data_command_makes_the_data_alone_and_resumes(setup, tmp_path, ti
     assert done.exit_code == 0, done.output
     assert (tmp_path / "d" / "meta.json").is_file() and (tmp_path / "d" / "replies.npz").is_file()
     assert str(tmp_path / "d") in done.output and "reply positions per hour" in done.output
+
+
+def test_the_runtime_engine_gives_the_tapped_layers_of_a_bundle_that_outputs_them(setup, tiny_model_factory,
+                                                                                  tmp_path):
+    from specdeploy.exporter.export.base import export_base
+
+    loaded, plain_bundle = setup
+    bundle = tmp_path / "taps"
+    export_base(str(tiny_model_factory("llama")), bundle, max_context=512, max_tree=64, feature_layers="0",
+                progress=lambda m: None)
+    gen = RuntimeGenerator(bundle, threads=2)
+    config = replace(SELF_DATA, engine=gen.description, feature_layers=(0,))
+    cache = build_cache(loaded, tmp_path / "made", config, show_progress=False, generator=gen)
+    # the torch model derives the same layer states from the same replies
+    again = replace(config, engine="", replies_file=str(tmp_path / "made" / "replies.npz"))
+    torch_cache = build_cache(loaded, tmp_path / "torch", again, show_progress=False)
+    np.testing.assert_array_equal(torch_cache.tokens, cache.tokens)
+    np.testing.assert_allclose(cache.layers.astype(np.float32), torch_cache.layers.astype(np.float32), atol=2e-2)
+    # a bundle without them says so in one sentence; one with them also makes plain data
+    plain = RuntimeGenerator(plain_bundle, threads=2)
+    from specdeploy.exporter.train.data import training_cache
+
+    with pytest.raises(TrainingError, match="outputs none; export it with the same --feature-layers"):
+        training_cache(loaded, replace(SELF_DATA, feature_layers=(0,)), tmp_path / "x", engine=str(plain_bundle))
+    assert plain.graph.feature_layers == ()
+    no_taps = build_cache(loaded, tmp_path / "notaps", replace(SELF_DATA, engine=gen.description),
+                          show_progress=False, generator=gen)
+    assert no_taps.layers is None and not (tmp_path / "notaps" / "layers.npy").exists()
+
+
+def test_feature_layers_options_are_checked_in_one_sentence(setup):
+    from specdeploy.exporter.train.weights import resolve_feature_layers
+
+    cfg = setup[0].model.config  # 2 layers: only layer 0 can be tapped
+    assert resolve_feature_layers("0", cfg) == (0,) and resolve_feature_layers("", cfg) == ()
+    for bad, why in (("1", "must increase within 0..0"), ("x", "comma-separated layer numbers"),
+                     ("eagle3", "at least 4 decoder layers")):
+        with pytest.raises(TrainingError, match=why):
+            resolve_feature_layers(bad, cfg)

@@ -351,6 +351,12 @@ def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hid
         "past_key": rng.standard_normal(kv).astype(np.float32),
         "past_value": rng.standard_normal(kv).astype(np.float32),
     }
+    taps = [int(v) for v in str(entry.setting("feature_layers") or "").split(",") if v]
+    if taps:  # a fusing draft's real slots read the tapped layers' states
+        with torch.no_grad():
+            states = loaded.model.model(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states
+        feeds["layer_states"] = torch.cat([states[i + 1][:, :n] for i in taps], dim=-1).numpy().astype(np.float32)
+        feeds["from_layers"] = np.ones(1, dtype=np.float32)
     checks = []
     ref = None
     for graph in entry.graphs:

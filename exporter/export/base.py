@@ -101,6 +101,7 @@ def export_base(
     target: str | None = None,
     block_size: int | None = None,
     gguf_blocks: bool = True,
+    feature_layers: tuple[int, ...] | str = (),
 ) -> BundleManifest:
     """Export the base decoder step of ``model`` (default: embedded SmolLM2) to a new bundle at ``out``.
 
@@ -119,10 +120,14 @@ def export_base(
     activations, and the lm_head from the file's ``Q8_0`` table at 8 bits with int8 activations: the
     arithmetic llama.cpp uses for this file. Its quality stays near fp32 (no second rounding of the
     weights, unlike "int4").
+
+    ``feature_layers`` makes every base graph also output ``layer_states``, those decoder layers' residual
+    outputs (for drafts that fuse them, EAGLE-3); the logits and hidden states are computed as without.
     """
     from specdeploy.exporter.export.quantize import PrecisionError, quant_config, resolve_target
     from specdeploy.exporter.source import check_architecture, load_model
     from specdeploy.graphs.base_step import BaseStep
+    from specdeploy.graphs.chimera import feature_layers_option
 
     target = resolve_target(precision, target)
     qconfig = quant_config(precision, block_size) if precision in MATMULNBITS_BITS else None
@@ -136,7 +141,10 @@ def export_base(
     arch = check_architecture(hf.config, loaded.path)
     mcfg = model_config(hf, loaded.tokenizer, arch)
     ctx = min(max_context or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-    step = BaseStep(hf).eval()
+    try:
+        step = BaseStep(hf, feature_layers_option(feature_layers, mcfg.num_layers)).eval()
+    except ValueError as exc:
+        raise SpecDeployError(f"--feature-layers: {exc}.") from None
     if precision == Q4_1:
         from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
 
@@ -220,12 +228,19 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
     args = example_inputs(step)
     past = contract.past_names(step.num_layers)
     in_names = [*contract.INPUT_NAMES, *past]
-    out_names = [contract.LOGITS, contract.HIDDEN_STATES, *contract.present_names(step.num_layers)]
+    taps = [contract.LAYER_STATES] if step.feature_layers else []
+    out_names = [contract.LOGITS, contract.HIDDEN_STATES, *taps, *contract.present_names(step.num_layers)]
     dims = {n: Dim(n) for n in (contract.BATCH, contract.TREE, contract.CAPACITY, contract.KEPT)}
     axes = {name: {axis: dims[d] for axis, d in enumerate(shape) if d in dims} for name, _, shape in contract.STEP_INPUTS}
     axes["past"] = [{axis: dims[d] for axis, d in enumerate(contract.kv_dims(1, 1)) if d in dims} for _ in past]
     with torch.no_grad():
         export_graph(step, args, path, in_names, out_names, axes)
+    if step.feature_layers:  # say which layers ``layer_states`` holds
+        import onnx
+
+        proto = onnx.load(str(path), load_external_data=False)
+        onnx.helper.set_model_props(proto, {contract.FEATURE_LAYERS_KEY: ",".join(map(str, step.feature_layers))})
+        onnx.save(proto, str(path))
 
 
 def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, progress: Progress) -> None:

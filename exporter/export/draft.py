@@ -200,10 +200,11 @@ def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: i
                          vocab_trim: int | None = None):
     """The traced torch module of a Chimera draft step: trigram + layer + one residual head + TopK."""
     from specdeploy.exporter.train.modules import chimera_from_weights
-    from specdeploy.graphs.chimera import ChimeraStepGraph
+    from specdeploy.graphs.chimera import ChimeraStepGraph, FusedChimeraStepGraph
 
     vocab_map = vocab_map_for(weights, vocab_trim)
-    return ChimeraStepGraph(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
+    cls = FusedChimeraStepGraph if weights.config.feature_layers else ChimeraStepGraph
+    return cls(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
 
 
 def _chimera_int8():
@@ -237,11 +238,14 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
 
     bundle = Path(bundle)
     weights = load_draft_weights(draft, "chimera")
-    if weights.config.feature_layers:
-        raise DraftMismatchError(
-            f"'{draft}' fuses base layers {list(weights.config.feature_layers)} (an EAGLE-3 training experiment); "
-            "base graphs do not expose layer states, so only drafts on the last hidden state can be exported.")
     manifest = read_manifest(bundle)
+    taps = weights.config.feature_layers
+    if taps:
+        lacking = [g.file for g in manifest.graphs if g.role == "base" and g.feature_layers != taps]
+        if lacking:
+            raise DraftMismatchError(
+                f"'{draft}' fuses base layers {list(taps)}, but {', '.join(lacking)} do not output them; re-export "
+                f"the base with --feature-layers {','.join(map(str, taps))}.")
     m = manifest.model
     check_draft_base(weights.config, manifest.source.weight_sha, m.hidden_size, m.vocab_size, "the bundle's base model")
     progress(f"[1/3] loading the base model's embedding and lm_head ({manifest.source.path}) ...")
@@ -258,6 +262,8 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "topk": topk, "vocab_trim": int(trim or 0),
         "weights_path": str(Path(draft).resolve()),
     }
+    if taps:
+        settings["feature_layers"] = ",".join(map(str, taps))
     cal_path = Path(calibration) if calibration else calibration_path(draft)
     if use_calibration and (calibration is not None or cal_path.is_file()):
         calib = read_calibration(cal_path, weights)
@@ -274,9 +280,10 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         _drop_graph_files(tmp, old, manifest)
         progress(f"[2/3] tracing the Chimera draft step ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
         batch, rows, cap = Dim("batch"), Dim("rows"), Dim("capacity")
-        names = ["hidden", "trigram_ids", "position_ids", "attention_mask", "write_indices", "base_hidden",
-                 "head_index", "past_key", "past_value"]
-        dims = {"hidden": {0: batch, 1: rows}, "trigram_ids": {0: batch, 1: rows}, "position_ids": {0: batch, 1: rows},
+        names = ["hidden", *(["layer_states", "from_layers"] if taps else []), "trigram_ids", "position_ids",
+                 "attention_mask", "write_indices", "base_hidden", "head_index", "past_key", "past_value"]
+        dims = {"hidden": {0: batch, 1: rows}, **({"layer_states": {0: batch, 1: rows}, "from_layers": None}
+                                                  if taps else {}), "trigram_ids": {0: batch, 1: rows}, "position_ids": {0: batch, 1: rows},
                 "attention_mask": {0: batch, 2: rows, 3: cap}, "write_indices": {0: rows}, "base_hidden": {0: batch},
                 "head_index": None, "past_key": {0: batch, 2: cap}, "past_value": {0: batch, 2: cap}}
         fp32_file = "chimera.onnx" if keep_fp32 else ".chimera-fp32.onnx"  # the latter only to quantize

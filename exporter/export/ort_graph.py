@@ -205,9 +205,12 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         x, residual_in = summed, None
         return out
 
+    taps: list[str] = []  # residual outputs of step.feature_layers (the first norm of the next block sums them)
     for i, blk in enumerate(step.blocks):
         p = f"layers.{i}."
         h = norm(g.init(p + "input_norm", _np(blk.input_norm_weight)), blk.input_norm_eps)
+        if i - 1 in step.feature_layers:
+            taps.append(x)
         m = f"model.layers.{i}."
         qkv = linear(h, p + "qkv_t", blk.qkv.weight, [m + "self_attn.q_proj", m + "self_attn.k_proj",
                                                       m + "self_attn.v_proj"])
@@ -233,6 +236,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
 
     final = norm(g.init("final_norm", _np(step.norm_weight)), step.norm_eps)
     g.op("Identity", [final], outputs=[contract.HIDDEN_STATES])
+    if taps:
+        g.op("Concat", taps, outputs=[contract.LAYER_STATES], axis=-1)
     kept = g.one("Gather", [final, contract.LOGITS_INDEX], axis=1)  # [B, K, H]
     g.op("MatMul", [kept, lm_head], outputs=[contract.LOGITS])
 
@@ -241,14 +246,17 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     inputs = [helper.make_tensor_value_info(n, dtypes[t], list(dims)) for n, t, dims in contract.STEP_INPUTS]
     inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in past_names]
     outputs = [helper.make_tensor_value_info(n, dtypes[t], list(dims))
-               for n, t, dims in contract.step_outputs(vocab, hidden)]
+               for n, t, dims in contract.step_outputs(vocab, hidden, len(taps))]
     outputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in present_names]
     graph = helper.make_graph(g.nodes, "specdeploy_base_ort", inputs, outputs, initializer=g.inits)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdeploy")
     model.ir_version = 10
-    if pad_attention:
-        helper.set_model_props(model, {ATTENTION_ROWS_KEY: str(ATTENTION_ROWS)})
+    props = {ATTENTION_ROWS_KEY: str(ATTENTION_ROWS)} if pad_attention else {}
+    if taps:
+        props[contract.FEATURE_LAYERS_KEY] = ",".join(str(i) for i in step.feature_layers)
+    if props:
+        helper.set_model_props(model, props)
     return model
 
 

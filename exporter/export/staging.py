@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY
+from specdeploy.runtime import contract
 from specdeploy.runtime.bundle import GraphEntry, TensorSpec, hash_files
 from specdeploy.runtime.errors import BundleError, BundleExistsError
 
@@ -160,5 +161,7 @@ def graph_entry(bundle_dir: Path, role: str, file: str, target: str = "trt", pre
     inputs, outputs = io_specs(proto)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), OPSET)
     sha = hash_files([path, *(bundle_dir / d for d in data)])
-    rows = next((int(p.value) for p in proto.metadata_props if p.key == ATTENTION_ROWS_KEY), 1)
-    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows)
+    props = {p.key: p.value for p in proto.metadata_props}
+    rows = int(props.get(ATTENTION_ROWS_KEY, 1))
+    taps = contract.parse_feature_layers(props.get(contract.FEATURE_LAYERS_KEY))
+    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows, taps)

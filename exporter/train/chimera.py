@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from specdeploy.exporter.train.weights import (
     TrainResult,
     draft_weights_meta,
     resolve_device,
+    resolve_feature_layers,
     save_draft_weights,
     train,
     training_vocab,
@@ -253,7 +254,7 @@ def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: i
                          resume: str = "auto", show_progress: bool = True,
                          log: Callable[[str], None] | None = None, replies: str = "self",
                          reply_tokens: int = 256, device: str = "auto", engine: str | None = None,
-                         replies_file: str | None = None) -> TrainResult:
+                         replies_file: str | None = None, feature_layers: str | tuple[int, ...] = ()) -> TrainResult:
     """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
     import torch
     from specdeploy.exporter.source import load_model
@@ -261,14 +262,18 @@ def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: i
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     device = resolve_device(device)  # before any slow step: a missing GPU is said at once
-    cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)
+    cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)  # checked now
     loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, warmup_steps=20,
                       ckpt_every=25, device=device)
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)
-    cache = training_cache(loaded, data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file),
-                           data_dir, engine, threads=threads, show_progress=show_progress, device=device, log=log)
+    taps = resolve_feature_layers(feature_layers, loaded.model.config)
+    cfg = replace(cfg, feature_layers=taps)  # --feature-layers needs the base's depth
+    config = data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file,
+                         feature_layers=taps)
+    cache = training_cache(loaded, config, data_dir, engine, threads=threads, show_progress=show_progress,
+                           device=device, log=log)
     order = vocab_order(cache, loaded.tokenizer)
     m = loaded.model
     task = ChimeraTask(cache, m.model.embed_tokens.weight, m.lm_head.weight, m.model.norm.weight, m.config,

@@ -88,8 +88,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
-        if self.feature_layers and self.engine:
-            raise TrainingError("Base layer features come from the torch engine only; drop --engine.")
         if self.max_seqs < 2 or self.max_len < 8 or not (0.0 < self.heldout_fraction < 1.0):
             raise TrainingError("The data config needs max_seqs >= 2, max_len >= 8 and 0 < heldout_fraction < 1.")
         if self.replies not in REPLY_SOURCES:
@@ -370,6 +368,8 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
                     seqs = generate_replies(gen_model, tok, prompts, config.reply_tokens,
                                             config.min_assistant_tokens)
                 arrays = forward_shard(model.to(device), seqs, config.feature_layers)
+            if not config.feature_layers:  # a bundle with taps also makes data without them
+                arrays.pop("layers", None)
             arrays["prompt_lengths"] = np.asarray([len(p) for p in prompts], dtype=np.int64)
             forward_s += time.time() - t1
             made += int(arrays["assistant"].sum())
@@ -485,6 +485,11 @@ def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | Non
     if engine:
         generator = RuntimeGenerator(engine, threads)
         generator.check_base(loaded.weight_sha)
+        if config.feature_layers and generator.graph.feature_layers != config.feature_layers:
+            raise TrainingError(
+                f"The data asks for base layers {list(config.feature_layers) or 'none'}, but the engine bundle's "
+                f"{generator.graph.file} outputs {list(generator.graph.feature_layers) or 'none'}; export it with "
+                "the same --feature-layers.")
         config = replace(config, engine=generator.description)
     t0 = time.time()
     path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)

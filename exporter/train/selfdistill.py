@@ -39,11 +39,19 @@ class Sequenced:
     mask: np.ndarray  # [N] uint8, 1 on reply tokens
     hidden: np.ndarray  # [N, H] fp16
     labels: np.ndarray  # [N] int32
+    layers: np.ndarray | None = None  # [N, taps*H] fp16: a graph with feature_layers only
+
+
+def fp16_states(x: np.ndarray) -> np.ndarray:
+    """Residual states in fp16, kept finite: mid layers carry rare outliers (SmolLM2: |x| ~ 2e4)."""
+    return np.clip(x, -65504.0, 65504.0).astype(np.float16)
 
 
 def shard_arrays(seqs: Sequence[Sequenced]) -> dict[str, np.ndarray]:
     """A cache shard's arrays from :class:`Sequenced` sequences."""
+    layers = {"layers": np.concatenate([q.layers for q in seqs])} if seqs and seqs[0].layers is not None else {}
     return {
+        **layers,
         "tokens": np.concatenate([q.ids for q in seqs]).astype(np.int32),
         "assistant": np.concatenate([q.mask for q in seqs]).astype(np.uint8),
         "hidden": np.concatenate([q.hidden for q in seqs]).astype(np.float16),
@@ -123,6 +131,9 @@ class RuntimeGenerator:
         capacity = int(lengths.max()) + max_new_tokens + 2  # +1: a graph may write a dummy slot after a row
         cache, out, width = self._prefill(prompts, capacity)
         hidden: list[list[np.ndarray]] = [[out.hidden_states[r, width - n :]] for r, n in enumerate(lengths)]
+        taps = out.layer_states is not None
+        layers: list[list[np.ndarray]] = [[out.layer_states[r, width - n :]] if taps else [] for r, n in
+                                          enumerate(lengths)]
         replies: list[list[int]] = [[] for _ in prompts]
         after = np.zeros(len(prompts), dtype=np.int64)  # the base's prediction after each reply's last token
         rows = np.arange(len(prompts))  # the prompts still generating, in cache row order
@@ -140,6 +151,8 @@ class RuntimeGenerator:
             for i, r in enumerate(rows):
                 replies[r].append(int(nxt[i]))
                 hidden[r].append(step.hidden_states[i])
+                if taps:
+                    layers[r].append(step.layer_states[i])
             nxt = step.logits[:, 0].argmax(-1)
             after[rows[done]] = nxt[done]
             if done.all():
@@ -148,7 +161,8 @@ class RuntimeGenerator:
                 live = np.flatnonzero(~done)
                 cache = _keep_rows(self.backend, cache, live)
                 reach, rows, nxt = reach[live], rows[live], nxt[live]
-        return [_sequence(p, replies[r], hidden[r], int(after[r]), min_tokens) for r, p in enumerate(prompts)]
+        return [_sequence(p, replies[r], hidden[r], int(after[r]), min_tokens, layers[r] if taps else None)
+                for r, p in enumerate(prompts)]
 
     def features(self, seqs: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[Sequenced]:
         """Teacher-forced: hidden states and the base's greedy labels for given ``(ids, reply mask)``.
@@ -169,7 +183,8 @@ class RuntimeGenerator:
             labels = np.append(np.asarray(ids[1:], dtype=np.int32), 0)
             labels[rows] = step.logits[0].argmax(-1)
             out.append(Sequenced(np.asarray(ids, np.int32), np.asarray(mask, np.uint8),
-                                 step.hidden_states[0].astype(np.float16), labels.astype(np.int32)))
+                                 step.hidden_states[0].astype(np.float16), labels.astype(np.int32),
+                                 None if step.layer_states is None else fp16_states(step.layer_states[0])))
         return out
 
 
@@ -183,11 +198,12 @@ def _keep_rows(backend, cache, rows: np.ndarray):
 
 
 def _sequence(prompt: np.ndarray, reply: list[int], hidden: list[np.ndarray], after: int,
-              min_tokens: int) -> Sequenced:
+              min_tokens: int, layers: list[np.ndarray] | None = None) -> Sequenced:
     ids = np.concatenate([np.asarray(prompt, dtype=np.int32), np.asarray(reply, dtype=np.int32)])
     h = np.concatenate(hidden).astype(np.float16)
     labels = np.append(ids[1:], after).astype(np.int32)  # greedy: the label is the next token
-    return Sequenced(ids, reply_mask(len(prompt), len(reply), min_tokens), h, labels)
+    taps = None if layers is None else fp16_states(np.concatenate(layers))
+    return Sequenced(ids, reply_mask(len(prompt), len(reply), min_tokens), h, labels, taps)
 
 
 def reply_mask(prompt_len: int, reply_len: int, min_tokens: int) -> np.ndarray:

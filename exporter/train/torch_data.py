@@ -7,7 +7,7 @@ same cache (:mod:`.data`).
 from __future__ import annotations
 
 import numpy as np
-from specdeploy.exporter.train.selfdistill import reply_mask
+from specdeploy.exporter.train.selfdistill import fp16_states, reply_mask
 
 
 def generate_replies(model, tokenizer, prompts: list[np.ndarray], max_new_tokens: int,
@@ -66,10 +66,7 @@ def forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]],
         labels.append(logits[0].argmax(-1).to(torch.int32).cpu().numpy())
         if feature_layers:  # hidden_states[i + 1] is decoder layer i's output (index 0: the embeddings)
             taps = torch.cat([out.hidden_states[i + 1][0] for i in feature_layers], dim=-1)
-            # Mid layers carry "massive activations" (SmolLM2: |x| ~ 2e4 at the first tokens): keep them finite
-            # in fp16; the draft RMS-normalises each tap, so these rare outliers only saturate.
-            taps = taps.clamp(-65504.0, 65504.0)
-            layers.append(taps.to(torch.float16).cpu().numpy())
+            layers.append(fp16_states(taps.float().cpu().numpy()))
     arrays = {
         "tokens": np.concatenate([ids for ids, _ in seqs]).astype(np.int32),
         "assistant": np.concatenate([m for _, m in seqs]).astype(np.uint8),

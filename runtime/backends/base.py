@@ -27,6 +27,12 @@ class StepInputs:
 class StepOutputs:
     logits: np.ndarray  # [B, K, V] on the host
     hidden_states: np.ndarray  # [B, T, H] on the host
+    layer_states: np.ndarray | None = None  # [B, T, taps*H]: a graph with feature_layers only
+
+    def first(self, logits_rows: int, rows: int) -> StepOutputs:
+        """The first ``logits_rows`` logits and the first ``rows`` rows of the per-row outputs."""
+        layers = None if self.layer_states is None else self.layer_states[:, :rows]
+        return StepOutputs(self.logits[:, :logits_rows], self.hidden_states[:, :rows], layers)
 
 
 class Backend(ABC):
@@ -37,6 +43,8 @@ class Backend(ABC):
     threads: int = 0  # intra-op threads, part of the exactness verdict's key (0: not applicable)
     # Whether the backend has a second graph for 1-row steps (``split`` step plans, see runtime/plan.py).
     can_split: bool = False
+    # Whether steps return ``layer_states`` (a graph exported with feature_layers, on a backend that binds it).
+    layer_states: bool = False
 
     def use_split(self, on: bool) -> None:
         """Run 1-row steps on the 1-row graph (``on``) or every step on the multi-row graph."""

@@ -23,7 +23,15 @@ from typing import Any
 import numpy as np
 
 from ..bundle import BundleManifest, GraphEntry
-from ..contract import ATTENTION_MASK, HIDDEN_STATES, INPUT_NAMES, LOGITS, past_names, present_names
+from ..contract import (
+    ATTENTION_MASK,
+    HIDDEN_STATES,
+    INPUT_NAMES,
+    LAYER_STATES,
+    LOGITS,
+    past_names,
+    present_names,
+)
 from ..errors import BackendUnavailableError, BundleError
 from ..kvcache import KVCache
 from .base import Backend, StepInputs, StepOutputs
@@ -111,6 +119,7 @@ class OrtBackend(Backend):
         entry = graph or manifest.base_graph("trt")
         self.graph, self.one_row_graph = entry, one_row  # the graphs this backend runs
         self.can_split = one_row is not None
+        self.layer_states = bool(entry.feature_layers) and (one_row is None or bool(one_row.feature_layers))
         self._provider_options = provider_options
         # Sessions are made on first use (``_session``), so that a step plan resolved from the verdict
         # cache never loads the graph it does not run.
@@ -215,9 +224,9 @@ class OrtBackend(Backend):
         return binding
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
-        session = self.session
+        session, entry = self.session, self.graph
         if self._split and inputs.input_ids.shape[1] == 1:
-            session = self._session("one_row")
+            session, entry = self._session("one_row"), self.one_row_graph
         binding = self._cache_binding(session, cache)
         for name in INPUT_NAMES:  # the StepInputs fields carry the contract's names
             binding.bind_cpu_input(name, getattr(inputs, name))
@@ -227,10 +236,15 @@ class OrtBackend(Backend):
         m = self.manifest.model
         logits = np.empty((b, len(inputs.logits_index), m.vocab_size), dtype=self._out_dtype[LOGITS])
         hidden = np.empty((b, t, m.hidden_size), dtype=self._out_dtype[HIDDEN_STATES])
-        for name, arr in ((LOGITS, logits), (HIDDEN_STATES, hidden)):
+        outputs = [(LOGITS, logits), (HIDDEN_STATES, hidden)]
+        layers = None
+        if entry.feature_layers:
+            layers = np.empty((b, t, len(entry.feature_layers) * m.hidden_size), dtype=np.float32)
+            outputs.append((LAYER_STATES, layers))
+        for name, arr in outputs:
             binding.bind_output(name, "cpu", 0, arr.dtype, list(arr.shape), arr.ctypes.data)
         session.run_with_iobinding(binding)
-        return StepOutputs(logits=logits, hidden_states=hidden)
+        return StepOutputs(logits=logits, hidden_states=hidden, layer_states=layers)
 
     def close(self) -> None:
         self._bindings.clear()
@@ -304,6 +318,7 @@ class OrtCudaBackend(OrtBackend):
         else:
             raise BackendUnavailableError(f"OrtCudaBackend runs the cuda or tensorrt provider, not '{provider}'.")
         super().__init__(bundle_dir, manifest, provider, threads, provider_options=options)
+        self.layer_states = False  # its device bindings carry logits and hidden states only
         self._session("base")  # now: a missing provider or GPU is one sentence at load
         from ..capture import tree_buckets
         from ..kvcache import capacity_buckets

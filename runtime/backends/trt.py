@@ -32,6 +32,7 @@ from ..contract import (
     HIDDEN_STATES,
     INPUT_IDS,
     INPUT_NAMES,
+    LAYER_STATES,
     LOGITS,
     LOGITS_INDEX,
     past_names,
@@ -259,7 +260,10 @@ class _Slot:
             self.addresses[name] = buf.ptr
         context = self.bind()
         self.outputs: dict[str, DeviceArray] = {}
-        for name in (LOGITS, HIDDEN_STATES):
+        # A graph exported with feature_layers has one more output: bound (TensorRT needs every output's
+        # address) but not read back, since this backend does not return layer states.
+        io = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+        for name in (LOGITS, HIDDEN_STATES, *([LAYER_STATES] if LAYER_STATES in io else [])):
             shape = tuple(context.get_tensor_shape(name))
             self.outputs[name] = DeviceArray(shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
             self.addresses[name] = self.outputs[name].ptr

@@ -19,12 +19,14 @@ class DraftContext:
     hidden: np.ndarray  # [A, H] base hidden states of the nodes accepted last step (prefill: the prompt)
     root_logits: np.ndarray | None  # [V] base logits that produced the root (None for prompt lookup)
     max_nodes: int  # node budget including the root
+    layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (feature_layers graphs)
 
 
 class Drafter(ABC):
     """Proposes a :class:`DraftTree` whose node 0 is the root token; may keep its own state."""
 
     kind: str = "drafter"
+    feature_layers: tuple[int, ...] = ()  # base layers whose states it reads (DraftContext.layers); () none
 
     def check(self, manifest: BundleManifest) -> None:
         """Raise DraftMismatchError if this drafter does not fit the bundle's base model."""

@@ -42,9 +42,12 @@ class ChimeraDrafter(Drafter):
     kind = "chimera"
 
     def __init__(self, session, num_heads: int, num_kv_heads: int, head_dim: int, topk: int,
-                 tree: TreeSpec | None = None, dynamic_nodes: int | None = None, depth: int | None = None):
+                 tree: TreeSpec | None = None, dynamic_nodes: int | None = None, depth: int | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         check_tree_choice(tree, dynamic_nodes, "Chimera", num_heads, topk)
         self.session = session
+        # A draft that fuses base layers (EAGLE-3) reads their states at its real slots (DraftContext.layers).
+        self.feature_layers = tuple(feature_layers)
         self.num_heads, self.topk = num_heads, topk
         self.tree, self.dynamic_nodes = tree, dynamic_nodes
         self.depth = tree.depth if tree is not None else min(depth or num_heads, num_heads)
@@ -85,8 +88,19 @@ class ChimeraDrafter(Drafter):
         self._k, self._v = k, v
         self._ov = (ort.OrtValue.ortvalue_from_numpy(k), ort.OrtValue.ortvalue_from_numpy(v))
 
-    def _run(self, hidden: np.ndarray, trigrams: np.ndarray, start: int, base_hidden: np.ndarray, head: int):
-        """Write ``T`` slots at ``start..start+T`` (seeing ``[0, start)`` and each other causally)."""
+    def check(self, manifest: BundleManifest) -> None:
+        if self.feature_layers:
+            lacking = [g.file for g in manifest.graphs if g.role == "base" and g.feature_layers != self.feature_layers]
+            if lacking:
+                raise DraftMismatchError(f"This Chimera draft fuses base layers {list(self.feature_layers)}, but "
+                                         f"{', '.join(lacking)} do not output them.")
+
+    def _run(self, hidden: np.ndarray, trigrams: np.ndarray, start: int, base_hidden: np.ndarray, head: int,
+             layers: np.ndarray | None = None):
+        """Write ``T`` slots at ``start..start+T`` (seeing ``[0, start)`` and each other causally).
+
+        A fusing draft's real slots read ``layers`` (``hidden`` is then ignored); its chain slots read ``hidden``.
+        """
         t = hidden.shape[0]
         self._ensure(start + t)
         cap = self._k.shape[2]
@@ -95,6 +109,12 @@ class ChimeraDrafter(Drafter):
         mask[0, 0, :, start : start + t] = np.where(np.tril(np.ones((t, t), dtype=bool)), 0.0, self._neg)
         b = self.session.io_binding()
         b.bind_cpu_input("hidden", np.ascontiguousarray(hidden, dtype=np.float32)[None])
+        if self.feature_layers:
+            real = layers is not None
+            if not real:
+                layers = np.zeros((t, len(self.feature_layers) * hidden.shape[1]), dtype=np.float32)
+            b.bind_cpu_input("layer_states", np.ascontiguousarray(layers, dtype=np.float32)[None])
+            b.bind_cpu_input("from_layers", np.array([1.0 if real else 0.0], dtype=np.float32))
         b.bind_cpu_input("trigram_ids", np.ascontiguousarray(trigrams, dtype=np.int64)[None])
         b.bind_cpu_input("position_ids", np.arange(start, start + t, dtype=np.int64)[None])
         b.bind_cpu_input("attention_mask", mask)
@@ -115,12 +135,12 @@ class ChimeraDrafter(Drafter):
         return feat[0], ids[0], logp[0]
 
     # --- drafting -----------------------------------------------------------------------------------
-    def head_topk(self, tokens: np.ndarray, hidden: np.ndarray, adaptive: bool = False
-                  ) -> tuple[np.ndarray, np.ndarray]:
+    def head_topk(self, tokens: np.ndarray, hidden: np.ndarray, adaptive: bool = False,
+                  layers: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Catch up on ``hidden`` (the newly accepted base states) and chain ``depth`` heads.
 
         ``tokens [L]`` ends with the root; ``hidden [A, H]`` are the base states of tokens
-        ``L-1-A .. L-2``. Returns ids and log-probs ``[D, k]``: D = ``depth``, or fewer where
+        ``L-1-A .. L-2`` (``layers [A, taps*H]`` their tapped states, for a fusing draft). Returns ids and log-probs ``[D, k]``: D = ``depth``, or fewer where
         ``adaptive`` and the chain policy stopped.
         """
         n_tok, a = len(tokens), hidden.shape[0]
@@ -136,7 +156,9 @@ class ChimeraDrafter(Drafter):
         off = n_tok - 2  # the chain's trigrams only reach back to x_{L-2} (L >= 2: prompt + root)
         seq = [int(x) for x in tokens[off:]]
         base_h = hidden[-1]
-        feat, ids, logp = self._run(hidden, tri, start, base_h, 0)
+        if self.feature_layers and (layers is None or len(layers) != a):
+            raise DraftMismatchError("This Chimera draft fuses base layers, but the backend returned no layer states.")
+        feat, ids, logp = self._run(hidden, tri, start, base_h, 0, layers if self.feature_layers else None)
         self.length = start + a
         all_ids, all_logp = [ids], [logp]
         for d in range(2, self.depth + 1):
@@ -154,11 +176,11 @@ class ChimeraDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = int(ctx.tokens[-1])
         if self.policy is None:
-            ids, logp = self.head_topk(ctx.tokens, ctx.hidden)
+            ids, logp = self.head_topk(ctx.tokens, ctx.hidden, layers=ctx.layers)
             return tree_from_topk(self.tree, self.dynamic_nodes, root, ids, logp, ctx.max_nodes)
         self.policy.observe(ctx.tokens)
         self.policy.timer.start()
-        ids, logp = self.head_topk(ctx.tokens, ctx.hidden, adaptive=True)
+        ids, logp = self.head_topk(ctx.tokens, ctx.hidden, adaptive=True, layers=ctx.layers)
         probs = np.exp(logp[:, 0])
         return self.policy.chain(ctx.tokens, ids[:, 0], probs, len(ids), ctx.max_nodes)
 
@@ -184,5 +206,6 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     if precision == INT8 and role != "chimera-int8":
         raise DraftMismatchError("The bundle's Chimera draft has no int8 graph; re-export it with --precision int8.")
     session = make_draft_session(Path(bundle_dir) / draft_graph(entry, role).file)
+    taps = tuple(int(v) for v in str(entry.setting("feature_layers") or "").split(",") if v)
     return ChimeraDrafter(session, num_heads, int(entry.setting("num_kv_heads")), int(entry.setting("head_dim")),
-                          topk, spec, dynamic)
+                          topk, spec, dynamic, feature_layers=taps)

@@ -46,10 +46,18 @@ class HybridDrafter(Drafter):
         self._lookup_nodes = 0  # nodes 1..this of the last proposal came from lookup (0: lookup not run)
         self._model_nodes = 0  # drafted depth of the model's main path in the last proposal (0: not its own)
         self._model_depth = 1  # depth of the model's main path, as its last proposal had it
-        self._pending: list[np.ndarray] = []  # base states accepted since the model last ran
+        # (hidden, layer states) accepted at each step since the model last ran
+        self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
         self.model_acceptance = ChainAcceptance()
         self.timer = CallTimer()  # the model's call (a whole proposal) against the rest of a step
         self.sources = {"lookup": 0, "model": 0, "plain": 0}  # steps by the source of their main path
+
+    def check(self, manifest) -> None:
+        self.model.check(manifest)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.model.feature_layers
 
     @property
     def needs_cost_curve(self) -> bool:
@@ -74,8 +82,10 @@ class HybridDrafter(Drafter):
 
     def _run_model(self, ctx: DraftContext) -> DraftTree:
         if self._pending:
-            ctx = DraftContext(ctx.tokens, np.concatenate([*self._pending, ctx.hidden]), ctx.root_logits,
-                               ctx.max_nodes)
+            kept = [*self._pending, (ctx.hidden, ctx.layers)]
+            layers = None if ctx.layers is None else np.concatenate([lay for _, lay in kept])
+            ctx = DraftContext(ctx.tokens, np.concatenate([h for h, _ in kept]), ctx.root_logits,
+                               ctx.max_nodes, layers)
             self._pending.clear()
         t0 = time.perf_counter()
         drafted = self.model.propose(ctx)
@@ -94,7 +104,7 @@ class HybridDrafter(Drafter):
             use_model = (matched and found.num_nodes < ctx.max_nodes) or (
                 not matched and self._model_value() > self._lookup_value(found))
         if not use_model:
-            self._pending.append(ctx.hidden)
+            self._pending.append((ctx.hidden, ctx.layers))
             self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
             self.sources["lookup" if matched else "plain"] += 1
             return found.main_path() if self.chains else found
