@@ -331,7 +331,7 @@ def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, rep
     """
     from specdeploy.exporter.source import load_model
     from specdeploy.exporter.train.data import data_config, training_cache
-    from specdeploy.exporter.train.weights import resolve_device, resolve_feature_layers
+    from specdeploy.exporter.train.options import resolve_device, resolve_feature_layers
 
     log = lambda m: click.echo(m, err=True)
     device = resolve_device(device)

@@ -162,7 +162,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_setup, tmp_path):
 def test_training_device_is_resolved_and_a_missing_gpu_is_one_sentence(monkeypatch):
     from click.testing import CliRunner
     from specdeploy.exporter.cli import main
-    from specdeploy.exporter.train.weights import resolve_device
+    from specdeploy.exporter.train.options import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == resolve_device(None) == "cpu" and resolve_device("CPU") == "cpu"
@@ -711,7 +711,7 @@ def test_a_fusing_draft_exports_to_a_tapped_bundle_only_and_stays_lossless(fused
 
 def test_bf16_autocast_only_where_bf16_matmuls_are_fast(tiny_setup, monkeypatch):
     """On a CPU without AMX or AVX-512 BF16 torch emulates bf16: training there runs fp32 unless asked."""
-    from specdeploy.exporter.train.weights import bf16_fast
+    from specdeploy.exporter.train.options import bf16_fast
 
     for amx, avx512_bf16, fast in ((False, False, False), (True, False, True), (False, True, True)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)

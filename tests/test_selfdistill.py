@@ -163,12 +163,12 @@ def test_replies_files_are_small_and_keep_their_ids(tmp_path):
 
 
 def test_training_data_stops_before_the_held_in_prompts(setup, monkeypatch):
-    import specdeploy.exporter.train.data as td
+    import specdeploy.exporter.train.sharegpt as sg
 
     loaded, _ = setup
-    monkeypatch.setattr(td, "HELDIN_START", 3)
+    monkeypatch.setattr(sg, "HELDIN_START", 3)
     with pytest.raises(TrainingError, match="where the held-in calibration prompts start; lower --max-seqs"):
-        list(td.select_sequences(loaded.tokenizer, SELF_DATA))
+        list(sg.select_sequences(loaded.tokenizer, SELF_DATA))
 
 
 def test_train_data_command_makes_the_data_alone_and_resumes(setup, tmp_path, tiny_model_factory):
@@ -217,7 +217,7 @@ def test_the_runtime_engine_gives_the_tapped_layers_of_a_bundle_that_outputs_the
 
 
 def test_feature_layers_options_are_checked_in_one_sentence(setup):
-    from specdeploy.exporter.train.weights import resolve_feature_layers
+    from specdeploy.exporter.train.options import resolve_feature_layers
 
     cfg = setup[0].model.config  # 2 layers: only layer 0 can be tapped
     assert resolve_feature_layers("0", cfg) == (0,) and resolve_feature_layers("", cfg) == ()

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.train.options import resolve_device, resolve_feature_layers
 from specdeploy.exporter.train.weights import (
     VOCAB_ORDER_SIZE,
     DraftTask,
     LoopConfig,
     TrainResult,
     draft_weights_meta,
-    resolve_device,
-    resolve_feature_layers,
     save_draft_weights,
     train,
     training_vocab,

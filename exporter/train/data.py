@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -45,14 +44,12 @@ from specdeploy.exporter.train.selfdistill import (
     with_reply,
 )
 from specdeploy.exporter.train.sharegpt import (
-    HELDIN_START,
-    Conversation,
     ascii_fraction,
     default_sharegpt_path,
     encode_conversation,
-    encode_first_turn,
     is_heldout,
     iter_conversations,
+    select_sequences,
 )
 from specdeploy.exporter.train.torch_data import forward_shard, generate_replies
 from specdeploy.runtime.errors import TrainingError
@@ -121,34 +118,6 @@ def data_config(max_seqs: int, max_len: int, seed: int, replies: str = "sharegpt
                       shard_size=32 if replies == "self" else 16, engine=engine,
                       replies_file=str(Path(replies_file).resolve()) if replies_file else None,
                       feature_layers=tuple(feature_layers))
-
-
-def select_sequences(tokenizer, config: DataConfig) -> Iterator[tuple[Conversation, np.ndarray, np.ndarray]]:
-    """The conversations the cache holds, in file order: (conversation, ids, assistant mask).
-
-    With ``replies="self"`` the ids are only the prompt (the first user turn, which must leave room
-    for ``reply_tokens``) and the mask is empty: :func:`generate_replies` completes them.
-    """
-    kept = 0
-    for index, conv in enumerate(iter_conversations(config.source)):
-        if index >= HELDIN_START:
-            raise TrainingError(f"{config.max_seqs} training sequences would reach ShareGPT conversation "
-                                f"{HELDIN_START}, where the held-in calibration prompts start; lower --max-seqs.")
-        if ascii_fraction(conv) < config.min_ascii:
-            continue
-        if config.replies == "self":
-            ids = encode_first_turn(tokenizer, conv)
-            if len(ids) + config.reply_tokens > config.max_len:
-                continue
-            mask = np.zeros(0, dtype=np.uint8)
-        else:
-            ids, mask = encode_conversation(tokenizer, conv, config.max_len)
-            if int(mask.sum()) < config.min_assistant_tokens:
-                continue
-        yield conv, ids, mask
-        kept += 1
-        if kept >= config.max_seqs:
-            return
 
 
 # --- the cache ------------------------------------------------------------------------------------
@@ -360,7 +329,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
                 if config.replies == "self" and known is None:
                     if gen_model is None:  # bf16 generates ~1.7x faster where it is fast (AMX, GPUs); the fp32
                         # pass sets the labels either way. Elsewhere torch emulates bf16: generate in fp32.
-                        from specdeploy.exporter.train.weights import bf16_fast
+                        from specdeploy.exporter.train.options import bf16_fast
 
                         fast = bf16_fast(device.split(":", 1)[0])
                         gen_model = model.to(device) if not fast else copy.deepcopy(model).to(device=device,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.train.options import resolve_device
 from specdeploy.exporter.train.weights import (
     TRIM_EVAL_SIZES,
     VOCAB_ORDER_SIZE,
@@ -19,7 +20,6 @@ from specdeploy.exporter.train.weights import (
     LoopConfig,
     TrainResult,
     draft_weights_meta,
-    resolve_device,
     save_draft_weights,
     train,
     training_vocab,

@@ -195,3 +195,32 @@ def heldin_prompts(encode, count: int, skip: int = HELDIN_START, max_prompt_toke
             if len(out) == count:
                 break
     return out
+
+
+def select_sequences(tokenizer, config: Any) -> Iterator[tuple[Conversation, np.ndarray, np.ndarray]]:
+    """The conversations a cache of ``config`` (a ``data.DataConfig``) holds, in file order: (conversation,
+    ids, assistant mask).
+
+    With ``replies="self"`` the ids are only the prompt (the first user turn, which must leave room
+    for ``reply_tokens``) and the mask is empty: :func:`generate_replies` completes them.
+    """
+    kept = 0
+    for index, conv in enumerate(iter_conversations(config.source)):
+        if index >= HELDIN_START:
+            raise TrainingError(f"{config.max_seqs} training sequences would reach ShareGPT conversation "
+                                f"{HELDIN_START}, where the held-in calibration prompts start; lower --max-seqs.")
+        if ascii_fraction(conv) < config.min_ascii:
+            continue
+        if config.replies == "self":
+            ids = encode_first_turn(tokenizer, conv)
+            if len(ids) + config.reply_tokens > config.max_len:
+                continue
+            mask = np.zeros(0, dtype=np.uint8)
+        else:
+            ids, mask = encode_conversation(tokenizer, conv, config.max_len)
+            if int(mask.sum()) < config.min_assistant_tokens:
+                continue
+        yield conv, ids, mask
+        kept += 1
+        if kept >= config.max_seqs:
+            return

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.train.options import bf16_fast
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 
 WEIGHTS_FORMAT = "specdeploy-draft"
@@ -156,26 +157,6 @@ class LoopConfig:
             raise TrainingError("Training needs epochs >= 1, batch size >= 1 and a positive learning rate.")
 
 
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def resolve_device(device: str | None = "auto") -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` without a GPU gets one sentence."""
-    import torch
-
-    name = (device or "auto").strip().lower()
-    kind = name.split(":", 1)[0]
-    if kind not in DEVICES or (":" in name and (kind != "cuda" or not name.split(":", 1)[1].isdigit())):
-        raise TrainingError(f"Unknown training device '{device}'; choose auto, cpu or cuda (cuda:N for one GPU).")
-    if kind == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainingError("Training on cuda was asked for, but torch sees no CUDA GPU on this machine.")
-        index = int(name.split(":", 1)[1]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise TrainingError(f"Training on {name} was asked for, but torch sees {torch.cuda.device_count()} GPU(s).")
-    return name
 
 
 class DraftTask(ABC):
@@ -450,35 +431,6 @@ def _load_checkpoint(path: Path, model, opt, fingerprint: dict[str, Any]) -> dic
         detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         raise TrainingError(f"The checkpoint '{path}' is corrupt ({detail}); pass --restart to start over.") from None
     return state
-
-
-def resolve_feature_layers(value: str | tuple[int, ...] | None, base_config) -> tuple[int, ...]:
-    """``--feature-layers`` for a base model: checked, with one sentence for a bad value."""
-    from specdeploy.graphs.chimera import feature_layers_option
-
-    n = int(base_config.num_hidden_layers)
-    try:
-        taps = feature_layers_option(value, n)
-    except ValueError as exc:
-        raise TrainingError(f"--feature-layers: {exc}.") from None
-    if any(not 0 <= i < n - 1 for i in taps) or list(taps) != sorted(set(taps)):
-        raise TrainingError(f"--feature-layers must increase within 0..{n - 2}, got {list(taps)}.")
-    return taps
-
-
-def bf16_fast(device_type: str) -> bool:
-    """Whether bf16 matmuls are fast on this device: a CUDA GPU with bf16, or a CPU with AMX or AVX-512 BF16.
-
-    Elsewhere torch emulates bf16, and autocast slows training down instead: a Chimera step under bf16
-    autocast took over a minute on a 2-core AVX2 EPYC (about 2 s in fp32 there; 1.75 s in bf16 on AMX).
-    """
-    import torch
-
-    if device_type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if device_type == "cpu":
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    return False
 
 
 def training_vocab(lm_weight, vocab_order: np.ndarray, trim: int):
