@@ -36,6 +36,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def check_feature_layers(feature_layers, num_layers: int) -> tuple[int, ...]:
+    """Tapped layers as a tuple: increasing, within ``0..num_layers-2`` (the last layer's state is the hidden
+    state itself), else ValueError."""
+    taps = tuple(int(i) for i in feature_layers)
+    if any(not 0 <= i < num_layers - 1 for i in taps) or list(taps) != sorted(set(taps)):
+        raise ValueError(f"feature layers must increase within 0..{num_layers - 2}, got {taps}")
+    return taps
+
+
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
 
@@ -79,10 +88,7 @@ class BaseStep(nn.Module):
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()):
         super().__init__()
         cfg = model.config
-        if any(not 0 <= i < cfg.num_hidden_layers - 1 for i in feature_layers) or list(feature_layers) != sorted(
-                set(feature_layers)):
-            raise ValueError(f"feature layers must increase within 0..{cfg.num_hidden_layers - 2}, got {feature_layers}")
-        self.feature_layers = tuple(int(i) for i in feature_layers)
+        self.feature_layers = check_feature_layers(feature_layers, cfg.num_hidden_layers)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads

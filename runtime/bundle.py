@@ -137,6 +137,10 @@ class BundleManifest:
     default_tree: str = "auto"
     schema_version: int = SCHEMA_VERSION
 
+    def base_files_without(self, feature_layers: tuple[int, ...]) -> list[str]:
+        """The base graphs whose ``layer_states`` are not those layers' (what a fusing draft cannot run on)."""
+        return [g.file for g in self.graphs if g.role == "base" and g.feature_layers != tuple(feature_layers)]
+
     def graph(self, role: str, target: str | None = None) -> GraphEntry:
         """The graph of ``role``; with ``target``, the one built for that target ("trt" or "ort")."""
         for g in self.graphs:

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import numpy as np
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
-from specdeploy.runtime.contract import HIDDEN_STATES, INPUT_NAMES, LOGITS, past_names, present_names
+from specdeploy.runtime.contract import (
+    HIDDEN_STATES,
+    INPUT_NAMES,
+    LOGITS,
+    parse_feature_layers,
+    past_names,
+    present_names,
+)
 from specdeploy.runtime.errors import ValidationFailed
 from specdeploy.runtime.plan import StepPlan
 from specdeploy.runtime.precision import FP16, FP32, INT4, INT8, Q4_1, QUANTIZED
@@ -351,7 +358,7 @@ def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hid
         "past_key": rng.standard_normal(kv).astype(np.float32),
         "past_value": rng.standard_normal(kv).astype(np.float32),
     }
-    taps = [int(v) for v in str(entry.setting("feature_layers") or "").split(",") if v]
+    taps = parse_feature_layers(entry.setting("feature_layers"))
     if taps:  # a fusing draft's real slots read the tapped layers' states
         with torch.no_grad():
             states = loaded.model.model(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states

@@ -241,7 +241,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     manifest = read_manifest(bundle)
     taps = weights.config.feature_layers
     if taps:
-        lacking = [g.file for g in manifest.graphs if g.role == "base" and g.feature_layers != taps]
+        lacking = manifest.base_files_without(taps)
         if lacking:
             raise DraftMismatchError(
                 f"'{draft}' fuses base layers {list(taps)}, but {', '.join(lacking)} do not output them; re-export "

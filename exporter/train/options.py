@@ -28,16 +28,14 @@ def resolve_device(device: str | None = "auto") -> str:
 
 def resolve_feature_layers(value: str | tuple[int, ...] | None, base_config) -> tuple[int, ...]:
     """``--feature-layers`` for a base model: checked, with one sentence for a bad value."""
+    from specdeploy.graphs.base_step import check_feature_layers
     from specdeploy.graphs.chimera import feature_layers_option
 
     n = int(base_config.num_hidden_layers)
     try:
-        taps = feature_layers_option(value, n)
+        return check_feature_layers(feature_layers_option(value, n), n)
     except ValueError as exc:
         raise TrainingError(f"--feature-layers: {exc}.") from None
-    if any(not 0 <= i < n - 1 for i in taps) or list(taps) != sorted(set(taps)):
-        raise TrainingError(f"--feature-layers must increase within 0..{n - 2}, got {list(taps)}.")
-    return taps
 
 
 def bf16_fast(device_type: str) -> bool:

@@ -51,10 +51,9 @@ def forward_shard(model, seqs: list[tuple[np.ndarray, np.ndarray]],
     (0-based), side by side, for drafts that fuse low, mid and high features (EAGLE-3).
     """
     import torch
+    from specdeploy.graphs.base_step import check_feature_layers
 
-    num_layers = int(model.config.num_hidden_layers)
-    if any(not 0 <= i < num_layers - 1 for i in feature_layers):
-        raise ValueError(f"feature layers must lie in 0..{num_layers - 2}, got {feature_layers}")
+    feature_layers = check_feature_layers(feature_layers, int(model.config.num_hidden_layers))
     hidden, labels, layers = [], [], []
     device = next(model.parameters()).device
     for ids, _ in seqs:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry
+from ..contract import parse_feature_layers
 from ..errors import DraftMismatchError
 from ..precision import INT8
 from ..tree import DraftTree, TreeSpec
@@ -90,7 +91,7 @@ class ChimeraDrafter(Drafter):
 
     def check(self, manifest: BundleManifest) -> None:
         if self.feature_layers:
-            lacking = [g.file for g in manifest.graphs if g.role == "base" and g.feature_layers != self.feature_layers]
+            lacking = manifest.base_files_without(self.feature_layers)
             if lacking:
                 raise DraftMismatchError(f"This Chimera draft fuses base layers {list(self.feature_layers)}, but "
                                          f"{', '.join(lacking)} do not output them.")
@@ -206,6 +207,6 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     if precision == INT8 and role != "chimera-int8":
         raise DraftMismatchError("The bundle's Chimera draft has no int8 graph; re-export it with --precision int8.")
     session = make_draft_session(Path(bundle_dir) / draft_graph(entry, role).file)
-    taps = tuple(int(v) for v in str(entry.setting("feature_layers") or "").split(",") if v)
+    taps = parse_feature_layers(entry.setting("feature_layers"))
     return ChimeraDrafter(session, num_heads, int(entry.setting("num_kv_heads")), int(entry.setting("head_dim")),
                           topk, spec, dynamic, feature_layers=taps)
