@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import click
-from specdeploy.exporter.cli_decode import bench, generate, serve
+from specdeploy.exporter.cli_decode import bench, bench_serve, generate, serve
 from specdeploy.runtime.drafters.kinds import TRAINED_KINDS
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.precision import (
@@ -466,8 +466,8 @@ def build(bundle: Path, precision: str, max_tree: int | None, max_context: int |
         click.echo(f"built {e.file}")
 
 
-# --- generate, bench, serve (cli_decode.py) ---------------------------------------------------------
-for _command in (generate, bench, serve):
+# --- generate, bench, serve, bench-serve (cli_decode.py) ---------------------------------------------------------
+for _command in (generate, bench, serve, bench_serve):
     main.add_command(_command)
 
 

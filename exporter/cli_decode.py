@@ -13,6 +13,7 @@ import click
 from specdeploy.runtime.backends import backend_names
 
 BACKEND_CHOICE = click.Choice(list(backend_names()))
+DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
 
 
 # --- generate --------------------------------------------------------------------------------
@@ -81,6 +82,8 @@ def load_engine(bundle: Path, **options):
         click.echo(f"warning: {w.message}", err=True)
     if not refused:
         say(engine.plan.reason)
+    if engine.max_batch > 1:
+        say(engine.batch_reason)
     return engine
 
 
@@ -146,13 +149,19 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
 @click.option("--allow-inexact", is_flag=True,
               help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
+@click.option("--max-batch", default=None, type=click.IntRange(min=1),
+              help=f"Requests decoded together in every step (continuous batching on the bundle's standard-op graph; "
+                   f"draft none or prompt-lookup). 1: one at a time, on the bundle's fastest graph. Default: "
+                   f"{DEFAULT_SERVE_BATCH} where the bundle, backend and draft allow batching, else 1.")
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
-          max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool) -> None:
+          max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool,
+          max_batch: int | None) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
-    GET /v1/models, GET /health, GET /metrics (Prometheus). Requests queue for the one decode slot.
+    GET /v1/models, GET /health, GET /metrics (Prometheus). Up to --max-batch requests decode together;
+    more queue in arrival order.
 
     \b
     Example:
@@ -160,11 +169,66 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
     """
+    from specdeploy.runtime.batch import batch_refusal
+    from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.server import ServerConfig, run_server
 
+    if max_batch is None:
+        refusal = batch_refusal(read_manifest(bundle), backend, draft)
+        max_batch = DEFAULT_SERVE_BATCH if refusal is None else 1
+        if refusal is not None:
+            click.echo(f"[plan] one request at a time: {refusal}", err=True)
     config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                           max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
     with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
-                     allow_inexact=allow_inexact) as engine:
+                     allow_inexact=allow_inexact, max_batch=max_batch) as engine:
         run_server(engine, config)
+
+
+# --- bench-serve -----------------------------------------------------------------------------
+@click.command("bench-serve")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--max-batch", "max_batches", default=f"1,{DEFAULT_SERVE_BATCH}", show_default=True,
+              help="Comma-separated --max-batch settings; one server each, compared with the first.")
+@click.option("--concurrency", default="1,4,16,32", show_default=True, help="Comma-separated client counts.")
+@click.option("--draft", default="prompt-lookup", show_default=True, help="none or prompt-lookup.")
+@click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
+              help="JSONL prompts ({'prompt': ...} or MT-bench 'turns'); default: MT-bench first turns.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "json_out", default=Path("bench-serve.json"), show_default=True, type=click.Path(path_type=Path),
+              help="Results; a PNG of throughput and latency goes beside it.")
+def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, prompts_file: Path | None,
+                max_new_tokens: int, threads: int, json_out: Path) -> None:
+    """Measure `specdeploy serve` under concurrent clients on loopback: aggregate tok/s, p50/p95 latency.
+
+    \b
+    Example:
+      specdeploy bench-serve bundles/smollm2 --max-batch 1,16 --concurrency 1,4,16,32 --max-new-tokens 128
+    """
+    from specdeploy.exporter.bench.run import BenchError, default_prompts_file, read_prompts
+    from specdeploy.exporter.bench.serve import run_serve_bench
+    from specdeploy.runtime.bundle import read_manifest
+
+    read_manifest(bundle)  # a wrong path or a corrupt bundle: one sentence before any server starts
+
+    def ints(text: str, what: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise BenchError(f"{what} takes comma-separated whole numbers; got '{text}'.") from None
+
+    prompts = read_prompts(prompts_file or default_prompts_file())
+    report = run_serve_bench(bundle, ints(max_batches, "--max-batch"), ints(concurrency, "--concurrency"), prompts,
+                             max_new_tokens, threads, draft, json_out, say=click.echo)
+    m = report["machine"]
+    click.echo(f"machine: {m['cpu_model']} ({m['cpu_isa']}), {threads} threads")
+    for srv in report["servers"]:
+        for r in srv["runs"]:
+            vs = r.get("vs_first")
+            extra = f"  ({vs['tokens_per_s']:.2f}x tok/s, {vs['p95_latency']:.2f}x p95 of the first)" if vs else ""
+            click.echo(f"--max-batch {srv['max_batch']:>3} clients {r['clients']:>3}: {r['tokens_per_s']:7.1f} tok/s  "
+                       f"p50 {r['p50_latency_s']:6.2f} s  p95 {r['p95_latency_s']:6.2f} s  identical "
+                       f"{r['identical_to_alone']}/{r['requests']}  complete {r['complete']}/{r['requests']}{extra}")
+    click.echo(f"wrote {json_out} and {json_out.with_suffix('.png')}")

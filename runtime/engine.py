@@ -16,10 +16,13 @@
 
 (That snippet is ``tests/api_example.py``, which a test runs as it stands.)
 
-One engine owns one backend session and is safe to share between threads. The backend runs batch 1,
-so the engine has a single decode slot: concurrent callers queue for it in arrival order and each
-generation runs start to finish on its own, never interleaved with another. Prompt encoding and
-validation happen before queueing, in the caller's thread.
+One engine owns one backend session and is safe to share between threads. With ``max_batch=1`` (the
+default) it has a single decode slot: concurrent callers queue for it in arrival order and each
+generation runs start to finish on its own, never interleaved with another. With ``max_batch=N`` it
+batches continuously (:mod:`.batch`): up to N generations share every decode step, joining and
+leaving at step boundaries, and a greedy request's output is the one it gets alone on that engine
+(probed bit for bit at load, :mod:`.batch_probe`). Prompt encoding and validation happen before
+queueing, in the caller's thread.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Self
 
 from .backends import make_backend
+from .batch import BatchScheduler, batch_backend, batch_refusal
+from .batch_probe import probe_batch
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
 from .drafters import make_drafter
@@ -65,8 +70,8 @@ class EngineStats:
     steps: int  # decode steps (target forward passes after the prefills)
     step_tokens: int  # tokens emitted by those steps (the prefills' first tokens excluded)
     busy_s: float  # time the decode slot was held
-    queue_depth: int  # callers waiting for the slot now
-    running: int  # 1 while a generation holds the slot
+    queue_depth: int  # callers waiting for the slot (or a batch row) now
+    running: int  # generations decoding now (at most max_batch)
     last_tokens_per_s: float  # of the last generation that emitted a token
     last_tau: float
 
@@ -206,11 +211,19 @@ class TextStream:
 class Engine:
     def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
                  threads: int | None = None, tree: str | None = None, max_tree: int | None = None,
-                 allow_inexact: bool = False, progress: Callable[[str], None] | None = None):
+                 allow_inexact: bool = False, progress: Callable[[str], None] | None = None, max_batch: int = 1):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise SpecDeployError(f"max_batch must be a whole number of at least 1; got {max_batch!r}.")
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
-        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
+        if max_batch > 1:
+            refusal = batch_refusal(self.manifest, backend, draft)
+            if refusal is not None:
+                raise refusal
+            self.backend = batch_backend(self.bundle_dir, self.manifest, threads)
+        else:
+            self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
         # The step plan, measured on this machine (cached per CPU, ONNX Runtime version and bundle): plain
         # and speculative decoding both follow it, whether or not this engine drafts.
         self.plan: StepPlan = resolve_plan(self.backend, self.manifest, allow_inexact=allow_inexact,
@@ -220,9 +233,15 @@ class Engine:
             warnings.warn(f"The '{self.draft_name}' draft is not used: {self.plan.reason}", ExactnessWarning,
                           stacklevel=3)
             self.draft_name = "none"
-        drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads,
-                               chains=not self.plan.trees)
-        self.decoder = Decoder(self.backend, self.manifest, drafter, max_tree=max_tree, plan=self.plan)
+        self._batch: BatchScheduler | None = None
+        self.batch_reason = "one generation at a time (max_batch 1)."
+        if max_batch > 1:
+            self._batch = self._batching(max_batch, allow_inexact, progress)
+        self.max_batch = self._batch.max_batch if self._batch else 1  # 1 where the batch probe turned it off
+        drafter = None if self._batch else make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree,
+                                                        threads=threads, chains=not self.plan.trees)
+        self.decoder = self._batch.decoder if self._batch else Decoder(self.backend, self.manifest, drafter,
+                                                                        max_tree=max_tree, plan=self.plan)
         self.backend.release_unused()
         self.cost_curve: dict[int, float] | None = None  # measured when the drafter trades length for cost
         if drafter is not None and drafter.needs_cost_curve:
@@ -237,6 +256,24 @@ class Engine:
         self._busy_s = 0.0
         self._last = (0.0, 1.0)  # tokens/s and tau of the last generation
         self._closed = False
+
+    def _batching(self, max_batch: int, allow_inexact: bool, progress: Callable[[str], None] | None
+                  ) -> BatchScheduler:
+        """The continuous-batching scheduler, with the layout the batch probe measured on this machine."""
+        if progress is not None:
+            progress("probing whether batched rows equal lone rows on this machine ...")
+        verdict = probe_batch(self.backend, self.manifest)
+        self.batch_reason = verdict.reason
+        if not verdict.exact:
+            if not allow_inexact:
+                warnings.warn(f"Batching is off: {verdict.reason}; pass allow_inexact to batch anyway, labelled "
+                              "lossy.", ExactnessWarning, stacklevel=4)
+                self.batch_reason = f"batching off: {verdict.reason}."
+                max_batch = 1
+            else:
+                self.batch_reason = f"LOSSY batching (allow_inexact): {verdict.reason}."
+        return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, verdict.period or 1,
+                              draft=self.draft_name == "prompt-lookup", lossy=not verdict.exact and max_batch > 1)
 
     @property
     def closed(self) -> bool:
@@ -282,7 +319,18 @@ class Engine:
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
              stream: TextStream) -> Iterator[str]:
         stats = stream.stats
-        if not self._slot.acquire(stream._cancel.is_set):
+        gen: Iterator[int] | None = None
+        release: Callable[[], None] = _no_op
+        if self._batch is not None:
+            try:
+                gen = self._batch.submit(ids, config, stats, stream._cancel.is_set)
+            except SpecDeployError:
+                if not self._closed:
+                    raise  # closed before it queued: cancelled, like a closed slot below
+        elif self._slot.acquire(stream._cancel.is_set):
+            release = self._slot.release
+            gen = self.decoder.generate(ids, config, stats)
+        if gen is None:
             stats.finish_reason = "cancelled"
             stream.completion = Completion("", (), "cancelled", stats)
             self._record(stats, 0.0, ran=False)
@@ -291,7 +339,6 @@ class Engine:
         detok = self.codec.stream()
         hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
         emitted_len, tokens, reason = 0, [], ""
-        gen = self.decoder.generate(ids, config, stats)
         try:
             for tok in gen:
                 if stream._cancel.is_set():
@@ -318,7 +365,7 @@ class Engine:
         finally:
             # Also runs when the stream is closed at a yield (GeneratorExit): the slot is always freed.
             gen.close()
-            self._slot.release()
+            release()
             if not reason:  # closed at a yield, or an error escaped the decoder
                 reason = "cancelled" if stream._cancel.is_set() or not stats.finish_reason else stats.finish_reason
             stats.finish_reason = reason
@@ -339,6 +386,14 @@ class Engine:
     def generate_ids(self, ids: list[int], config: GenerationConfig, stats: DecodeStats | None = None) -> list[int]:
         """Token-level generation (no text handling), used by the bench."""
         stats = stats if stats is not None else DecodeStats()
+        if self._batch is not None:
+            if self._closed:
+                raise SpecDeployError("This engine is closed.")
+            t0 = time.perf_counter()
+            try:
+                return list(self._batch.submit(ids, config, stats))
+            finally:
+                self._record(stats, time.perf_counter() - t0, ran=True)
         if not self._slot.acquire():
             raise SpecDeployError("This engine is closed.")
         t0 = time.perf_counter()
@@ -366,6 +421,10 @@ class Engine:
     def stats(self) -> EngineStats:
         """A consistent snapshot of the totals and the queue."""
         with self._mutex:
+            if self._batch is not None:  # requests overlap: the scheduler's own busy time counts
+                return EngineStats(**self._totals, busy_s=self._batch.busy_s, queue_depth=self._batch.waiting,
+                                   running=self._batch.active, last_tokens_per_s=self._last[0],
+                                   last_tau=self._last[1])
             return EngineStats(**self._totals, busy_s=self._busy_s, queue_depth=self._slot.depth,
                                running=int(self._slot.busy), last_tokens_per_s=self._last[0],
                                last_tau=self._last[1])
@@ -383,6 +442,8 @@ class Engine:
             streams = list(self._streams)
         for stream in streams:
             stream.close()
+        if self._batch is not None:
+            self._batch.close()
         self._slot.close()
         self.backend.close()
 
@@ -393,15 +454,24 @@ class Engine:
         self.close()
 
 
+def _no_op() -> None:
+    pass
+
+
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None, threads: int | None = None,
          tree: str | None = None, max_tree: int | None = None, allow_inexact: bool = False,
-         progress: Callable[[str], None] | None = None) -> Engine:
+         progress: Callable[[str], None] | None = None, max_batch: int = 1) -> Engine:
     """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle.
 
     Greedy speculative output is identical to plain output: at load a probe measures, bit for bit on this
     machine, which step plan keeps it so (``engine.plan``, cached; see ``runtime/plan.py``). Where none
     does, the engine decodes plainly and warns (:class:`ExactnessWarning`); ``allow_inexact`` speculates
     anyway, and every generation's ``stats.lossy`` says so. ``progress`` receives a line while probing.
+
+    ``max_batch`` > 1 batches up to that many concurrent generations in every step (``ort-cpu`` and a
+    bundle with a standard-op graph; drafts: prompt lookup or none). It runs that graph for every
+    step, so its outputs are that graph's; a batched greedy request equals the same request alone on
+    the engine, bit for bit, where the batch probe says so (else batching is off, with a warning).
     """
     return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
-                  allow_inexact=allow_inexact, progress=progress)
+                  allow_inexact=allow_inexact, progress=progress, max_batch=max_batch)

@@ -4,10 +4,11 @@
     GET  /v1/models             GET  /health                GET  /metrics (Prometheus text format)
 
 Built on Starlette and uvicorn, imported only here so that ``import specdeploy.runtime`` stays lean.
-The engine has one decode slot; each request runs its generation in a worker thread that queues for
-the slot, and the event loop only moves bytes. When a client disconnects, its stream is closed: a
-queued request leaves the queue and a running one stops after the current decode step, so the slot
-goes to the next request. Requests are validated with strict pydantic models (no type coercion,
+Each request runs its generation in a worker thread, and the event loop only moves bytes. The engine
+decodes up to ``max_batch`` requests together (continuous batching; with 1, one decode slot), the rest
+queue in arrival order. When a client disconnects, its stream is closed: a queued request leaves the
+queue and a running one stops after the current decode step, so its slot or batch row goes to the
+next request. Requests are validated with strict pydantic models (no type coercion,
 unknown fields rejected) and every failure is an OpenAI-style error body.
 
 Differences from the OpenAI API, on purpose: one choice per request (``n`` = 1), one prompt per
@@ -343,8 +344,9 @@ class _Server:
         status = "shutting down" if self.closing or self.engine.closed else "ok"
         plan = self.engine.plan
         return JSONResponse({"status": status, "model": self.model_id, "queue_depth": st.queue_depth,
-                             "running": st.running, "draft": self.engine.draft_name, "lossy": plan.lossy,
-                             "step_plan": plan.reason}, status_code=200 if status == "ok" else 503)
+                             "running": st.running, "max_batch": self.engine.max_batch,
+                             "batching": self.engine.batch_reason, "draft": self.engine.draft_name,
+                             "lossy": plan.lossy, "step_plan": plan.reason}, status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(self.engine), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -91,7 +91,7 @@ class Server:
 def server(tiny_bundle, tmp_path_factory):
     srv = Server(tiny_bundle, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY,
                  "--max-prompt-tokens", "200", "--max-tokens-limit", "480", "--max-body-bytes", "20000",
-                 "--shutdown-timeout", "2")
+                 "--shutdown-timeout", "2", "--max-batch", "1")  # the one-slot server; batching: test_batch_serve
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM)
     assert "Traceback" not in srv.log(), srv.log()[-3000:]
@@ -408,7 +408,7 @@ def test_serve_reports_a_bad_bundle_in_one_line(tmp_path):
 
 
 def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
-    srv = Server(tiny_bundle, tmp_path / "server.log", "--shutdown-timeout", "1")
+    srv = Server(tiny_bundle, tmp_path / "server.log", "--shutdown-timeout", "1", "--max-batch", "1")
     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
     results: dict[int, tuple[str, list[dict], bool]] = {}
     started = threading.Event()
@@ -455,7 +455,7 @@ def test_real_model_chat_through_openai_client(real_bundle, tmp_path):
             messages = [{"role": "user", "content": "Name three prime numbers."}]
             out = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
         text = out.choices[0].message.content
-        with load(real_bundle, draft="prompt-lookup") as eng:
+        with load(real_bundle, draft="prompt-lookup", max_batch=16) as eng:  # as the server runs it
             assert text == eng.generate(messages=messages, max_new_tokens=32).text
         assert text.strip() and out.choices[0].finish_reason in ("stop", "length")
     finally:

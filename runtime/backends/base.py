@@ -53,6 +53,10 @@ class Backend(ABC):
         """The graphs a step plan with or without ``split`` runs (their hashes key the exactness verdict)."""
         return (self.manifest.base_graph("trt"),)
 
+    def forget_buffers(self) -> None:
+        """Drop whatever the backend keeps bound to cache buffers (before those buffers are freed or
+        replaced by others of the same shape, as continuous batching does when rows join or leave)."""
+
     def release_unused(self) -> None:
         """Free what the resolved step plan does not run (the 1-row graph of a non-split plan)."""
 

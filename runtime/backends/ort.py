@@ -246,9 +246,12 @@ class OrtBackend(Backend):
         session.run_with_iobinding(binding)
         return StepOutputs(logits=logits, hidden_states=hidden, layer_states=layers)
 
-    def close(self) -> None:
+    def forget_buffers(self) -> None:
         self._bindings.clear()
         self._ortvalues.clear()
+
+    def close(self) -> None:
+        self.forget_buffers()
         self._sessions.clear()
 
 

@@ -171,6 +171,17 @@ class PromptLookupDrafter(Drafter):
         self._last = (n, max((len(c) for c in conts), default=0)) if conts else None
         return DraftTree(tokens=np.array(node_tokens, dtype=np.int64), parents=np.array(parents, dtype=np.int64))
 
+    def chain(self, tokens: np.ndarray, max_len: int) -> tuple[int, list[int]]:
+        """The most recent match's continuation as one chain of at most ``max_len`` tokens, with the
+        matched n-gram size (0 and [] when nothing pays): continuous batching's per-row draft."""
+        n, conts = self._continuations(np.asarray(tokens, dtype=np.int64)) if max_len > 0 else (0, [])
+        return (n, conts[0][:max_len]) if conts else (0, [])
+
+    def record(self, n: int, accepted: int, drafted: int) -> None:
+        """``accepted`` of ``drafted`` chain tokens from a match of size ``n`` were accepted."""
+        self._stats[n].update(accepted, drafted)
+        self._lengths.pop(n, None)
+
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._last is None:
             return

@@ -1,0 +1,224 @@
+"""``specdeploy bench-serve``: a real ``specdeploy serve`` on loopback under concurrent clients.
+
+For each ``--max-batch`` setting one server process runs (its own ONNX Runtime threads; this process
+only sends requests). At concurrency 1 every prompt is asked once, one after another: that gives the
+single-client speed and, for each prompt, its answer alone on that server. At each higher concurrency
+``c``, ``c`` clients send their chat requests at once (prompts 1..c, greedy, ``max_tokens`` each).
+Measured: aggregate completion tokens per second of wall time, p50 and p95 request latency, and
+whether each answer is complete (the token budget or the end of the turn) and identical to the same
+prompt's answer alone on that server. Written as JSON with a PNG of throughput and latency.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from specdeploy.exporter.bench.report import machine_info
+from specdeploy.exporter.bench.run import BenchError
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+class _Server:
+    """``specdeploy serve`` in a child process, on a free loopback port."""
+
+    def __init__(self, bundle: Path, max_batch: int, draft: str, threads: int, log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        argv = [sys.executable, "-c", "from specdeploy.exporter.cli import main; main()", "serve", str(bundle),
+                "--port", str(self.port), "--max-batch", str(max_batch), "--draft", draft, "--threads", str(threads),
+                "--max-queue", "256", "--model-name", "bench"]
+        self._log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"The server (--max-batch {max_batch}) exited while starting: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise BenchError(f"The server (--max-batch {max_batch}) did not become healthy in {STARTUP_TIMEOUT_S:.0f} s.")
+            time.sleep(0.5)
+
+    def tail(self, lines: int = 8) -> str:
+        self._log.flush()
+        return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def chat(self, prompt: str, max_tokens: int) -> dict:
+        t0 = time.perf_counter()
+        body = _post(self.url + "/v1/chat/completions", {"model": "bench", "max_tokens": max_tokens, "temperature": 0,
+                                                           "messages": [{"role": "user", "content": prompt}]}, 3600)
+        choice = body["choices"][0]
+        return {"latency_s": time.perf_counter() - t0, "text": choice["message"]["content"],
+                "finish_reason": choice["finish_reason"], "tokens": body["usage"]["completion_tokens"]}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _concurrent(server: _Server, prompts: list[str], max_tokens: int) -> tuple[list[dict], float]:
+    """Every prompt sent at once, one client thread each; the answers and the wall time."""
+    out: list[dict | BaseException | None] = [None] * len(prompts)
+    gate = threading.Barrier(len(prompts) + 1)
+
+    def client(i: int) -> None:
+        gate.wait()
+        try:
+            out[i] = server.chat(prompts[i], max_tokens)
+        except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    failed = [o for o in out if not isinstance(o, dict)]
+    if failed:
+        raise BenchError(f"{len(failed)} of {len(prompts)} requests failed ({failed[0]}); server log: {server.tail()}")
+    return [o for o in out if isinstance(o, dict)], wall
+
+
+def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: list[str], max_tokens: int) -> dict:
+    tokens = sum(a["tokens"] for a in answers)
+    lat = [a["latency_s"] for a in answers]
+    complete = sum(a["finish_reason"] == "stop" or (a["finish_reason"] == "length" and a["tokens"] == max_tokens)
+                   for a in answers)
+    same = sum(a["text"] == alone[p]["text"] for a, p in zip(answers, prompts))
+    return {"clients": len(answers), "requests": len(answers), "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(_percentile(lat, 0.5), 3),
+            "p95_latency_s": round(_percentile(lat, 0.95), 3), "complete": complete, "identical_to_alone": same}
+
+
+def run_serve_bench(bundle: Path, max_batches: list[int], concurrency: list[int], prompts: list[str],
+                    max_new_tokens: int, threads: int, draft: str, json_out: Path,
+                    say: Callable[[str], None] = print) -> dict[str, Any]:
+    if not prompts:
+        raise BenchError("bench-serve needs at least one prompt.")
+    levels = sorted(set(concurrency))
+    if not levels or levels[0] < 1 or not max_batches or min(max_batches) < 1:
+        raise BenchError("--concurrency and --max-batch take whole numbers of at least 1.")
+    top = levels[-1]
+    asked = [prompts[i % len(prompts)] for i in range(top)]
+    report: dict[str, Any] = {
+        "command": "bench-serve", "bundle": str(bundle), "draft": draft, "threads": threads,
+        "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(asked),
+        "machine": machine_info(), "servers": []}
+    logs = Path(tempfile.mkdtemp(prefix="specdeploy-bench-serve-"))
+    for mb in max_batches:
+        say(f"starting server --max-batch {mb} ...")
+        server = _Server(bundle, mb, draft, threads, logs / f"serve-{mb}.log")
+        try:
+            server.chat(asked[0], 8)  # warm-up: first-run allocations
+            say(f"  concurrency 1: {len(set(asked))} prompts one after another (each prompt's answer alone) ...")
+            alone: dict[str, dict] = {}
+            t0 = time.perf_counter()
+            for p in dict.fromkeys(asked):
+                alone[p] = server.chat(p, max_new_tokens)
+            wall = time.perf_counter() - t0
+            uniq = list(alone)
+            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens), "clients": 1}]
+            for c in levels:
+                if c == 1:
+                    continue
+                say(f"  concurrency {c} ...")
+                answers, wall = _concurrent(server, asked[:c], max_new_tokens)
+                runs.append(_summary(answers, wall, alone, asked[:c], max_new_tokens))
+                r = runs[-1]
+                say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
+                    f"identical {r['identical_to_alone']}/{c}, complete {r['complete']}/{c}")
+            report["servers"].append({"max_batch": mb, "runs": runs,
+                                      "answers_alone": {p: alone[p]["text"] for p in uniq}})
+        finally:
+            server.close()
+    _compare(report)
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = json_out.with_name(json_out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, json_out)
+    _plot(report, json_out.with_suffix(".png"))
+    return report
+
+
+def _compare(report: dict) -> None:
+    """Each server against the first (``--max-batch`` as listed first): speed ratios and identical answers."""
+    first = report["servers"][0]
+    by_c = {r["clients"]: r for r in first["runs"]}
+    for srv in report["servers"][1:]:
+        for r in srv["runs"]:
+            ref = by_c.get(r["clients"])
+            if ref:
+                r["vs_first"] = {"tokens_per_s": round(r["tokens_per_s"] / ref["tokens_per_s"], 3),
+                                 "p95_latency": round(r["p95_latency_s"] / ref["p95_latency_s"], 3)}
+        srv["alone_identical_to_first"] = sum(a == first["answers_alone"].get(p)
+                                              for p, a in srv["answers_alone"].items())
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for srv in report["servers"]:
+        cs = [r["clients"] for r in srv["runs"]]
+        ax1.plot(cs, [r["tokens_per_s"] for r in srv["runs"]], marker="o", label=f"--max-batch {srv['max_batch']}")
+        ax2.plot(cs, [r["p95_latency_s"] for r in srv["runs"]], marker="o", label=f"--max-batch {srv['max_batch']}")
+    for ax, title in ((ax1, "aggregate completion tok/s"), (ax2, "p95 request latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    m = report["machine"]
+    fig.suptitle(f"specdeploy serve, {report['max_new_tokens']} tokens, draft {report['draft']}, "
+                 f"{report['threads']} threads ({m['cpu_model']}; {m['cpu_isa']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
