@@ -101,6 +101,7 @@ class BatchScheduler:
     def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int, period: int,
                  draft: bool = False, lossy: bool = False):
         self.backend, self.manifest, self.plan = backend, manifest, plan
+        backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch, self.period = max_batch, period
         self.lossy = lossy  # batched rows are not bitwise a lone row's here (allow_inexact)
         self.decoder = Decoder(backend, manifest, None, plan=plan)  # prefills and prompt checks

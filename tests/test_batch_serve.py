@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server import PROMPTS, Server, _sse_text, _wait_for
+from test_server import PROMPTS, Server, _sse_text, _wait_for, long_stream
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +99,7 @@ def test_sigterm_under_batched_load_loses_nothing(tiny_bundle, tmp_path):
     started = threading.Event()
 
     def stream(i: int) -> None:
-        payload = {"model": model, "prompt": PROMPTS[i % 8], "max_tokens": 480, "temperature": 0, "stream": True}
-        lines = []
-        with httpx.stream("POST", srv.url + "/v1/completions", json=payload, timeout=60) as r:
-            for line in r.iter_lines():
-                started.set()
-                lines.append(line)
-        results[i] = _sse_text(lines)
+        results[i] = long_stream(srv.url, model, PROMPTS[i % 8], started)
 
     def plain(i: int) -> None:
         payload = {"model": model, "prompt": PROMPTS[i % 8], "max_tokens": 480, "temperature": 0}

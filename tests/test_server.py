@@ -136,6 +136,17 @@ def _sse_text(lines: list[str]) -> tuple[str, list[dict], bool]:
     return text, events, done
 
 
+def long_stream(url: str, model: str, prompt: str, started: threading.Event) -> tuple[str, list[dict], bool]:
+    """A streamed 480-token completion read to its end; ``started`` is set at its first line."""
+    payload = {"model": model, "prompt": prompt, "max_tokens": 480, "temperature": 0, "stream": True}
+    lines = []
+    with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=60) as r:
+        for line in r.iter_lines():
+            started.set()
+            lines.append(line)
+    return _sse_text(lines)
+
+
 # --- openai client ----------------------------------------------------------------------------
 def test_models_health_metrics(server, model_id):
     assert model_id == "bundle"
@@ -414,13 +425,7 @@ def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
     started = threading.Event()
 
     def stream(i: int) -> None:
-        payload = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 480, "temperature": 0, "stream": True}
-        lines = []
-        with httpx.stream("POST", srv.url + "/v1/completions", json=payload, timeout=60) as r:
-            for line in r.iter_lines():
-                started.set()
-                lines.append(line)
-        results[i] = _sse_text(lines)
+        results[i] = long_stream(srv.url, model, PROMPTS[i % len(PROMPTS)], started)
 
     # Ten long requests: the tiny model decodes 480 tokens in ~0.2 s on a fast core, so fewer could all
     # finish within the 1 s shutdown timeout and leave nothing to cancel.
