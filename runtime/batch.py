@@ -248,8 +248,10 @@ class BatchScheduler:
         seq.stats.prefill_s = time.perf_counter() - t0
         seq.t_join = time.perf_counter()
         first = self._pick(seq, out.logits[0, -1])
-        if not self._emit(seq, [first]):
+        reason = self._emit(seq, [first])
+        if reason is not None:
             self.backend.forget_buffers()  # the prefill's cache is freed now
+            self._finish(seq, reason)
             return
         r = len(self.rows)
         s = self.col - n
@@ -268,8 +270,11 @@ class BatchScheduler:
             return int(np.argmax(logits))
         return sample_from(warp_logits(logits, sp.temperature, sp.top_k, sp.top_p), seq.rng)
 
-    def _emit(self, seq: _Seq, tokens: list[int]) -> bool:
-        """Hand tokens to the caller, cut at EOS and the budget; False when the sequence is finished."""
+    def _emit(self, seq: _Seq, tokens: list[int]) -> str | None:
+        """Hand tokens to the caller, cut at EOS and the budget; the finish reason once the sequence is done.
+
+        The caller finishes it only after its row has left, so whoever holds a completion sees the row free.
+        """
         cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), len(tokens))
         tokens = tokens[: min(cut, seq.remaining)]
         seq.tokens.extend(tokens)
@@ -281,12 +286,10 @@ class BatchScheduler:
         if seq.t_join:
             st.decode_s = time.perf_counter() - seq.t_join
         if tokens and tokens[-1] in self.eos:
-            self._finish(seq, "stop")
-        elif seq.remaining <= 0 or len(seq.tokens) >= self.limit:
-            self._finish(seq, "length")
-        else:
-            return True
-        return False
+            return "stop"
+        if seq.remaining <= 0 or len(seq.tokens) >= self.limit:
+            return "length"
+        return None
 
     # --- one step over the batch ----------------------------------------------------------------
     def _draft(self) -> tuple[int, list[int]]:
@@ -348,20 +351,20 @@ class BatchScheduler:
             st.backend_s += took
             st.tree_sizes.append(1 + len(chain))
             before = st.new_tokens
-            alive = self._emit(seq, chain[:a] + [nxt])
+            reason = self._emit(seq, chain[:a] + [nxt])
             st.accepted.append(st.new_tokens - before)
-            if alive:
+            if reason is None:
                 self._seen[r, col : col + advance] = True
                 seq.committed += advance
                 seq.root = nxt
             else:
-                done.append(seq)
+                done.append((seq, reason))
         self.col = col + advance
-        for seq in done:
-            self._leave(seq, None)
+        for seq, reason in done:
+            self._leave(seq, reason)
 
-    def _leave(self, seq: _Seq, reason: str | None) -> None:
-        """Drop a row: the last row moves into its place (one row's copy)."""
+    def _leave(self, seq: _Seq, reason: str) -> None:
+        """Drop a row (the last row moves into its place, one row's copy), then finish its request."""
         r, last = self.rows.index(seq), len(self.rows) - 1
         if r != last:
             for buf in self._full.buffers():
@@ -371,8 +374,7 @@ class BatchScheduler:
         self.rows.pop()
         self._view = None
         self.backend.forget_buffers()
-        if reason is not None:
-            self._finish(seq, reason)
+        self._finish(seq, reason)
 
     def _repack(self, min_col: int, extra: int = 0) -> None:
         """Move every row's attended columns together, ending at the new write pointer, keeping their alignment.
