@@ -153,10 +153,24 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
               help=f"Requests decoded together in every step (continuous batching on the bundle's standard-op graph; "
                    f"draft none or prompt-lookup). 1: one at a time, on the bundle's fastest graph. Default: "
                    f"{DEFAULT_SERVE_BATCH} where the bundle, backend and draft allow batching, else 1.")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Serve --replicas engines as one Ray Serve deployment (needs: pip install 'specdeploy[ray]').")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="With --ray: replicas.")
+@click.option("--max-replicas", default=None, type=click.IntRange(min=1),
+              help="With --ray: autoscale between --replicas and this many, by requests in flight per replica.")
+@click.option("--target-ongoing", default=None, type=click.IntRange(min=1),
+              help="With --ray and --max-replicas: requests in flight per replica to scale at (default: --max-batch).")
+@click.option("--cpus-per-replica", default=None, type=click.IntRange(min=1),
+              help="With --ray: cores each replica is pinned to, and its threads (default: this machine's cores "
+                   "shared by the replicas).")
+@click.option("--ray-address", default=None,
+              help="With --ray: a running Ray cluster to deploy on ('auto', or ray://HOST:10001); default: start "
+                   "a local Ray that stops with this command.")
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
           max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool,
-          max_batch: int | None) -> None:
+          max_batch: int | None, use_ray: bool, replicas: int, max_replicas: int | None, target_ongoing: int | None,
+          cpus_per_replica: int | None, ray_address: str | None) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
 
     Endpoints: POST /v1/completions, POST /v1/chat/completions (both with "stream": true),
@@ -181,9 +195,31 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
     config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                           max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+    if use_ray:
+        _serve_ray(bundle, config, {"backend": backend, "draft": draft, "threads": threads, "tree": tree,
+                                    "allow_inexact": allow_inexact, "max_batch": max_batch},
+                   replicas, max_replicas, target_ongoing, cpus_per_replica, ray_address)
+        return
     with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
                      allow_inexact=allow_inexact, max_batch=max_batch) as engine:
         run_server(engine, config)
+
+
+def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: int | None, target_ongoing: int | None,
+               cpus_per_replica: int | None, address: str | None) -> None:
+    """``serve --ray``: the same server in every replica of a Ray Serve deployment."""
+    import os
+
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.ray_serve import RayConfig, ReplicaSpec, check_bundle_path, run_ray
+
+    read_manifest(bundle)  # a wrong path or a corrupt bundle: one sentence before Ray starts
+    top = max_replicas or replicas
+    cpus = cpus_per_replica or max(1, len(os.sched_getaffinity(0)) // top)
+    ray_config = RayConfig(replicas=replicas, min_replicas=replicas, max_replicas=max_replicas,
+                           target_ongoing=target_ongoing or load["max_batch"], cpus_per_replica=cpus, address=address)
+    spec = ReplicaSpec(bundle=check_bundle_path(bundle), load=load, server=config, cpus=cpus)
+    run_ray(spec, ray_config, say=lambda m: click.echo(m, err=True))
 
 
 # --- bench-serve -----------------------------------------------------------------------------

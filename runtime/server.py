@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -346,7 +347,8 @@ class _Server:
         return JSONResponse({"status": status, "model": self.model_id, "queue_depth": st.queue_depth,
                              "running": st.running, "max_batch": self.engine.max_batch,
                              "batching": self.engine.batch_reason, "draft": self.engine.draft_name,
-                             "lossy": plan.lossy, "step_plan": plan.reason}, status_code=200 if status == "ok" else 503)
+                             "lossy": plan.lossy, "step_plan": plan.reason, "pid": os.getpid()},
+                            status_code=200 if status == "ok" else 503)
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.render(self.engine), media_type="text/plain; version=0.0.4; charset=utf-8")
