@@ -47,6 +47,8 @@ class RayConfig:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing: int = 8  # autoscaling target: requests in flight per replica
+    upscale_delay_s: float = 10.0  # load above target this long adds replicas (a replica loads in seconds)
+    downscale_delay_s: float = 120.0  # load below target this long removes replicas, drained first
     cpus_per_replica: int = 1  # logical CPUs Ray reserves for a replica; also its cores and threads
     address: str | None = None  # None: start a local Ray on this machine; "auto" or ray://...: join a cluster
     health_period_s: float = 5.0
@@ -131,7 +133,9 @@ def build_application(spec: ReplicaSpec, config: RayConfig) -> Any:
     scale: dict[str, Any]
     if config.autoscaling:
         scale = {"autoscaling_config": {"min_replicas": config.min_replicas or 1, "max_replicas": config.max_replicas,
-                                        "target_ongoing_requests": config.target_ongoing}}
+                                        "target_ongoing_requests": config.target_ongoing,
+                                        "upscale_delay_s": config.upscale_delay_s,
+                                        "downscale_delay_s": config.downscale_delay_s}}
     else:
         scale = {"num_replicas": config.replicas}
     deployment = serve.deployment(

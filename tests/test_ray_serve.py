@@ -54,7 +54,7 @@ def _replica_pids() -> list[int]:
 
 
 class RayServer:
-    def __init__(self, bundle: Path, log_path: Path, *args: str):
+    def __init__(self, bundle: Path, log_path: Path, *args: str, replicas: int = 2):
         self.before = _ray_pids()
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -63,7 +63,7 @@ class RayServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "specdeploy.exporter.cli", "serve", str(bundle), "--ray", "--port",
                  str(self.port), "--api-key", KEY, *args], stdout=log, stderr=subprocess.STDOUT)
-        if not self.wait_ready(240, replicas=2):
+        if not self.wait_ready(240, replicas=replicas):
             self.proc.kill()
             pytest.fail(f"ray server did not start:\n{self.log()[-4000:]}")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -192,6 +192,26 @@ def test_real_model_replicas_answer_as_the_engine_does(real_bundle, tmp_path):
     with load(real_bundle, threads=1, max_batch=4) as engine:  # a replica's engine: one core, batching
         want = engine.generate(messages=messages, max_new_tokens=32).text
     assert answers == {want}
+
+
+def test_autoscaling_adds_a_replica_under_load(tiny_bundle, tmp_path):
+    srv = RayServer(tiny_bundle, tmp_path / "serve.log", "--replicas", "1", "--max-replicas", "2",
+                    "--target-ongoing", "1", "--cpus-per-replica", "1", "--max-batch", "2", replicas=1)
+    try:
+        assert len(_replica_pids()) == 1
+        stop = time.monotonic() + 120
+
+        def load_loop() -> None:  # three clients in a row: three requests in flight against a target of one
+            while time.monotonic() < stop and len(_replica_pids()) < 2:
+                srv.client.completions.create(model="bundle", prompt="one two", max_tokens=200, temperature=0)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            for f in [pool.submit(load_loop) for _ in range(3)]:
+                f.result(timeout=180)
+        assert len(_replica_pids()) == 2, srv.log()[-3000:]
+        assert srv.wait_ready(120, replicas=2)
+    finally:
+        assert srv.stop() == 0
 
 
 def test_a_replica_that_cannot_load_fails_the_deploy_in_one_sentence(tiny_bundle, tmp_path):
