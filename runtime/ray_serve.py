@@ -18,6 +18,7 @@ import fcntl
 import logging
 import os
 import signal
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -142,7 +143,11 @@ def build_application(spec: ReplicaSpec, config: RayConfig) -> Any:
         SpecDeployReplica,
         name="engine",
         ray_actor_options={"num_cpus": config.cpus_per_replica},
-        max_ongoing_requests=spec.server.max_queue,  # the replica's own queue answers 503 past it, as alone
+        # A replica takes as many requests as it decodes at once; the rest wait at Serve's router for the
+        # first free row on any replica (Serve prefers the proxy's node until its replicas are full), and
+        # past --max-queue waiting, a request gets a 503, as from the single-process server.
+        max_ongoing_requests=max(1, int(spec.load.get("max_batch") or 1)),
+        max_queued_requests=spec.server.max_queue,
         health_check_period_s=config.health_period_s,
         health_check_timeout_s=config.health_timeout_s,
         graceful_shutdown_wait_loop_s=1.0,
@@ -164,6 +169,15 @@ def _replica_error(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
+def _check_port(host: str, port: int) -> None:
+    """One sentence now, before Ray starts, when the proxy could not listen at ``host:port``."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise SpecDeployError(f"Cannot listen on {host}:{port}: {exc.strerror}.") from None
+
+
 def run_ray(spec: ReplicaSpec, config: RayConfig, say=print) -> None:
     """Start (or join) Ray, deploy, serve on ``spec.server``'s host and port until SIGINT/SIGTERM, then drain.
 
@@ -172,12 +186,23 @@ def run_ray(spec: ReplicaSpec, config: RayConfig, say=print) -> None:
     """
     stop = threading.Event()
     local = config.address is None
+    if local:  # the proxy will listen on this machine
+        _check_port(spec.server.host, spec.server.port)
+        # Serve gives its proxy 5 s to answer its readiness check, three times, then kills it; with every
+        # core busy (engines loading, other work) a proxy can take longer than that to start.
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     ray.init(address=config.address, include_dashboard=False, log_to_driver=False,
              **({"num_cpus": os.cpu_count(), "object_store_memory": 256 * 2**20} if local else {}))
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, whose crash handler would abort on SIGTERM
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": spec.server.host, "port": spec.server.port})
+        try:
+            # One proxy, on the head node: the deployment's one endpoint (Serve's default, a proxy on every
+            # node at the same port, needs one port per node and a load balancer in front).
+            serve.start(proxy_location="HeadOnly", http_options={"host": spec.server.host, "port": spec.server.port})
+        except Exception as exc:  # noqa: BLE001 - Serve's proxy actor failing to start, in Ray's words
+            raise SpecDeployError(f"Ray Serve's HTTP proxy did not start on {spec.server.host}:{spec.server.port}: "
+                                  f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
         n = (f"{config.min_replicas or 1}..{config.max_replicas} replicas (autoscaling)" if config.autoscaling
              else f"{config.replicas} replicas")
         say(f"[ray] deploying {n}, {config.cpus_per_replica} core(s) each, on "
