@@ -155,7 +155,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
                    f"{DEFAULT_SERVE_BATCH} where the bundle, backend and draft allow batching, else 1.")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve --replicas engines as one Ray Serve deployment (needs: pip install 'specdeploy[ray]').")
-@click.option("--replicas", default=2, show_default=True, type=click.IntRange(min=1), help="With --ray: replicas.")
+@click.option("--replicas", default=None, type=click.IntRange(min=1), help="With --ray: replicas (default 2).")
 @click.option("--max-replicas", default=None, type=click.IntRange(min=1),
               help="With --ray: autoscale between --replicas and this many, by requests in flight per replica.")
 @click.option("--target-ongoing", default=None, type=click.IntRange(min=1),
@@ -169,7 +169,8 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
           max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool,
-          max_batch: int | None, use_ray: bool, replicas: int, max_replicas: int | None, target_ongoing: int | None,
+          max_batch: int | None, use_ray: bool, replicas: int | None, max_replicas: int | None,
+          target_ongoing: int | None,
           cpus_per_replica: int | None, ray_address: str | None) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
 
@@ -186,6 +187,15 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
     from specdeploy.runtime.batch import batch_refusal
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.server import ServerConfig, run_server
+
+    ray_options = {"--replicas": replicas, "--max-replicas": max_replicas, "--target-ongoing": target_ongoing,
+                   "--cpus-per-replica": cpus_per_replica, "--ray-address": ray_address}
+    if not use_ray and any(v is not None for v in ray_options.values()):
+        given = ", ".join(k for k, v in ray_options.items() if v is not None)
+        raise click.UsageError(f"Without --ray, {given} cannot be used.")
+    replicas = replicas or 2
+    if max_replicas is not None and max_replicas < replicas:
+        raise click.UsageError(f"--max-replicas ({max_replicas}) is below --replicas ({replicas}).")
 
     if max_batch is None:
         refusal = batch_refusal(read_manifest(bundle), backend, draft)

@@ -232,3 +232,15 @@ def test_a_replica_that_cannot_load_fails_the_deploy_in_one_sentence(tiny_bundle
     while time.monotonic() < deadline and (_ray_pids() - before):
         time.sleep(0.5)
     assert not (_ray_pids() - before)
+
+
+def test_ray_options_without_ray_or_out_of_order_are_one_sentence(tiny_bundle):
+    from click.testing import CliRunner
+    from specdeploy.exporter.cli import main
+
+    res = CliRunner().invoke(main, ["serve", str(tiny_bundle), "--replicas", "3", "--ray-address", "auto"])
+    assert res.exit_code == 2 and "Error: Without --ray, --replicas, --ray-address cannot be used." in res.output
+    res = CliRunner().invoke(main, ["serve", str(tiny_bundle), "--ray", "--replicas", "3", "--max-replicas", "2"])
+    assert res.exit_code == 2 and "Error: --max-replicas (2) is below --replicas (3)." in res.output
+    res = CliRunner().invoke(main, ["serve", "/nonexistent/bundle", "--ray"])
+    assert res.exit_code == 1 and res.output.startswith("Error: ") and res.output.count("\n") == 1
