@@ -221,14 +221,15 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
     import os
 
     from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.ray_serve import RayConfig, ReplicaSpec, check_bundle_path, run_ray
+    from specdeploy.runtime.ray_serve import RayConfig, ReplicaSpec, run_ray
 
     read_manifest(bundle)  # a wrong path or a corrupt bundle: one sentence before Ray starts
     top = max_replicas or replicas
     cpus = cpus_per_replica or max(1, len(os.sched_getaffinity(0)) // top)
-    ray_config = RayConfig(replicas=replicas, min_replicas=replicas, max_replicas=max_replicas,
+    ray_config = RayConfig(replicas=replicas, max_replicas=max_replicas,
                            target_ongoing=target_ongoing or load["max_batch"], cpus_per_replica=cpus, address=address)
-    spec = ReplicaSpec(bundle=check_bundle_path(bundle), load=load, server=config, cpus=cpus)
+    # Every node opens the bundle at this absolute path (docs/ray.md).
+    spec = ReplicaSpec(bundle=str(bundle.expanduser().resolve()), load=load, server=config, cpus=cpus)
     run_ray(spec, ray_config, say=lambda m: click.echo(m, err=True))
 
 

@@ -4,7 +4,7 @@ Each replica is a Ray actor that opens the bundle, pins itself to its share of i
 serves :func:`.server.create_app` over that engine, so routes, schemas, errors, streaming, the API key
 and ``/metrics`` are the single-process server's own, and each replica batches its requests as
 ``serve --max-batch`` does. Ray Serve's proxy spreads requests over the replicas, restarts a replica
-that dies or fails its health check, scales between ``min_replicas`` and ``max_replicas`` by the
+that dies or fails its health check, scales between ``replicas`` and ``max_replicas`` by the
 requests in flight, and drains a replica (no new requests, in-flight ones finish) before it stops.
 
 The bundle is read from the same path on every node (docs/ray.md says how it gets there). Ray and its
@@ -44,8 +44,7 @@ APP_NAME = "specdeploy"
 class RayConfig:
     """How many replicas, their cores and how Ray Serve looks after them."""
 
-    replicas: int = 2  # fixed count; ignored when max_replicas > min_replicas (autoscaling)
-    min_replicas: int | None = None
+    replicas: int = 2  # the count; with max_replicas above it, the fewest (autoscaling)
     max_replicas: int | None = None
     target_ongoing: int = 8  # autoscaling target: requests in flight per replica
     upscale_delay_s: float = 10.0  # load above target this long adds replicas (a replica loads in seconds)
@@ -58,7 +57,7 @@ class RayConfig:
 
     @property
     def autoscaling(self) -> bool:
-        return self.max_replicas is not None and self.max_replicas > (self.min_replicas or 1)
+        return self.max_replicas is not None and self.max_replicas > self.replicas
 
 
 @dataclass(frozen=True)
@@ -69,14 +68,6 @@ class ReplicaSpec:
     load: dict[str, Any] = field(default_factory=dict)  # backend, draft, tree, allow_inexact, max_batch
     server: ServerConfig = field(default_factory=ServerConfig)
     cpus: int = 1
-
-
-def check_bundle_path(bundle: str | Path) -> str:
-    """The bundle as an absolute path, or one sentence when it is not there (it must be on every node)."""
-    path = Path(bundle).expanduser().resolve()
-    if not (path / "manifest.json").is_file():
-        raise SpecDeployError(f"No bundle at {path} (no manifest.json); every Ray node needs the bundle at this path.")
-    return str(path)
 
 
 def _claim_cores(cpus: int) -> tuple[IO | None, list[int] | None]:
@@ -133,7 +124,7 @@ def build_application(spec: ReplicaSpec, config: RayConfig) -> Any:
     """The Ray Serve application: ``config``'s replicas of :class:`SpecDeployReplica` over ``spec``."""
     scale: dict[str, Any]
     if config.autoscaling:
-        scale = {"autoscaling_config": {"min_replicas": config.min_replicas or 1, "max_replicas": config.max_replicas,
+        scale = {"autoscaling_config": {"min_replicas": config.replicas, "max_replicas": config.max_replicas,
                                         "target_ongoing_requests": config.target_ongoing,
                                         "upscale_delay_s": config.upscale_delay_s,
                                         "downscale_delay_s": config.downscale_delay_s}}
@@ -203,7 +194,7 @@ def run_ray(spec: ReplicaSpec, config: RayConfig, say=print) -> None:
         except Exception as exc:  # noqa: BLE001 - Serve's proxy actor failing to start, in Ray's words
             raise SpecDeployError(f"Ray Serve's HTTP proxy did not start on {spec.server.host}:{spec.server.port}: "
                                   f"{(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
-        n = (f"{config.min_replicas or 1}..{config.max_replicas} replicas (autoscaling)" if config.autoscaling
+        n = (f"{config.replicas}..{config.max_replicas} replicas (autoscaling)" if config.autoscaling
              else f"{config.replicas} replicas")
         say(f"[ray] deploying {n}, {config.cpus_per_replica} core(s) each, on "
             f"{'a local Ray' if local else config.address}")
