@@ -202,10 +202,13 @@ class BatchScheduler:
                 self._waiting.clear()
                 self._view = None
                 self.backend.forget_buffers()
-        for seq in self.rows + list(self._waiting):
-            self._finish(seq, "cancelled")
-        self.rows.clear()
+        left = self.rows + self._joining + list(self._waiting)
+        self.rows.clear()  # the rows are free before any caller sees its request end
+        self._joining.clear()
         self._waiting.clear()
+        self._view = None
+        for seq in left:
+            self._finish(seq, "cancelled")
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         seq.stats.finish_reason = reason

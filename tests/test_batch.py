@@ -142,14 +142,29 @@ def test_cancel_and_queue_beyond_max_batch(tiny_bundle):
 
 def test_close_cancels_running_and_queued(tiny_bundle):
     eng = load(tiny_bundle, max_batch=1 + 1)
+    sched = eng._batch
+    seen = []  # (active, waiting) as each request is finished
+    finish = sched._finish
+
+    def recording_finish(seq, reason):
+        seen.append((sched.active, sched.waiting))
+        finish(seq, reason)
+
+    sched._finish = recording_finish
     streams = [eng.stream(p, max_new_tokens=480) for p in PROMPTS[:3]]
-    got = []
-    t = threading.Thread(target=lambda: got.extend(streams[0]), daemon=True)
-    t.start()
+    threads = [threading.Thread(target=lambda s=s: list(s), daemon=True) for s in streams]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not any(s.stats.prefill_s for s in streams) and time.monotonic() < deadline:
+        time.sleep(0.01)
     eng.close()
-    t.join(30)
-    assert not t.is_alive()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
     assert streams[0].completion.finish_reason in ("cancelled", "length", "stop")
+    assert len(seen) == 3 and seen[-1] == (0, 0)  # closing frees every row and queue entry first
+    assert (sched.active, sched.waiting) == (0, 0)
 
 
 def test_probe_finds_an_alignment_and_a_failing_probe_turns_batching_off(tiny_bundle, monkeypatch):
