@@ -194,21 +194,21 @@ class BatchScheduler:
                     self._step()
                 self.busy_s += time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - handed to every caller in flight
-                for seq in self.rows + self._joining + list(self._waiting):
+                for seq in self._take_all():
                     seq.stats.finish_reason = "error"
                     seq.out.put(exc)
-                self.rows.clear()
-                self._joining.clear()
-                self._waiting.clear()
-                self._view = None
                 self.backend.forget_buffers()
+        for seq in self._take_all():
+            self._finish(seq, "cancelled")
+
+    def _take_all(self) -> list[_Seq]:
+        """Empty the rows and the queue, and return who was in them: they are free before a caller hears."""
         left = self.rows + self._joining + list(self._waiting)
-        self.rows.clear()  # the rows are free before any caller sees its request end
+        self.rows.clear()
         self._joining.clear()
         self._waiting.clear()
         self._view = None
-        for seq in left:
-            self._finish(seq, "cancelled")
+        return left
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         seq.stats.finish_reason = reason
