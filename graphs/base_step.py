@@ -24,6 +24,7 @@ goes out, which is what export and CUDA-graph capture need.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Families whose decoder layers share the Llama structure this step is written against.
@@ -32,7 +33,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm written as x / sqrt(mean(x^2) + eps) * w: ONNX Runtime fuses this form (not the
-    rsqrt form transformers uses) into one SimplifiedLayerNormalization kernel."""
+    rsqrt form transformers uses) into one SimplifiedLayerNormalization kernel. In fp16/bf16 the square
+    and the mean run in fp32, as transformers does (an fp16 square overflows past 256)."""
+    if x.dtype != torch.float32:
+        x32 = x.float()
+        return (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -63,18 +68,19 @@ def _fused_linear(linears: list[nn.Linear]) -> nn.Linear:
 class _FusedBlock(nn.Module):
     """One decoder layer's weights, with q/k/v and gate/up projections concatenated."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, qkv: nn.Linear, o_proj: nn.Linear, gate_up: nn.Linear, down_proj: nn.Linear,
+                 norms: tuple[torch.Tensor, float, torch.Tensor, float], act: nn.Module):
         super().__init__()
+        self.input_norm_weight, self.input_norm_eps, self.post_norm_weight, self.post_norm_eps = norms
+        self.qkv, self.o_proj, self.gate_up, self.down_proj, self.act = qkv, o_proj, gate_up, down_proj, act
+
+    @classmethod
+    def from_hf(cls, layer: nn.Module) -> _FusedBlock:
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm_weight = layer.input_layernorm.weight
-        self.input_norm_eps = _eps(layer.input_layernorm)
-        self.qkv = _fused_linear([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
-        self.post_norm_weight = layer.post_attention_layernorm.weight
-        self.post_norm_eps = _eps(layer.post_attention_layernorm)
-        self.gate_up = _fused_linear([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = mlp.down_proj
-        self.act = mlp.act_fn
+        norms = (layer.input_layernorm.weight, _eps(layer.input_layernorm),
+                 layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
+        return cls(_fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]), attn.o_proj,
+                   _fused_linear([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, norms, mlp.act_fn)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -83,23 +89,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class BaseStep(nn.Module):
-    """Stateless decoder step over a Hugging Face Llama-family causal LM (weights are shared, not copied)."""
+    """Stateless decoder step over a Llama-family causal LM (weights are shared, not copied).
+
+    ``BaseStep(model)`` wraps a Hugging Face model (what export traces); ``BaseStep.from_parts`` builds
+    one from plain tensors, with no transformers (``graphs/native_step.py``). Two options serve the
+    torch backend and are off for export: ``inplace_kv`` writes the new K/V rows into the ``past``
+    buffers themselves (no out-of-place copy of the cache per layer), and ``sdpa`` runs attention with
+    ``scaled_dot_product_attention`` (fused kernels on a GPU) instead of explicit matmuls and softmax.
+    """
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()):
         super().__init__()
         cfg = model.config
-        self.feature_layers = check_feature_layers(feature_layers, cfg.num_hidden_layers)
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.embed_tokens = model.model.embed_tokens
-        self.blocks = nn.ModuleList(_FusedBlock(layer) for layer in model.model.layers)
-        self.norm_weight = model.model.norm.weight
-        self.norm_eps = _eps(model.model.norm)
-        self.lm_head = model.lm_head
-        self.rotary_emb = model.model.rotary_emb
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._set_parts(model.model.embed_tokens, [_FusedBlock.from_hf(layer) for layer in model.model.layers],
+                        (model.model.norm.weight, _eps(model.model.norm)), model.lm_head, model.model.rotary_emb,
+                        (cfg.num_attention_heads, cfg.num_key_value_heads, head_dim), feature_layers)
+
+    @classmethod
+    def from_parts(cls, embed: nn.Embedding, blocks: list[_FusedBlock], norm: tuple[torch.Tensor, float],
+                   lm_head: nn.Linear, rotary: nn.Module, heads: tuple[int, int, int],
+                   feature_layers: tuple[int, ...] = ()) -> BaseStep:
+        """A step from its parts: ``rotary(x, position_ids)`` gives (cos, sin) ``[B, T, D]`` in x's dtype;
+        ``heads`` is (query heads, KV heads, head dim)."""
+        step = cls.__new__(cls)
+        nn.Module.__init__(step)
+        step._set_parts(embed, blocks, norm, lm_head, rotary, heads, feature_layers)
+        return step
+
+    def _set_parts(self, embed, blocks, norm, lm_head, rotary, heads, feature_layers) -> None:
+        self.num_layers = len(blocks)
+        self.feature_layers = check_feature_layers(feature_layers, self.num_layers)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads
+        self.embed_tokens = embed
+        self.blocks = nn.ModuleList(blocks)
+        self.norm_weight, self.norm_eps = norm
+        self.lm_head = lm_head
+        self.rotary_emb = rotary
         self.scale = self.head_dim**-0.5
+        self.inplace_kv = False
+        self.sdpa = False
 
     def forward(
         self,
@@ -130,15 +159,21 @@ class BaseStep(nn.Module):
             # In-place cache write: rows write_indices of the capacity axis get the new K/V. A
             # ScatterElements on axis 2 works on the [B, Hkv, C, D] layout directly; index_copy would
             # export as ScatterND wrapped in two full-cache Transposes, copying the cache every step.
-            k_all = past[2 * i].scatter(2, widx, k)  # [B, Hkv, C, D]
-            v_all = past[2 * i + 1].scatter(2, widx, v)
+            if self.inplace_kv:  # the buffers themselves (torch backend): no copy of the cache
+                k_all, v_all = past[2 * i].scatter_(2, widx, k), past[2 * i + 1].scatter_(2, widx, v)
+            else:  # out of place: what exports to a ScatterND whose output ONNX Runtime aliases to past
+                k_all, v_all = past[2 * i].scatter(2, widx, k), past[2 * i + 1].scatter(2, widx, v)
             presents += [k_all, v_all]
-            # GQA without materialising repeated K/V: fold the query group into the row axis.
-            qg = q.reshape(bsz, hkv, group * t, d)  # [B, Hkv, G*T, D]
-            scores = torch.matmul(qg, k_all.transpose(2, 3)) * self.scale  # [B, Hkv, G*T, C]
-            scores = scores.view(bsz, hq, t, -1) + attention_mask  # [B, Hq, T, C]
-            probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * t, -1)
-            ctx = torch.matmul(probs, v_all).view(bsz, hq, t, d)  # [B, Hq, T, D]
+            if self.sdpa:
+                ctx = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attention_mask, scale=self.scale,
+                                                     enable_gqa=group > 1)  # [B, Hq, T, D]
+            else:
+                # GQA without materialising repeated K/V: fold the query group into the row axis.
+                qg = q.reshape(bsz, hkv, group * t, d)  # [B, Hkv, G*T, D]
+                scores = torch.matmul(qg, k_all.transpose(2, 3)) * self.scale  # [B, Hkv, G*T, C]
+                scores = scores.view(bsz, hq, t, -1) + attention_mask  # [B, Hq, T, C]
+                probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * t, -1)
+                ctx = torch.matmul(probs, v_all).view(bsz, hq, t, d)  # [B, Hq, T, D]
             ctx = ctx.transpose(1, 2).reshape(bsz, t, hq * d)
             x = x + blk.o_proj(ctx)
             gate, up = blk.gate_up(rms_norm(x, blk.post_norm_weight, blk.post_norm_eps)).chunk(2, dim=-1)

@@ -207,7 +207,7 @@ class Decoder:
                rng: np.random.Generator) -> Acceptance:
         logits = out.logits[0]  # [N, V]
         if sampling.greedy:
-            return greedy_accept(tree, buffers, logits)
+            return greedy_accept(tree, buffers, logits, None if out.argmax is None else out.argmax[0])
         if sampling.typical:
             return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_rule, rng)
         return sample_accept(tree, buffers, logits, rng, sampling.temperature, sampling.top_p, sampling.top_k)

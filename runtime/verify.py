@@ -145,20 +145,27 @@ def _longest_path(ok: np.ndarray, buffers: TreeBuffers) -> np.ndarray:
     return buffers.retrieve[best, : lengths[best]]
 
 
-def greedy_accept(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray) -> Acceptance:
+def greedy_accept(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray,
+                  row_argmax: np.ndarray | None = None) -> Acceptance:
     """Accept the longest root path whose every token is the base argmax at its parent.
 
     The bonus is the argmax at the last accepted node, so the output equals plain greedy decoding.
     Argmax is taken only over rows that are a parent (plus one row for a leaf bonus): on tree64
-    that is 27 of 64 rows of V.
+    that is 27 of 64 rows of V. ``row_argmax`` ``[>= N]``: every row's argmax (first maximum) computed
+    by the backend beside the logits; then no logits row is read.
     """
     _check(tree, buffers, logits)
     n = tree.num_nodes
-    if n == 1:  # a plain step: its argmax is the token (the per-step path of plain decoding)
+    if row_argmax is not None:
+        argmax = np.asarray(row_argmax[:n], dtype=np.int64)
+        if n == 1:
+            return Acceptance(_ROOT_ONLY, argmax[:1].copy())
+    elif n == 1:  # a plain step: its argmax is the token (the per-step path of plain decoding)
         return Acceptance(_ROOT_ONLY, np.array([logits[0].argmax()], dtype=np.int64))
-    argmax = np.full(n, -1, dtype=np.int64)  # [N], -1 where not computed
-    for i in buffers.internal.tolist():  # per row: no copy of [I, V], and 1-D argmax is the fast one
-        argmax[i] = logits[i].argmax()
+    else:
+        argmax = np.full(n, -1, dtype=np.int64)  # [N], -1 where not computed
+        for i in buffers.internal.tolist():  # per row: no copy of [I, V], and 1-D argmax is the fast one
+            argmax[i] = logits[i].argmax()
     ok = np.ones(n + 1, dtype=bool)
     ok[n] = False
     ok[1:n] = tree.tokens[1:] == argmax[buffers.parents[1:]]

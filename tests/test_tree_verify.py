@@ -288,6 +288,24 @@ def test_greedy_accept_equals_plain_greedy(case):
 
 @FAST
 @given(draft_cases(unique_siblings=False))
+def test_greedy_accept_with_the_backends_argmax_reads_no_logits(case):
+    """A backend that gives each row's argmax (the torch backend, on the device) gets the same acceptance,
+    and verification then reads no logits row (the logits here are a stand-in that refuses reads)."""
+    tree, logits = case
+
+    class Unreadable:
+        ndim, shape = logits.ndim, logits.shape
+
+        def __getitem__(self, index):
+            raise AssertionError("a logits row was read")
+
+    ref = greedy_accept(tree, tree.buffers(), logits)
+    acc = greedy_accept(tree, tree.buffers(), Unreadable(), row_argmax=logits.argmax(-1))
+    assert acc.nodes.tolist() == ref.nodes.tolist() and acc.tokens.tolist() == ref.tokens.tolist()
+
+
+@FAST
+@given(draft_cases(unique_siblings=False))
 def test_greedy_accept_longest_valid_path_with_duplicate_siblings(case):
     tree, logits = case
     acc = greedy_accept(tree, tree.buffers(), logits)

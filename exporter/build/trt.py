@@ -29,7 +29,9 @@ ScatterND in older bundles) because:
 The price of the scatter is one cache-sized copy per layer per step (its output is ``past`` with rows
 scattered in). TensorRT does not promise that an output may alias an input, so the native backend
 alternates two cache buffer sets instead of aliasing. On SmolLM2-135M with a 2k cache that copy is
-~50 MB per step, tens of microseconds on an H100-class GPU. The build reports whether the installed
+~50 MB per step in fp32, tens of microseconds on an H100-class GPU. An fp16 (bf16) engine takes and
+gives its ``past_*``/``present_*`` tensors in fp16 (bf16) (:func:`_reduce_kv_io`), which halves it; the
+other inputs and outputs keep the graph's types. The build reports whether the installed
 TensorRT has KVCacheUpdate, so the trade-off can be revisited with numbers from ``specdeploy bench``.
 """
 
@@ -49,8 +51,9 @@ from specdeploy.exporter.export.staging import updated_bundle
 from specdeploy.runtime.backends.trt import current_device, require_tensorrt
 from specdeploy.runtime.backends.trt_profiles import DeviceInfo, Profile, engine_file, optimization_profiles
 from specdeploy.runtime.bundle import BundleManifest, EngineEntry, GraphEntry, read_manifest, write_manifest
+from specdeploy.runtime.contract import past_names, present_names
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
-from specdeploy.runtime.precision import ENGINE_PRECISIONS, FP16
+from specdeploy.runtime.precision import BF16, ENGINE_PRECISIONS, FP16
 
 Progress = Callable[[str], None]
 TIMING_CACHE = "engines/timing.cache"
@@ -115,8 +118,9 @@ def build_engines(bundle_dir: str | Path, config: BuildConfig, progress: Progres
         progress(f"  profile {p.name}: batch {p.batch.min}-{p.batch.max}, T {p.tree.min}-{p.tree.opt}-{p.tree.max}, "
                  f"capacity {p.capacity.min}-{p.capacity.opt}-{p.capacity.max}")
     has_kv_layer = hasattr(trt.INetworkDefinition, "add_kv_cache_update")
-    progress(f"  KV write: the graph's scatter, two alternating cache buffers (this TensorRT "
-             f"{'has' if has_kv_layer else 'lacks'} KVCacheUpdate; see exporter/trt_build.py)")
+    kv_io = config.precision if config.precision in KV_IO_TYPES else "the graph's"
+    progress(f"  KV write: the graph's scatter, two alternating cache buffers in {kv_io} precision (this TensorRT "
+             f"{'has' if has_kv_layer else 'lacks'} KVCacheUpdate; see exporter/build/trt.py)")
     entries = []
     t0 = time.time()
     with updated_bundle(bundle_dir) as tmp:
@@ -213,6 +217,57 @@ def _reduced_precision(trt: Any, builder_config: Any, precision: str, onnx_path:
     return out, True
 
 
+KV_IO_TYPES = {FP16: "float16", BF16: "bfloat16"}  # the TensorRT type of a reduced-precision engine's KV I/O
+
+
+def kv_io_names(entry: GraphEntry) -> set[str]:
+    """The graph's cache inputs and outputs (``past_*``, ``present_*``); a draft graph may have none."""
+    n = len(entry.inputs) + len(entry.outputs)  # more layers than the graph can have
+    return {s.name for s in (*entry.inputs, *entry.outputs)} & {*past_names(n), *present_names(n)}
+
+
+def _reduce_kv_io(trt: Any, network: Any, names: set[str], precision: str, strongly_typed: bool) -> int:
+    """Make the network's cache inputs and outputs fp16 (bf16) in linear layout; returns how many it changed.
+
+    The parsed graph takes and gives fp32 K/V, so an fp16 engine would read and write twice the bytes
+    its kernels use, and the runtime would keep an fp32 cache. A network input's type may be set in any
+    network; an output's only in a weakly typed one (TensorRT 10's builder flags). A strongly typed
+    network (TensorRT 11, the AutoCast graph) infers its types, so there the input is cast back to its
+    graph type for the layers that read it and the output is a cast of the graph's output.
+    """
+    if precision not in KV_IO_TYPES:
+        return 0
+    kv_type = getattr(trt, KV_IO_TYPES[precision])
+    linear = 1 << int(trt.TensorFormat.LINEAR)
+    inputs = [t for t in (network.get_input(i) for i in range(network.num_inputs)) if t.name in names]
+    outputs = [t for t in (network.get_output(i) for i in range(network.num_outputs)) if t.name in names]
+    if strongly_typed:
+        layers = [network.get_layer(i) for i in range(network.num_layers)]
+        readers = [(layer, j, layer.get_input(j).name) for layer in layers for j in range(layer.num_inputs)
+                   if layer.get_input(j) is not None and layer.get_input(j).name in names]
+        for t in inputs:
+            graph_type = t.dtype
+            t.dtype = kv_type
+            cast = network.add_cast(t, graph_type).get_output(0)
+            for layer, j, name in readers:
+                if name == t.name:
+                    layer.set_input(j, cast)
+        for i, t in enumerate(outputs):
+            name = t.name
+            network.unmark_output(t)
+            t.name = f"{name}.{precision}_source"
+            cast = network.add_cast(t, kv_type).get_output(0)
+            cast.name = name
+            network.mark_output(cast)
+            outputs[i] = cast
+    else:
+        for t in (*inputs, *outputs):
+            t.dtype = kv_type
+    for t in (*inputs, *outputs):
+        t.allowed_formats = linear
+    return len(inputs) + len(outputs)
+
+
 def _build_one(trt: Any, onnx_path: Path, entry: GraphEntry, profiles: Sequence[Profile], config: BuildConfig,
                timing: bytes, progress: Progress) -> tuple[bytes, bytes]:
     """Serialized engine and updated timing cache for one graph."""
@@ -230,6 +285,11 @@ def _build_one(trt: Any, onnx_path: Path, entry: GraphEntry, profiles: Sequence[
         if not parser.parse_from_file(str(path)):
             errs = [str(parser.get_error(i)) for i in range(parser.num_errors)]
             raise BundleError(f"TensorRT's ONNX parser rejects '{entry.file}': {errs[0] if errs else 'unknown error'}.")
+    kv = kv_io_names(entry)
+    changed = _reduce_kv_io(trt, network, kv, config.precision, strongly_typed)
+    if config.precision in KV_IO_TYPES and changed != len(kv):
+        raise BundleError(f"TensorRT's parse of '{entry.file}' has {changed} of its {len(kv)} cache inputs "
+                          "and outputs.")
     specs = {s.name: s for s in entry.inputs}
     for p in profiles:
         op = builder.create_optimization_profile()

@@ -4,14 +4,18 @@ It runs wherever PyTorch does: eager on the CPU (CI compares it with ONNX Runtim
 where decode steps are captured with ``torch.cuda.CUDAGraph`` per (batch, capacity bucket, padded T)
 following :mod:`specdeploy.runtime.capture`: warm up on a side stream, capture, then replay with the
 inputs copied into fixed buffers. The cache buffers come from a per-shape pool, so the addresses baked
-into a graph stay valid across generations.
+into a graph stay valid across generations. :meth:`TorchBackend.capture_all` captures every graph a
+decode can replay up front, so that no capture happens inside timed decoding.
+
+The step is rebuilt from the bundle's own weights (its fp32 ``ort`` graph, read with ``onnx``; see
+``graphs/native_step.py``): no transformers and no source model at decode time. Norms run in fp32 in
+every precision, logits come back as fp32, the new K/V rows are written into the cache buffers in
+place, and attention is ``scaled_dot_product_attention``. ``weights``/``shape`` replace the bundle's
+weights (random ones of the real architecture, for timings: see ``scripts/gpu_check.sh``).
 
 It lives in the exporter because the runtime never imports torch. It joins the runtime's backend registry
 as three plugins declared in ``pyproject.toml`` (entry points ``specdeploy.backends``): ``torch`` (CUDA
 graphs when CUDA is present), ``torch-eager`` and ``torch-graphs``.
-
-``BaseStep`` writes the cache out of place (that is what exports to a scatter), so each step copies its
-T new rows back into the cache buffers in place; in a graph that copy is captured with the step.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from specdeploy.graphs.base_step import BaseStep
+from specdeploy.graphs.native_step import StepShape, step_from_weights
 from specdeploy.runtime.backends import Backend, StepInputs, StepOutputs
-from specdeploy.runtime.bundle import BundleManifest
+from specdeploy.runtime.bundle import BundleManifest, graph_paths
 from specdeploy.runtime.capture import CaptureKey, prepare_captured_step, tree_buckets
-from specdeploy.runtime.errors import BackendUnavailableError, DraftMismatchError
+from specdeploy.runtime.errors import BackendUnavailableError, BundleError
 from specdeploy.runtime.kvcache import KVCache, capacity_buckets
+from specdeploy.runtime.precision import FP32
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -36,7 +41,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 class _Captured:
     graph: Any  # torch.cuda.CUDAGraph
     static: dict[str, torch.Tensor]  # fixed input buffers
-    logits: torch.Tensor  # [B, T_pad, V] output of the graph
+    logits: torch.Tensor  # [B, T_pad, V] fp32 output of the graph
+    argmax: torch.Tensor  # [B, T_pad] int64
     hidden: torch.Tensor  # [B, T_pad, H]
     cache_ptrs: tuple[int, ...]
 
@@ -45,10 +51,8 @@ class TorchBackend(Backend):
     """Runs BaseStep on ``device`` in ``precision``; ``cuda_graphs`` replays decode steps from graphs."""
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, device: str | None = None,
-                 precision: str = "fp32", cuda_graphs: bool | None = None, model: str | None = None,
-                 threads: int | None = None):
-        from specdeploy.exporter.source import load_model
-
+                 precision: str = "fp32", cuda_graphs: bool | None = None, threads: int | None = None,
+                 weights: dict[str, torch.Tensor] | None = None, shape: StepShape | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendUnavailableError("The torch backend was asked for CUDA, but PyTorch sees no CUDA GPU.")
@@ -65,12 +69,16 @@ class TorchBackend(Backend):
         self.bundle_dir, self.manifest = Path(bundle_dir), manifest
         self.device, self.dtype, self.cuda_graphs = torch.device(device), DTYPES[precision], cuda_graphs
         self.name = f"torch-{device.split(':')[0]}-{precision}" + ("-graphs" if cuda_graphs else "")
-        loaded = load_model(model or manifest.source.path)
-        if loaded.weight_sha != manifest.source.weight_sha:
-            raise DraftMismatchError(
-                f"The model at '{loaded.path}' is not the one this bundle was exported from (weight hash differs)."
-            )
-        self.step_module = BaseStep(loaded.model).to(self.device, self.dtype).eval()
+        if weights is None:
+            weights, shape = bundle_weights(self.bundle_dir, manifest)
+        elif shape is None:
+            raise ValueError("weights need their shape")
+        try:
+            step = step_from_weights(weights, shape)
+        except (KeyError, ValueError) as exc:
+            raise BundleError(f"The bundle's weights do not fit its model: {exc}.") from None
+        step.inplace_kv, step.sdpa = True, True
+        self.step_module = step.to(self.device, self.dtype).eval()
         limits = manifest.limits
         self.t_buckets = tree_buckets(limits.max_tree)
         self.cap_buckets = capacity_buckets(limits.max_context, limits.max_tree)
@@ -78,6 +86,7 @@ class TorchBackend(Backend):
         self._graphs: dict[CaptureKey, _Captured] = {}
         self._mempool = torch.cuda.graph_pool_handle() if cuda_graphs else None
         self._neg = torch.finfo(self.dtype).min
+        self.captures = 0  # graphs captured so far (capture_all does them all before timing)
 
     # --- cache -------------------------------------------------------------------------------------
     def _allocator(self):
@@ -101,12 +110,11 @@ class TorchBackend(Backend):
         return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity, self._allocator())
 
     # --- the step ----------------------------------------------------------------------------------
-    def _forward(self, ids, pos, mask, widx, lidx, past: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """BaseStep, then its T new K/V rows written back into the cache buffers (in place)."""
-        logits, hidden, *presents = self.step_module(ids, pos, mask, widx, lidx, past)
-        for buf, new in zip(past, presents):
-            buf.index_copy_(2, widx, new.index_select(2, widx))
-        return logits, hidden
+    def _forward(self, ids, pos, mask, widx, lidx, past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """BaseStep with the cache written in place; fp32 logits, each row's argmax and the hidden states."""
+        logits, hidden, *_ = self.step_module(ids, pos, mask, widx, lidx, past)
+        logits = logits.float()
+        return logits, logits.argmax(-1), hidden
 
     def _to_device(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
         dev = self.device
@@ -121,9 +129,9 @@ class TorchBackend(Backend):
             "lidx": torch.from_numpy(inputs.logits_index).to(dev),
         }
 
-    @staticmethod
-    def _host(x: torch.Tensor) -> np.ndarray:
-        return x.float().cpu().numpy()  # numpy has no bf16
+    def _outputs(self, logits: torch.Tensor, argmax: torch.Tensor, hidden: torch.Tensor) -> StepOutputs:
+        """Hidden states and argmax to the host now; logits stay on the device until a row is read."""
+        return StepOutputs(DeviceRows(logits), hidden.float().cpu().numpy(), argmax=argmax.cpu().numpy())
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         with torch.no_grad():
@@ -131,15 +139,33 @@ class TorchBackend(Backend):
                       if self.cuda_graphs else None)
             if padded is None:
                 t = self._to_device(inputs)
-                logits, hidden = self._forward(t["ids"], t["pos"], t["mask"], t["widx"], t["lidx"], cache.buffers())
-                return StepOutputs(self._host(logits), self._host(hidden))
+                return self._outputs(*self._forward(t["ids"], t["pos"], t["mask"], t["widx"], t["lidx"],
+                                                    cache.buffers()))
             cap = self._graph_for(padded.key, padded.inputs, cache)
             for name, value in self._to_device(padded.inputs).items():
                 cap.static[name].copy_(value)
             cap.graph.replay()
-            # Only the real rows go back to the host.
-            return StepOutputs(self._host(cap.logits[:, : padded.k_real]),
-                               self._host(cap.hidden[:, : padded.n_real]))
+            # Only the real rows; the logits are copied on the device, since the next replay rewrites them.
+            k, n = padded.k_real, padded.n_real
+            return self._outputs(cap.logits[:, :k].clone(), cap.argmax[:, :k], cap.hidden[:, :n])
+
+    def capture_all(self, batch: int = 1) -> int:
+        """Capture every graph a decode of ``batch`` rows can replay (each capacity bucket x padded T), so
+        that no capture happens inside timed decoding. Returns how many graphs were captured."""
+        if not self.cuda_graphs:
+            return 0
+        before, neg = self.captures, np.finfo(np.float32).min
+        for capacity in self.cap_buckets:
+            cache = self.new_cache(batch, capacity)  # the pooled buffers a decode of this capacity gets
+            for t in (t for t in self.t_buckets if 1 + t <= capacity):
+                mask = np.full((batch, 1, t, capacity), neg, np.float32)  # one committed slot, then a chain
+                mask[..., 0] = 0.0
+                mask[:, 0, :, 1:1 + t] = np.where(np.tril(np.ones((t, t), bool)), 0.0, neg)
+                feed = StepInputs(np.zeros((batch, t), np.int64), np.tile(1 + np.arange(t), (batch, 1)), mask,
+                                  1 + np.arange(t), np.arange(t))
+                with torch.no_grad():
+                    self._graph_for(CaptureKey(batch, capacity, t), feed, cache)
+        return self.captures - before
 
     def _graph_for(self, key: CaptureKey, feed: StepInputs, cache: KVCache) -> _Captured:
         bufs = cache.buffers()
@@ -159,13 +185,91 @@ class TorchBackend(Backend):
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            logits, hidden = self._forward(*args)
-        cap = self._graphs[key] = _Captured(graph, static, logits, hidden, ptrs)
+            logits, argmax, hidden = self._forward(*args)
+        self.captures += 1
+        cap = self._graphs[key] = _Captured(graph, static, logits, argmax, hidden, ptrs)
         return cap
 
     def close(self) -> None:
         self._graphs.clear()
         self._pool.clear()
+
+
+def bundle_weights(bundle_dir: Path, manifest: BundleManifest) -> tuple[dict[str, torch.Tensor], StepShape]:
+    """The base step's weights from the bundle's fp32 ``ort`` graph, and the shape they have."""
+    import onnx
+    from onnx import numpy_helper
+
+    entry = next((g for g in manifest.graphs if g.role == "base" and g.target == "ort" and g.precision == FP32), None)
+    if entry is None:
+        have = ", ".join(f"{g.target}/{g.precision}" for g in manifest.graphs if g.role == "base")
+        raise BackendUnavailableError(
+            f"The torch backend reads the base weights from the bundle's fp32 'ort' graph, which this bundle "
+            f"lacks (it has: {have}); export one with 'specdeploy export base --precision fp32'.")
+    for path in graph_paths(bundle_dir, entry):
+        if not path.is_file():
+            raise BundleError(f"The bundle is incomplete: '{path.name}' is listed in the manifest but missing.")
+    proto = onnx.load(str(bundle_dir / entry.file))  # external data from the bundle's files, shared ones too
+    wanted = {"embed_tokens", "lm_head_t", "final_norm", "rotary_cos", "rotary_sin"}
+    weights = {init.name: torch.from_numpy(numpy_helper.to_array(init).copy()) for init in proto.graph.initializer
+               if init.name in wanted or init.name.startswith("layers.")}
+    eps = next((a.f for n in proto.graph.node if n.op_type.endswith("SimplifiedLayerNormalization")
+                for a in n.attribute if a.name == "epsilon"), None)
+    m = manifest.model
+    if eps is None or "layers.0.down_t" not in weights:
+        raise BundleError(f"The bundle's graph '{entry.file}' is not a specdeploy base graph; re-export the bundle.")
+    shape = StepShape(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                      intermediate_size=int(weights["layers.0.down_t"].shape[0]), num_layers=m.num_layers,
+                      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rms_norm_eps=eps,
+                      max_positions=int(weights["rotary_cos"].shape[0]),
+                      qkv_bias="layers.0.qkv_bias" in weights)
+    return weights, shape
+
+
+class DeviceRows(np.lib.mixins.NDArrayOperatorsMixin):
+    """A read-only array on the device that copies to the host only what is read.
+
+    Indexing that keeps two or more axes gives another ``DeviceRows``; indexing down to a row copies that
+    row. Anything else (numpy functions, operators, methods) copies the whole array once and works on it.
+    Greedy decoding then reads back only the rows it needs (often none: the backend gives each row's argmax).
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self._t = tensor
+        self._host: np.ndarray | None = None
+
+    shape = property(lambda self: tuple(self._t.shape))
+    ndim = property(lambda self: self._t.dim())
+    dtype = property(lambda self: np.dtype(np.float32))
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._host is not None:
+            return self._host[index]
+        parts = index if isinstance(index, tuple) else (index,)
+        parts = tuple(torch.as_tensor(p, device=self._t.device) if isinstance(p, np.ndarray) else p for p in parts)
+        out = self._t[parts]
+        return DeviceRows(out) if out.dim() >= 2 else out.cpu().numpy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._host is None:
+            self._host = self._t.cpu().numpy()
+        return self._host if dtype is None else self._host.astype(dtype)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = tuple(np.asarray(x) if isinstance(x, DeviceRows) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        args = tuple(np.asarray(x) if isinstance(x, DeviceRows) else x for x in args)
+        return func(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # ndarray methods (astype, max, ...) on the host copy
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(np.asarray(self), name)
 
 
 def make_torch(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:

@@ -28,11 +28,15 @@ class StepOutputs:
     logits: np.ndarray  # [B, K, V] on the host
     hidden_states: np.ndarray  # [B, T, H] on the host
     layer_states: np.ndarray | None = None  # [B, T, taps*H]: a graph with feature_layers only
+    # [B, K] int64, each logits row's argmax (first maximum), where the backend computes it beside the
+    # logits (on a GPU: then greedy verification reads no logits row back). None: taken from ``logits``.
+    argmax: np.ndarray | None = None
 
     def first(self, logits_rows: int, rows: int) -> StepOutputs:
         """The first ``logits_rows`` logits and the first ``rows`` rows of the per-row outputs."""
         layers = None if self.layer_states is None else self.layer_states[:, :rows]
-        return StepOutputs(self.logits[:, :logits_rows], self.hidden_states[:, :rows], layers)
+        argmax = None if self.argmax is None else self.argmax[:, :logits_rows]
+        return StepOutputs(self.logits[:, :logits_rows], self.hidden_states[:, :rows], layers, argmax)
 
 
 class Backend(ABC):

@@ -5,17 +5,18 @@ outputs, so the graph's scatter writes the new rows straight into the preallocat
 per-step copy of the cache happens outside the graph (an experiment here measured aliasing as
 bit-identical and ~4% faster than alternating two buffers).
 
-:class:`OrtCudaBackend` (``ort-cuda``, ``ort-trt``; UNTESTED on the CPU machines this project develops
-on) keeps the cache and every input/output in fixed device buffers bound by raw pointer. With
-``enable_cuda_graph`` ONNX Runtime captures one CUDA graph per ``gpu_graph_id``; we give each
-(batch, capacity bucket, padded T) its own id and binding, following :mod:`specdeploy.runtime.capture`.
-The TensorRT EP gets an engine cache, a timing cache and explicit profile shapes (the same prefill and
-tree profiles as ``specdeploy build``).
+:class:`OrtCudaBackend` (``ort-cuda``, ``ort-trt``; on the CPU machines this project develops on only its
+control flow is tested, over stand-ins for ONNX Runtime and the CUDA runtime) keeps the cache and every
+input/output in fixed device buffers bound by raw pointer. With ``enable_cuda_graph`` ONNX Runtime
+captures one CUDA graph per ``gpu_graph_id``; we give each (batch, capacity bucket, padded T) its own
+binding and id, following :mod:`specdeploy.runtime.capture`. The TensorRT EP gets an engine cache, a
+timing cache and explicit profile shapes (the same prefill and tree profiles as ``specdeploy build``).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from ..contract import (
 )
 from ..errors import BackendUnavailableError, BundleError
 from ..kvcache import KVCache
+from ..precision import ENGINE_PRECISIONS, FP32
 from .base import Backend, StepInputs, StepOutputs
 
 PROVIDERS = {
@@ -306,30 +308,50 @@ class _Binding:
     graph_id: int
     past_ptrs: tuple[int, ...]
 
+    def free(self) -> None:
+        for buf in (*self.inputs.values(), self.logits, self.hidden):
+            buf.free()
+
 
 class OrtCudaBackend(OrtBackend):
-    """ORT on the CUDA EP (``enable_cuda_graph``) or the TensorRT EP, with IOBinding over device buffers."""
+    """ORT on the CUDA EP (``enable_cuda_graph``) or the TensorRT EP, with IOBinding over device buffers.
+
+    Graph ids. ONNX Runtime keeps every graph it captured for the session's life (it has no call to free
+    one id's graph) and replays the graph of an id it knows whatever is bound. So an id is never reused:
+    a re-bind (the cache buffers of a key changed) or a binding made after :meth:`forget_buffers` takes a
+    fresh id and captures a new graph, and the old id's graph stays in device memory, unused.
+    """
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, provider: str = "cuda",
-                 threads: int | None = None, cuda_graphs: bool = True, precision: str = "fp32"):
+                 threads: int | None = None, cuda_graphs: bool = True, precision: str = FP32):
         bundle_dir = Path(bundle_dir)
         if provider == "cuda":
+            if precision != FP32:
+                raise BackendUnavailableError(
+                    f"The ort-cuda backend runs the bundle's fp32 graph only; for {precision} use the 'trt' backend "
+                    f"(after 'specdeploy build --precision {precision}') or the 'torch' backend.")
             options = {"device_id": "0", "enable_cuda_graph": "1" if cuda_graphs else "0"}
         elif provider == "tensorrt":
+            if precision not in ENGINE_PRECISIONS:
+                raise BackendUnavailableError(
+                    f"The ort-trt backend builds {', '.join(ENGINE_PRECISIONS)} engines, not '{precision}'.")
             options = trt_ep_options(bundle_dir, manifest, precision)
             cuda_graphs = False
         else:
             raise BackendUnavailableError(f"OrtCudaBackend runs the cuda or tensorrt provider, not '{provider}'.")
         super().__init__(bundle_dir, manifest, provider, threads, provider_options=options)
+        # The CUDA EP computes in the graph's own precision; the TensorRT EP in the one asked for.
+        self.precision = self.graph.precision if provider == "cuda" else precision
+        self.name = f"ort-{provider}-{self.precision}"
         self.layer_states = False  # its device bindings carry logits and hidden states only
-        self._session("base")  # now: a missing provider or GPU is one sentence at load
+        self.cuda_graphs = cuda_graphs
+        self._load()  # now: a missing provider or GPU is one sentence at load
         from ..capture import tree_buckets
         from ..kvcache import capacity_buckets
         from .trt import CachePool, check, cudart
 
         self._check, self._rt = check, cudart()
         self.stream = check(self._rt.cudaStreamCreate())
-        self.cuda_graphs = cuda_graphs
         self.t_buckets = tree_buckets(manifest.limits.max_tree)
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
@@ -337,6 +359,22 @@ class OrtCudaBackend(OrtBackend):
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}
         self._in_dtype = {s.name: np.dtype(s.dtype) for s in entry.inputs}
         self._bindings: dict[tuple[int, int, int], _Binding] = {}
+        self._next_graph_id = 1  # ids handed out so far are 1 .. _next_graph_id - 1 (see the class docstring)
+
+    def _load(self) -> None:
+        """The base session. With ``enable_cuda_graph``, ONNX Runtime refuses a graph any of whose nodes it
+        places off the CUDA EP (shape arithmetic on the CPU, say); such a graph then runs uncaptured."""
+        try:
+            self._session("base")
+        except BundleError as refused:
+            if not self.cuda_graphs:
+                raise
+            self._provider_options = {**self._provider_options, "enable_cuda_graph": "0"}
+            self._session("base")  # a graph ONNX Runtime cannot load at all fails here, as it would have anyway
+            self.cuda_graphs = False
+            reason = str(refused).rstrip(".")
+            warnings.warn(f"ort-cuda runs without CUDA graphs: with enable_cuda_graph, {reason}.", RuntimeWarning,
+                          stacklevel=3)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
@@ -364,15 +402,34 @@ class OrtCudaBackend(OrtBackend):
         binding.bind_output(HIDDEN_STATES, "cuda", 0, hidden.dtype, list(hidden.shape), hidden.ptr)
         return _Binding(binding, inputs, logits, hidden, graph_id, tuple(p.ptr for p in past))
 
-    def _run(self, bound: _Binding, feed: StepInputs) -> None:
+    def _run(self, bound: _Binding, feed: StepInputs, graph_id: int | None = None) -> None:
+        """One run over the binding: uncaptured (-1), or capturing or replaying ``bound.graph_id``."""
         import onnxruntime as ort
 
         for name, buf in bound.inputs.items():
             buf.upload(getattr(feed, name))
         self._check(self._rt.cudaStreamSynchronize(self.stream))  # ORT runs on its own stream
         ro = ort.RunOptions()
-        ro.add_run_config_entry("gpu_graph_id", str(bound.graph_id))
+        ro.add_run_config_entry("gpu_graph_id", str(bound.graph_id if graph_id is None else graph_id))
         self.session.run_with_iobinding(bound.binding, ro)
+
+    def _captured(self, padded, past: list) -> _Binding:
+        """The binding of a padded step's key, made (and its graph captured) when new or stale."""
+        key = (padded.key.batch, padded.key.capacity, padded.key.t_pad)
+        bound = self._bindings.get(key)
+        if bound is not None and bound.past_ptrs == tuple(p.ptr for p in past):
+            self._run(bound, padded.inputs)  # replay
+            return bound
+        if bound is not None:  # the cache buffers changed: its graph's baked-in addresses are stale
+            bound.free()
+        bound = self._bindings[key] = self._bind(padded.inputs, past, graph_id=self._next_graph_id)
+        self._next_graph_id += 1
+        # ONNX Runtime captures a new id on its first run, and its memory arena must not grow during a
+        # capture: one uncaptured run first. Running twice is harmless: the second run writes the same
+        # cache rows with the same values (they depend on the inputs and the committed rows only).
+        self._run(bound, padded.inputs, graph_id=-1)
+        self._run(bound, padded.inputs)  # captures, then ONNX Runtime replays it to produce the outputs
+        return bound
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         from ..capture import prepare_captured_step
@@ -380,11 +437,7 @@ class OrtCudaBackend(OrtBackend):
         padded = prepare_captured_step(inputs, cache, self.t_buckets, self.cap_buckets) if self.cuda_graphs else None
         past = cache.buffers()
         if padded is not None:
-            key = (padded.key.batch, padded.key.capacity, padded.key.t_pad)
-            bound = self._bindings.get(key)
-            if bound is None or bound.past_ptrs != tuple(p.ptr for p in past):
-                bound = self._bindings[key] = self._bind(padded.inputs, past, graph_id=len(self._bindings) + 1)
-            self._run(bound, padded.inputs)
+            bound = self._captured(padded, past)
             n, k = padded.n_real, padded.k_real
         else:
             bound = self._bind(inputs, past, graph_id=-1)  # -1: run without capturing
@@ -393,16 +446,18 @@ class OrtCudaBackend(OrtBackend):
         logits = bound.logits.download_rows(k)
         hidden = bound.hidden.download_rows(n)
         if padded is None:
-            for buf in (*bound.inputs.values(), bound.logits, bound.hidden):
-                buf.free()
+            bound.free()
         return StepOutputs(logits=logits.astype(np.float32, copy=False),
                            hidden_states=hidden.astype(np.float32, copy=False))
 
-    def close(self) -> None:
+    def forget_buffers(self) -> None:
+        """Free every binding (their graphs' ids are not handed out again)."""
         for bound in self._bindings.values():
-            for buf in (*bound.inputs.values(), bound.logits, bound.hidden):
-                buf.free()
+            bound.free()
         self._bindings.clear()
+
+    def close(self) -> None:
+        self.forget_buffers()
         if getattr(self, "pool", None) is not None:
             self.pool.free()
         super().close()

@@ -4,10 +4,10 @@ Pure parts (tested on CPU): optimization profiles (:func:`optimization_profiles`
 shape runs under (:func:`pick_profile`), where engines live (:func:`engine_dir_name`) and which engine
 a machine may load (:func:`select_engine`).
 
-Device parts (UNTESTED on the CPU machines this project develops on; exercised by
-``scripts/gpu_check.sh`` where TensorRT is installed): ``tensorrt`` and ``cuda-python`` are imported
-lazily. Every buffer is preallocated device memory bound with ``set_tensor_address``; steps run with
-``execute_async_v3`` on one stream. Decode steps are captured as CUDA graphs keyed by (capacity bucket,
+Device parts (on the CPU machines this project develops on, only their control flow is tested, over
+stand-ins for TensorRT and the CUDA runtime; ``scripts/gpu_check.sh`` runs them where TensorRT is
+installed): ``tensorrt`` and ``cuda-python`` are imported lazily. Every buffer is preallocated device
+memory bound with ``set_tensor_address``; steps run with ``execute_async_v3`` on one stream. Decode steps are captured as CUDA graphs keyed by (capacity bucket,
 padded T, ping-pong parity), following :mod:`specdeploy.runtime.capture`: warm up once, capture, then
 replay with the inputs copied into the fixed buffers. Only the real rows of logits and hidden states
 are copied back to the host.
@@ -15,7 +15,9 @@ are copied back to the host.
 KV write. The graph writes the cache with a scatter (ScatterElements/ScatterND), whose output is a full
 copy of ``past`` with the new rows scattered in. TensorRT does not promise that an output may alias an input, so the backend
 keeps two buffer sets per capacity bucket and alternates them (``present`` of one step is ``past`` of
-the next). See ``exporter/trt_build.py`` for why the KVCacheUpdate layer is not used.
+the next). See ``exporter/build/trt.py`` for why the KVCacheUpdate layer is not used. The cache is
+allocated in the engine's KV dtype: an fp16 (bf16) engine is built with fp16 (bf16) ``past_*`` and
+``present_*`` tensors, which halves that copy's traffic against fp32 KV I/O.
 """
 
 from __future__ import annotations
@@ -82,6 +84,15 @@ def check(result: Any) -> Any:
         msg = rt.cudaGetErrorString(err)[1]
         raise RuntimeError(f"CUDA error: {msg.decode() if isinstance(msg, bytes) else msg}")
     return values[0] if len(values) == 1 else (values or None)
+
+
+def kv_host_dtype(trt: Any, engine: Any, name: str) -> np.dtype:
+    """The numpy dtype of an engine's cache tensor. NumPy has no bfloat16: a bf16 engine's cache, which
+    the host never reads, is held as its 16-bit patterns."""
+    dt = engine.get_tensor_dtype(name)
+    if dt == getattr(trt, "bfloat16", None):
+        return np.dtype(np.uint16)
+    return np.dtype(trt.nptype(dt))
 
 
 def current_device(trt_version: str) -> DeviceInfo:
@@ -238,9 +249,11 @@ class _Slot:
     """Fixed I/O buffers for one set of shapes, and optionally the CUDA graph captured over them.
 
     TensorRT lets only one execution context use an optimization profile, so the backend keeps one
-    context per profile and every slot re-applies its shapes and addresses to that context before
-    running or replaying (as TensorRT-Edge-LLM does): the context's state then always matches the
-    state the graph was captured in.
+    context per profile, shared by that profile's slots. A captured graph has the shapes and addresses
+    baked in, so a replay needs nothing from the context. An uncaptured execution reads them from the
+    context, so the slot puts its own there first, unless the context was last bound for this very slot
+    (``TrtBackend.bound_slot``): re-binding the ~65 shapes and ~127 addresses of a real model every step
+    costs host time for nothing.
     """
 
     def __init__(self, backend: TrtBackend, profile: int, feed: StepInputs, past: list[DeviceArray],
@@ -258,7 +271,8 @@ class _Slot:
             self.shapes[name], self.addresses[name] = buf.shape, buf.ptr
         for name, buf in zip(backend.present_names, present):
             self.addresses[name] = buf.ptr
-        context = self.bind()
+        self.graph_exec = None
+        context = self.bind()  # the output shapes follow from the input shapes on the context
         self.outputs: dict[str, DeviceArray] = {}
         # A graph exported with feature_layers has one more output: bound (TensorRT needs every output's
         # address) but not read back, since this backend does not return layer states.
@@ -268,16 +282,18 @@ class _Slot:
             self.outputs[name] = DeviceArray(shape, trt.nptype(engine.get_tensor_dtype(name)), stream)
             self.addresses[name] = self.outputs[name].ptr
             context.set_tensor_address(name, self.outputs[name].ptr)
-        self.graph_exec = None
 
     def bind(self) -> Any:
-        """Put this slot's shapes and addresses on its profile's context."""
+        """Put this slot's shapes and addresses on its profile's context (skipped when they are there)."""
         context = self.backend.contexts[self.profile]
+        if self.backend.bound_slot[self.profile] is self:
+            return context
         for name, shape in self.shapes.items():
             if not context.set_input_shape(name, shape):
                 raise RuntimeError(f"TensorRT rejects shape {shape} for '{name}' in profile {self.profile}")
         for name, ptr in self.addresses.items():
             context.set_tensor_address(name, ptr)
+        self.backend.bound_slot[self.profile] = self
         return context
 
     def load(self, feed: StepInputs) -> None:
@@ -285,7 +301,8 @@ class _Slot:
             buf.upload(getattr(feed, name))
 
     def execute(self) -> None:
-        if not self.backend.contexts[self.profile].execute_async_v3(self.backend.stream):
+        """One uncaptured execution (or the one being captured), from the context's shapes and addresses."""
+        if not self.bind().execute_async_v3(self.backend.stream):
             raise RuntimeError("TensorRT execute_async_v3 failed")
 
     def capture(self) -> None:
@@ -302,10 +319,12 @@ class _Slot:
     def launch(self) -> None:
         if self.graph_exec is None:
             self.execute()
-        else:
+        else:  # its shapes and addresses are in the graph: the context's may be another slot's
             check(cudart().cudaGraphLaunch(self.graph_exec, self.backend.stream))
 
     def free(self) -> None:
+        if self.backend.bound_slot[self.profile] is self:  # its addresses die with it
+            self.backend.bound_slot[self.profile] = None
         if self.graph_exec is not None:
             cudart().cudaGraphExecDestroy(self.graph_exec)
             self.graph_exec = None
@@ -344,13 +363,22 @@ class TrtBackend(Backend):
         self.t_buckets = tree_buckets(min(manifest.limits.max_tree, max(p.tree.max for p in self.profiles
                                                                          if p.name == "tree")))
         self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
-        self.pool = CachePool(trt.nptype(self.engine.get_tensor_dtype(self.past_names[0])), self.stream, ping_pong=True)
+        # The cache lives in the engine's KV dtype (fp16 for an fp16 engine, see exporter/build/trt.py).
+        # present becomes the next step's past, so both must have it.
+        kv = {n: kv_host_dtype(trt, self.engine, n) for n in (*self.past_names, *self.present_names)}
+        self.kv_dtype = kv[self.past_names[0]]
+        mixed = sorted({str(d) for d in kv.values()})
+        if len(mixed) > 1:
+            raise BundleError(f"TensorRT engine '{entry.file}' mixes KV dtypes ({', '.join(mixed)}); rebuild it "
+                              "with 'specdeploy build BUNDLE'.")
+        self.pool = CachePool(self.kv_dtype, self.stream, ping_pong=True)
         self.contexts = []
         for p in range(self.engine.num_optimization_profiles):
             context = self.engine.create_execution_context()
             if not context.set_optimization_profile_async(p, self.stream):
                 raise RuntimeError(f"TensorRT refused optimization profile {p}")
             self.contexts.append(context)
+        self.bound_slot: list[_Slot | None] = [None] * len(self.contexts)  # whose shapes each context holds
         self._slots: dict[tuple, _Slot] = {}
 
     @property
@@ -375,13 +403,12 @@ class TrtBackend(Backend):
         if padded is not None:
             key = (b, c, t, self.pool.parity(past[0]))
             slot = self._slots.get(key)
-            if slot is None:
+            fresh = slot is None
+            if fresh:
                 slot = self._slots[key] = _Slot(self, profile, feed, past, present)
-                slot.load(feed)
-                slot.capture()
-            else:
-                slot.bind()
             slot.load(feed)
+            if fresh:
+                slot.capture()  # its warm-up run computes the step; the launch below repeats it
             slot.launch()
         else:  # prefill and oversized steps: throwaway buffers at these exact shapes
             slot = _Slot(self, profile, feed, past, present)
@@ -403,6 +430,6 @@ class TrtBackend(Backend):
         for slot in self._slots.values():
             slot.free()
         self._slots.clear()
-        self.contexts = []
+        self.contexts, self.bound_slot = [], []
         if getattr(self, "pool", None) is not None:
             self.pool.free()

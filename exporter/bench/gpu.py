@@ -1,0 +1,299 @@
+"""The GPU check's measurements (``scripts/gpu_check.sh``), designed for a device that no model can reach.
+
+Step times depend on shapes, not weight values, so the real SmolLM2-135M architecture runs with random
+weights generated on the device from its shape (:data:`SMOLLM2_135M`): nothing but this repository has
+to travel. Stages, each saved to the JSON before the next one starts (a hang or a crash keeps the rest):
+
+1. ``steps``: eager against CUDA-graph step time at T = 1, 16 and 64 (CUDA events), per precision, with a
+   roofline column (the bytes a step reads / the device's bandwidth);
+2. ``decode``: plain against prompt-lookup speculative decoding, tok/s, tau and the step plan the
+   exactness probe chose, with the drafter planning on the cost curve measured on this device; random
+   weights repeat themselves, so their tau is not the real model's;
+3. ``identity``: greedy tokens of fp16/bf16 against fp32 (TF32 off), per prompt the first divergence and
+   the fp32 logit margin there; and speculative against plain in each precision;
+4. ``predicted``: end-to-end tok/s for each draft as tau measured on the CPU with the real weights (a
+   ``specdeploy bench`` JSON; fp32 tau does not depend on the hardware) over this device's step cost.
+
+``--dry-run`` runs the same stages on CPU torch with a tiny shape and writes the same schema, so CI
+keeps the script alive. Nothing here imports transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from specdeploy.exporter.reference.torch_backend import TorchBackend
+from specdeploy.graphs.native_step import StepShape, random_weights
+from specdeploy.runtime.backends import StepInputs
+from specdeploy.runtime.bundle import (
+    BundleManifest,
+    GraphEntry,
+    Limits,
+    ModelConfig,
+    SourceInfo,
+    TokenizerInfo,
+)
+from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
+from specdeploy.runtime.drafters import PromptLookupDrafter
+from specdeploy.runtime.probe import resolve_plan
+
+SCHEMA = 1
+SMOLLM2_135M = StepShape(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_positions=8192)
+TINY = StepShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, rms_norm_eps=1e-5, max_positions=1024)
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # bytes/s of HBM, by device name
+STEP_SIZES = (1, 16, 64)
+SEED = 0
+
+
+def synthetic_manifest(shape: StepShape, max_context: int, max_tree: int) -> BundleManifest:
+    """A manifest for ``shape`` with random weights: what the Decoder and the exactness probe read."""
+    model = ModelConfig("LlamaForCausalLM", "llama", shape.vocab_size, shape.hidden_size, shape.num_layers,
+                        shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.max_positions, eos_token_ids=())
+    tag = f"random-seed{SEED}-{shape.num_layers}x{shape.hidden_size}"
+    graph = GraphEntry("base", tag, tag, (), (), (), 0, target="ort", precision="fp32")
+    return BundleManifest(model, (graph,), Limits(max_batch=1, max_tree=max_tree, max_context=max_context),
+                          TokenizerInfo("none", None, None, None), SourceInfo(tag, "random", tag), ())
+
+
+def prompts(shape: StepShape, count: int, length: int) -> list[list[int]]:
+    """Prompt token ids: random ids with repeated spans, as real prompts (code, lists) have."""
+    rng = np.random.default_rng(SEED)
+    out = []
+    for _ in range(count):
+        base = rng.integers(0, shape.vocab_size, size=length // 2).tolist()
+        out.append((base + base[: length - len(base)])[:length])
+    return out
+
+
+def roofline_ms(shape: StepShape, dtype_bytes: int, t: int, past: int, bandwidth: float) -> float:
+    """The least time a T-row step takes on a bandwidth-bound device: every weight read once (the
+    embedding only at T rows) plus the K/V of ``past + t`` slots, at ``bandwidth`` bytes/s."""
+    s = shape
+    per_layer = s.hidden_size * ((s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 2 * s.intermediate_size) \
+        + s.num_heads * s.head_dim * s.hidden_size + s.intermediate_size * s.hidden_size + 2 * s.hidden_size
+    weights = s.num_layers * per_layer + s.vocab_size * s.hidden_size + (t + 1) * s.hidden_size
+    kv = 2 * s.num_layers * s.num_kv_heads * s.head_dim * (past + t)
+    return (weights + kv) * dtype_bytes / bandwidth * 1e3
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+class Report:
+    """The JSON written after every stage; a stage's exception is recorded and the next stage goes on."""
+
+    def __init__(self, path: Path, meta: dict[str, Any]):
+        self.path = path
+        self.data: dict[str, Any] = {"schema": SCHEMA, **meta, "stages": {}, "errors": {}}
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=float))
+        tmp.replace(self.path)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[dict[str, Any]]:
+        t0 = time.time()
+        out: dict[str, Any] = {}
+        self.data[name] = out
+        try:
+            yield out
+            status = "ok"
+        except Exception:  # noqa: BLE001 - a check records a failed stage and goes on to the next
+            self.data["errors"][name] = traceback.format_exc()[-3000:]
+            status = "error"
+        self.data["stages"][name] = {"status": status, "seconds": round(time.time() - t0, 2)}
+        self.save()
+        print(f"[gpu-check] {name}: {status} ({time.time() - t0:.1f}s)", flush=True)
+
+
+class Check:
+    """The state the stages share: device, shape, manifest, and one backend per (precision, graphs)."""
+
+    def __init__(self, shape: StepShape, device: str, max_context: int, max_tree: int):
+        self.shape, self.device = shape, device
+        self.manifest = synthetic_manifest(shape, max_context, max_tree)
+        self.cuda = device.startswith("cuda")
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def backend(self, precision: str, graphs: bool) -> TorchBackend:
+        if self._weights is None:
+            self._weights = random_weights(self.shape, seed=SEED, device=self.device)
+        return TorchBackend("", self.manifest, device=self.device, precision=precision, cuda_graphs=graphs,
+                            weights=self._weights, shape=self.shape)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def step_ms(self, backend: TorchBackend, t: int, past: int, iters: int) -> float:
+        """Mean time of a T-row chain step after ``past`` committed slots (CUDA events on a GPU)."""
+        cache = backend.new_cache(1, backend.cap_buckets[0])
+        cache.ensure_capacity(past + t, backend.cap_buckets)
+        cache.length = past
+        feed = chain_feed(np.zeros(t, np.int64), past, cache.capacity, np.arange(t))
+        for _ in range(3):
+            backend.step(feed, cache)  # warm-up; the step is idempotent
+        self.sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                backend.step(feed, cache)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            backend.step(feed, cache)
+        return (time.perf_counter() - t0) / iters * 1e3
+
+
+def chain_feed(ids: np.ndarray, past: int, capacity: int, logits_rows: np.ndarray) -> StepInputs:
+    """A chain of ``len(ids)`` tokens after ``past`` committed slots, over a cache of ``capacity`` slots."""
+    t, neg = len(ids), np.finfo(np.float32).min
+    mask = np.full((1, 1, t, capacity), neg, np.float32)
+    mask[..., :past] = 0.0
+    mask[0, 0, :, past:past + t] = np.where(np.tril(np.ones((t, t), bool)), 0.0, neg)
+    return StepInputs(ids[None].astype(np.int64), (past + np.arange(t))[None], mask, past + np.arange(t),
+                      logits_rows.astype(np.int64))
+
+
+def _decode(check: Check, backend: TorchBackend, drafter, ids: list[list[int]], max_new: int) -> dict[str, Any]:
+    plan = resolve_plan(backend, check.manifest, use_cache=False)
+    dec = Decoder(backend, check.manifest, drafter, plan=plan)
+    if drafter is not None and drafter.needs_cost_curve:
+        drafter.use_cost_curve(measure_cost_curve(dec))
+    list(dec.generate(ids[0][:8], GenerationConfig(max_new_tokens=4)))  # warm-up
+    toks, tps, taus = [], [], []
+    for p in ids:
+        st = DecodeStats()
+        toks.append(list(dec.generate(p, GenerationConfig(max_new_tokens=max_new), st)))
+        tps.append(st.decode_tokens_per_s)
+        taus.append(st.mean_accepted)
+    return {"tokens": toks, "tok_s": round(float(np.mean(tps)), 1), "tau": round(float(np.mean(taus)), 3),
+            "plan": plan.reason, "speculative": plan.speculate}
+
+
+def first_divergence(check: Check, ref: list[int], other: list[int], prompt: list[int]) -> dict[str, Any] | None:
+    """Where ``other`` leaves ``ref`` (fp32), and the fp32 top-1 minus top-2 logit margin at that step."""
+    i = next((j for j, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b), None)
+    if i is None:
+        return None
+    with check.backend("fp32", False) as fp32:
+        seq = np.asarray(prompt + ref[:i], np.int64)
+        cache = fp32.new_cache(1, fp32.cap_buckets[-1])
+        row = np.asarray(fp32.step(chain_feed(seq, 0, cache.capacity, np.arange(len(seq) - 1, len(seq))),
+                                   cache).logits)[0, -1]
+    top2 = np.sort(row)[-2:]
+    return {"token": i, "fp32": int(ref[i]), "other": int(other[i]), "margin": float(top2[1] - top2[0])}
+
+
+def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_prompts: int) -> dict[str, Any]:
+    cuda = torch.cuda.is_available() and not dry_run
+    device = "cuda" if cuda else "cpu"
+    shape = TINY if dry_run else SMOLLM2_135M
+    name = torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine()
+    bandwidth = next((bw for key, bw in BANDWIDTH.items() if key in name), BANDWIDTH["H200"])
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the identity reference
+        torch.backends.cudnn.allow_tf32 = False
+    check = Check(shape, device, max_context=1024 if not dry_run else 256, max_tree=64)
+    rep = Report(out, {"dry_run": dry_run, "device": device, "device_name": name, "torch": torch.__version__,
+                       "shape": dataclasses.asdict(shape),
+                       "weights": f"random, seed {SEED} (step times depend on shapes, not values)",
+                       "bandwidth_bytes_per_s": bandwidth})
+    precisions = ("fp32", "fp16", "bf16") if cuda else ("fp32",)
+    graph_modes = (False, True) if cuda else (False,)
+    iters, past = (50, 256) if cuda else (3, 32)
+    with rep.stage("steps") as res:
+        for prec in precisions:
+            size = 4 if prec == "fp32" else 2
+            for graphs in graph_modes:
+                with check.backend(prec, graphs) as backend:
+                    t0 = time.time()
+                    captured = backend.capture_all()
+                    key = f"{prec}-{'graphs' if graphs else 'eager'}"
+                    res[key] = {"captured": captured, "capture_s": round(time.time() - t0, 2), "ms": {
+                        str(t): _sig(check.step_ms(backend, t, past, iters)) for t in STEP_SIZES}}
+                rep.save()
+            res[f"{prec}-roofline"] = {"ms": {str(t): _sig(roofline_ms(shape, size, t, past, bandwidth))
+                                              for t in STEP_SIZES}}
+            if cuda:
+                e, g = res[f"{prec}-eager"]["ms"], res[f"{prec}-graphs"]["ms"]
+                res[f"{prec}-graph-speedup"] = {t: round(e[t] / g[t], 2) for t in e}
+    ids = prompts(shape, num_prompts, 64 if not dry_run else 24)
+    plain: dict[str, list[list[int]]] = {}
+    with rep.stage("decode") as res:
+        for prec in precisions:
+            with check.backend(prec, cuda) as backend:
+                backend.capture_all()
+                ar = _decode(check, backend, None, ids, max_new)
+                pl = _decode(check, backend, PromptLookupDrafter(), ids, max_new)
+            plain[prec] = ar["tokens"]
+            res[prec] = {"ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"],
+                         "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
+                         "tau_random_weights": pl["tau"], "plan": pl["plan"],
+                         "speculative_identical_to_plain": [a == b for a, b in zip(ar["tokens"], pl["tokens"],
+                                                                                   strict=True)]}
+            rep.save()
+    with rep.stage("identity") as res:
+        for prec in precisions[1:]:
+            res[prec] = [first_divergence(check, ref, other, p) for ref, other, p in
+                         zip(plain["fp32"], plain[prec], ids, strict=True)]
+        res["fp32_reference"] = "torch fp32, TF32 off" if cuda else "torch fp32 on the CPU"
+    with rep.stage("predicted") as res:
+        res.update(predict(rep.data.get("steps", {}), precisions, cpu_results))
+    return rep.data
+
+
+def predict(steps: dict[str, Any], precisions: tuple[str, ...], cpu_results: Path | None) -> dict[str, Any]:
+    """tok/s per draft = tau (CPU, real weights) / (the device's plain step + its T=16 step cost - 1 plain
+    step + the draft call), in plain-step units: ``ar_tok_s * tau / (c16 + draft/plain)``."""
+    if cpu_results is None or not cpu_results.is_file():
+        return {"skipped": f"no CPU bench JSON at {cpu_results}"}
+    runs = json.loads(cpu_results.read_text())
+    out: dict[str, Any] = {"cpu_results": str(cpu_results), "cpu": runs.get("config", {}).get("machine"),
+                           "assumed_tree_nodes": 16}
+    for prec in precisions:
+        mode = steps.get(f"{prec}-graphs") or steps.get(f"{prec}-eager")
+        if not mode:
+            continue
+        t1, t16 = mode["ms"]["1"], mode["ms"]["16"]
+        out[prec] = {v["name"]: {"tau_cpu": round(v["mean_accepted_tokens"], 3),
+                                 "draft_ms_cpu": (v.get("profile") or {}).get("draft_call_ms", 0.0),
+                                 "speedup_vs_plain": round(v["mean_accepted_tokens"] * t1 / (
+                                     (t16 if v["name"] != "ar" else t1)
+                                     + ((v.get("profile") or {}).get("draft_call_ms") or 0.0)), 2)}
+                     for v in runs.get("variants", []) if not v.get("skipped") and v.get("identical_to_ar")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path, help="the JSON to write (rewritten after every stage)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU torch, a tiny shape: the same stages and schema")
+    ap.add_argument("--cpu-results", type=Path, default=None, help="a specdeploy bench JSON for the prediction")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    args = ap.parse_args(argv)
+    run(args.out, args.dry_run, args.cpu_results, args.max_new_tokens, args.num_prompts)
+
+
+if __name__ == "__main__":
+    main()

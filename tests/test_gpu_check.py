@@ -1,0 +1,168 @@
+"""The GPU check and the torch backend it measures: the dry run of ``scripts/gpu_check.sh`` (CPU torch, the
+same stages and JSON as on a GPU), the backend's weights from the bundle, its fairness options, and GPU
+tests (marked ``gpu``) that need no model file, since none can travel to the device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from specdeploy.exporter.bench.gpu import TINY, Check, Report, chain_feed, prompts, synthetic_manifest
+from specdeploy.exporter.reference.torch_backend import DeviceRows, TorchBackend
+from specdeploy.graphs.base_step import rms_norm
+from specdeploy.graphs.native_step import random_weights, step_from_weights
+from specdeploy.runtime.bundle import read_manifest
+from specdeploy.runtime.decode import Decoder, GenerationConfig
+from specdeploy.runtime.errors import BackendUnavailableError
+from specdeploy.runtime.probe import resolve_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_dry_run_writes_every_stage_and_the_bench_schema(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], check=False, cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["dry_run"] is True
+    assert {k: v["rc"] for k, v in summary["stages"].items()} == {"env": 0, "setup": 0, "bench": 0, "tests": 0}
+    bench = summary["bench"]
+    assert bench["errors"] == {}, bench["errors"]
+    assert {k: v["status"] for k, v in bench["stages"].items()} == dict.fromkeys(
+        ("steps", "decode", "identity", "predicted"), "ok")
+    assert set(bench["steps"]["fp32-eager"]["ms"]) == {"1", "16", "64"}
+    assert all(ms > 0 for ms in bench["steps"]["fp32-eager"]["ms"].values())
+    assert all(ms > 0 for ms in bench["steps"]["fp32-roofline"]["ms"].values())
+    dec = bench["decode"]["fp32"]
+    assert dec["ar_tok_s"] > 0 and dec["plan"] and all(dec["speculative_identical_to_plain"])
+    pred = bench["predicted"]["fp32"]
+    assert pred["ar"]["speedup_vs_plain"] == 1.0 and pred["prompt-lookup"]["tau_cpu"] > 1.0
+    assert summary["tests"]["failures"] == 0 and summary["tests"]["errors"] == 0
+
+
+def test_report_records_a_failing_stage_and_goes_on(tmp_path):
+    rep = Report(tmp_path / "r.json", {"device": "cpu"})
+    assert json.loads((tmp_path / "r.json").read_text())["stages"] == {}  # written before any stage
+    with rep.stage("first") as res:
+        res["x"] = 1
+        raise RuntimeError("boom")
+    with rep.stage("second") as res:
+        res["y"] = 2
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["stages"]["first"]["status"] == "error" and "boom" in saved["errors"]["first"]
+    assert saved["stages"]["second"]["status"] == "ok" and saved["second"] == {"y": 2} and saved["first"] == {"x": 1}
+
+
+def test_torch_backend_reads_the_bundles_weights_without_transformers(tiny_bundle):
+    code = f"""
+import sys
+import numpy as np
+from specdeploy.exporter.reference.torch_backend import TorchBackend
+from specdeploy.exporter.bench.gpu import chain_feed
+from specdeploy.runtime.bundle import read_manifest
+m = read_manifest({str(tiny_bundle)!r})
+with TorchBackend({str(tiny_bundle)!r}, m, device="cpu", cuda_graphs=False) as b:
+    cache = b.new_cache(1, 128)
+    out = b.step(chain_feed(np.array([5, 6, 7]), 0, 128, np.arange(3)), cache)
+    assert out.argmax.tolist() == [np.asarray(out.logits)[0].argmax(-1).tolist()]
+print("transformers" in sys.modules)
+"""
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"
+
+
+def test_torch_backend_refuses_a_bundle_without_fp32_weights(tiny_bundle):
+    manifest = read_manifest(tiny_bundle)
+    only_trt = manifest.replace(graphs=tuple(g for g in manifest.graphs if g.target == "trt"))
+    with pytest.raises(BackendUnavailableError, match=r"fp32 'ort' graph.*it has: trt/fp32.*--precision fp32"):
+        TorchBackend(tiny_bundle, only_trt, device="cpu", cuda_graphs=False)
+
+
+def test_half_precision_rms_norm_squares_in_fp32():
+    x = torch.full((1, 8), 300.0)  # 300^2 overflows fp16 (max 65504)
+    w = torch.full((8,), 0.5)
+    ref = rms_norm(x, w, 1e-5)
+    half = rms_norm(x.half(), w.half(), 1e-5)
+    assert torch.isfinite(half).all() and torch.allclose(half.float(), ref, atol=1e-3)
+    naive = x.half() / torch.sqrt(x.half().pow(2).mean(-1, keepdim=True) + 1e-5) * w.half()
+    assert not torch.allclose(naive.float(), ref, atol=1e-3)  # what the upcast prevents
+
+
+def test_inplace_kv_and_sdpa_compute_the_export_form():
+    """The torch backend's options (cache written in place, fused attention) give the exported form's logits,
+    and leave in the cache buffers what the exported form returns as ``present``."""
+    step = step_from_weights(random_weights(TINY, seed=3, std=0.1), TINY).eval()
+    cap, past_len, t = 32, 5, 4
+    feed = chain_feed(np.arange(10, 10 + t), past_len, cap, np.arange(t))
+    args = [torch.from_numpy(getattr(feed, n)) for n in ("input_ids", "position_ids", "attention_mask",
+                                                          "write_indices", "logits_index")]
+    past = [torch.randn(1, TINY.num_kv_heads, cap, TINY.head_dim, generator=torch.Generator().manual_seed(i))
+            for i in range(2 * TINY.num_layers)]
+    with torch.no_grad():
+        logits, hidden, *presents = step(*args, [p.clone() for p in past])
+        step.inplace_kv, step.sdpa = True, True
+        bufs = [p.clone() for p in past]
+        logits2, hidden2, *_ = step(*args, bufs)
+    assert torch.allclose(logits, logits2, atol=1e-5) and torch.allclose(hidden, hidden2, atol=1e-5)
+    for buf, present in zip(bufs, presents, strict=True):
+        assert torch.allclose(buf, present, atol=1e-6)
+
+
+def test_device_rows_copies_only_what_is_read():
+    t = torch.arange(24, dtype=torch.float32).reshape(1, 4, 6)
+    rows = DeviceRows(t)
+    assert rows.shape == (1, 4, 6) and rows.ndim == 3 and len(rows) == 1
+    sub = rows[0]
+    assert isinstance(sub, DeviceRows) and sub.shape == (4, 6)  # still on the device
+    row = sub[2]
+    assert isinstance(row, np.ndarray) and row.tolist() == t[0, 2].tolist()
+    assert rows[0, np.array([1, 3])].shape == (2, 6)
+    assert np.array_equal(np.asarray(rows), t.numpy()) and (sub / 2.0).tolist() == (t[0] / 2).tolist()
+    assert sub.max() == 23.0 and sub.astype(np.float64).dtype == np.float64
+
+
+def test_capture_all_captures_nothing_on_a_cpu():
+    check = Check(TINY, "cpu", max_context=128, max_tree=16)
+    with check.backend("fp32", False) as backend:
+        assert backend.capture_all() == 0
+
+
+# --- on a GPU (scripts/gpu_check.sh runs these; no model file needed) ------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_graphs_are_all_captured_before_decoding_and_match_eager():
+    check = Check(TINY, "cuda", max_context=256, max_tree=16)
+    ids = prompts(TINY, 2, 24)
+    tokens = {}
+    for graphs in (False, True):
+        with check.backend("fp32", graphs) as backend:
+            captured = backend.capture_all()
+            if graphs:
+                assert captured == sum(1 for c in backend.cap_buckets for t in backend.t_buckets if 1 + t <= c)
+            dec = Decoder(backend, check.manifest, None, plan=resolve_plan(backend, check.manifest, use_cache=False))
+            tokens[graphs] = [list(dec.generate(p, GenerationConfig(max_new_tokens=32))) for p in ids]
+            assert backend.captures == captured  # decoding replayed only graphs captured beforehand
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_synthetic_manifest_runs_the_real_architecture_on_the_device():
+    from specdeploy.exporter.bench.gpu import SMOLLM2_135M
+
+    check = Check(SMOLLM2_135M, "cuda", max_context=512, max_tree=16)
+    assert check.manifest == synthetic_manifest(SMOLLM2_135M, 512, 16)
+    with check.backend("bf16", True) as backend:
+        cache = backend.new_cache(1, backend.cap_buckets[0])
+        out = backend.step(chain_feed(np.arange(100, 140), 0, cache.capacity, np.arange(39, 40)), cache)
+        assert np.isfinite(np.asarray(out.logits)).all() and out.hidden_states.shape == (1, 40, 576)
+        assert check.step_ms(backend, 16, 64, 5) > 0
