@@ -339,7 +339,7 @@ class ChimeraStepGraph(nn.Module):
         group = hq // hkv
         emb3 = nn.functional.embedding(trigram_ids, self.embed_weight)  # [B, T, 3, H]
         x = draft.slot_input(hidden, emb3)
-        cos, sin = draft.rope(position_ids)
+        cos, sin = (c.to(x.dtype) for c in draft.rope(position_ids))  # fp32 tables: in fp16/bf16, cast
         q, k, v = layer.qkv_heads(x, cos, sin)
         widx = write_indices.view(1, 1, t, 1).expand(bsz, hkv, t, dh)
         k_all = past_key.scatter(2, widx, k)  # [B, Hkv, C, D]

@@ -239,7 +239,8 @@ class Engine:
             self._batch = self._batching(max_batch, allow_inexact, progress)
         self.max_batch = self._batch.max_batch if self._batch else 1  # 1 where the batch probe turned it off
         drafter = None if self._batch else make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree,
-                                                        threads=threads, chains=not self.plan.trees)
+                                                        threads=threads, chains=not self.plan.trees,
+                                                        backend=self.backend)
         self.decoder = self._batch.decoder if self._batch else Decoder(self.backend, self.manifest, drafter,
                                                                         max_tree=max_tree, plan=self.plan)
         self.backend.release_unused()

@@ -95,9 +95,11 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
 
 
 def _host(x) -> np.ndarray:
-    """A host copy of a cache buffer (numpy here; a torch tensor on the torch backend)."""
+    """A host copy of a cache buffer (numpy here; a torch tensor on the torch backend, widened to fp32 from
+    16-bit floats, which numpy lacks in bf16: widening is exact, so bitwise comparisons still hold)."""
     if hasattr(x, "detach"):
-        return x.detach().cpu().numpy().copy()
+        x = x.detach()
+        return (x.float() if x.element_size() == 2 and x.is_floating_point() else x).cpu().numpy().copy()
     return np.array(x, copy=True)
 
 

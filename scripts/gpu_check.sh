@@ -7,8 +7,8 @@
 # The device has no network and receives at most 64 MiB per call (this repository included), so:
 # - no model travels: the bench times the real SmolLM2-135M architecture with random weights generated
 #   on the device (step times depend on shapes, not values), and predicts each draft's end-to-end speed
-#   from tau measured on the CPU with the real weights (docs/results/s10_32_fp32.json); see
-#   exporter/bench/gpu.py;
+#   from tau measured on the CPU with the real weights (docs/results/s10_32_fp32.json) over the device's
+#   step and draft costs (the shipped Chimera runs in torch on the device); see exporter/bench/gpu.py;
 # - nothing is installed from an index: specdeploy is imported from this checkout through a folder of
 #   links (no pip, no build backend), and the tests' extra packages come from the wheels in ./.whl/ when
 #   they are missing there (carry ".whl"; the list and sizes are in scripts/gpu_wheels.txt);

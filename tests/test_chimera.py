@@ -301,6 +301,39 @@ def test_chimera_drafter_matches_plain_greedy(chimera_bundle, tree):
             assert st.steps >= 1 and sum(st.accepted) == st.new_tokens - 1
 
 
+def test_the_torch_drafter_drafts_as_the_onnx_one(chimera_bundle, tiny_weights):
+    """The torch drafter (the same step module, on the base's device) proposes what the exported fp32 draft
+    graph does in ONNX Runtime, over the base weights the torch backend reads from the bundle."""
+    from specdeploy.exporter.reference.torch_backend import bundle_weights
+    from specdeploy.exporter.reference.torch_drafters import load_chimera
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters.chimera import make_chimera_drafter
+
+    manifest = read_manifest(chimera_bundle)
+    weights, _ = bundle_weights(chimera_bundle, manifest)
+    onnx_drafter = make_chimera_drafter(chimera_bundle, manifest, tree="chain4", precision="fp32")
+    torch_drafter = load_chimera(tiny_weights, weights["embed_tokens"], weights["lm_head_t"].t(), "cpu",
+                                 torch.float32)
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
+    from specdeploy.exporter.reference.torch_drafters import TorchChimeraDrafter
+    from specdeploy.runtime.drafters import make_drafter
+
+    backend = TorchBackend(chimera_bundle, manifest, device="cpu", cuda_graphs=False)
+    hooked = make_drafter("chimera", chimera_bundle, manifest, tree="chain4", backend=backend)  # the backend's
+    assert isinstance(hooked, TorchChimeraDrafter) and hooked.graph.embed_weight.device.type == "cpu"
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 2000, size=12)
+    for grow in (0, 2, 1):  # a catch-up over the prompt, then steps that accepted 1 and 0 drafts (+ bonus)
+        tokens = np.append(tokens, rng.integers(0, 2000, size=grow))
+        hidden = rng.normal(size=(len(tokens) - 1 - torch_drafter.length, 64)).astype(np.float32)
+        ids_o, logp_o = onnx_drafter.head_topk(tokens, hidden)
+        ids_t, logp_t = torch_drafter.head_topk(tokens, hidden)
+        assert hooked.head_topk(tokens, hidden)[0].tolist() == ids_o.tolist()
+        assert ids_t.tolist() == ids_o.tolist() and torch_drafter.length == onnx_drafter.length
+        np.testing.assert_allclose(logp_t, logp_o, atol=1e-4)
+    assert torch_drafter.calls == 3 * 4
+
+
 @pytest.mark.parametrize("regime", ["free", "steep"])
 def test_adaptive_chains_follow_the_costs_and_stay_lossless(chimera_bundle, monkeypatch, regime):
     """A chain is sized per step by the chain policy: when rows and calls cost nothing every head drafts;

@@ -37,15 +37,28 @@ def test_dry_run_writes_every_stage_and_the_bench_schema(tmp_path):
     bench = summary["bench"]
     assert bench["errors"] == {}, bench["errors"]
     assert {k: v["status"] for k, v in bench["stages"].items()} == dict.fromkeys(
-        ("steps", "decode", "identity", "predicted"), "ok")
+        ("steps", "decode", "drafts", "identity", "predicted"), "ok")
     assert set(bench["steps"]["fp32-eager"]["ms"]) == {"1", "16", "64"}
     assert all(ms > 0 for ms in bench["steps"]["fp32-eager"]["ms"].values())
     assert all(ms > 0 for ms in bench["steps"]["fp32-roofline"]["ms"].values())
     dec = bench["decode"]["fp32"]
     assert dec["ar_tok_s"] > 0 and dec["plan"] and all(dec["speculative_identical_to_plain"])
+    drafts = bench["drafts"]["fp32"]
+    assert drafts["chimera"]["draft_call_ms"] > 0 and all(drafts["hybrid"]["identical_to_plain"])
     pred = bench["predicted"]["fp32"]
     assert pred["ar"]["speedup_vs_plain"] == 1.0 and pred["prompt-lookup"]["tau_cpu"] > 1.0
+    assert pred["chimera"]["draft_ms_from"] == "device" and pred["medusa"]["draft_ms_from"] == "cpu"
     assert summary["tests"]["failures"] == 0 and summary["tests"]["errors"] == 0
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU message")
+def test_the_gpu_bench_without_a_gpu_is_one_sentence(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "specdeploy.exporter.bench.gpu", str(tmp_path / "b.json")],
+                         check=False, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip() == ("error: The GPU check needs a CUDA GPU and PyTorch sees none; pass --dry-run to "
+                                  "run its stages on the CPU.")
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_report_records_a_failing_stage_and_goes_on(tmp_path):
@@ -130,6 +143,25 @@ def test_device_rows_copies_only_what_is_read():
     assert sub.max() == 23.0 and sub.astype(np.float64).dtype == np.float64
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_decoding_with_a_torch_draft(precision):
+    """fp16/bf16 steps go through the exactness probe (bf16 caches are widened for it) and the torch Chimera
+    drafter runs in the base's precision (its fp32 rotary tables cast), as on a GPU."""
+    from specdeploy.exporter.bench.gpu import _decode, draft_call_ms
+
+    check = Check(TINY, "cpu", max_context=128, max_tree=16)
+    ids = prompts(TINY, 1, 24)
+    with check.backend(precision, False) as backend:
+        plain = _decode(check, backend, None, ids, 8)
+        assert len(plain["tokens"][0]) == 8 and plain["plan"]
+        for name, drafter in check.drafters(precision):
+            run = _decode(check, backend, drafter, ids, 8)
+            assert run["tokens"] == plain["tokens"]  # the plan speculates only where exact
+            if name == "chimera":
+                assert drafter.graph.embed_weight.dtype == backend.dtype
+                assert draft_call_ms(drafter, TINY, ids[0], 2) > 0
+
+
 def test_capture_all_captures_nothing_on_a_cpu():
     check = Check(TINY, "cpu", max_context=128, max_tree=16)
     with check.backend("fp32", False) as backend:
@@ -166,3 +198,18 @@ def test_synthetic_manifest_runs_the_real_architecture_on_the_device():
         out = backend.step(chain_feed(np.arange(100, 140), 0, cache.capacity, np.arange(39, 40)), cache)
         assert np.isfinite(np.asarray(out.logits)).all() and out.hidden_states.shape == (1, 40, 576)
         assert check.step_ms(backend, 16, 64, 5) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_torch_drafts_on_the_device_keep_plain_output(precision):
+    from specdeploy.exporter.bench.gpu import _decode
+
+    check = Check(TINY, "cuda", max_context=256, max_tree=16)
+    ids = prompts(TINY, 2, 24)
+    with check.backend(precision, True) as backend:
+        backend.capture_all()
+        plain = _decode(check, backend, None, ids, 32)
+        for _, drafter in check.drafters(precision):
+            assert _decode(check, backend, drafter, ids, 32)["tokens"] == plain["tokens"]

@@ -247,6 +247,37 @@ def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
         assert gate[1] == 0
 
 
+def test_the_torch_backend_runs_heads_drafts_on_its_device_as_onnx_does(heads_bundle):
+    """Through the backend hook, the torch backend's heads drafts (the modules export traces, in torch) give
+    the ONNX Runtime drafts' top-k and Cerberus' gate signals; the hybrid takes the torch model draft too."""
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
+    from specdeploy.exporter.reference.torch_drafters import TorchSession
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters import make_drafter
+
+    manifest = read_manifest(heads_bundle)
+    rng = np.random.default_rng(0)
+    with TorchBackend(heads_bundle, manifest, device="cpu", cuda_graphs=False) as backend:
+        for name in ("medusa", "cerberus"):
+            ours = make_drafter(name, heads_bundle, manifest, backend=backend)
+            onnx = make_drafter(name, heads_bundle, manifest)
+            assert isinstance(ours.session, TorchSession) and not isinstance(onnx.session, TorchSession)
+            for _ in range(3):
+                hidden = rng.normal(size=64).astype(np.float32)
+                ids_t, logp_t = ours.head_topk(hidden)
+                ids_o, logp_o = onnx.head_topk(hidden)
+                assert ids_t.tolist() == ids_o.tolist()
+                np.testing.assert_allclose(logp_t, logp_o, atol=1e-4)
+            if name == "cerberus":
+                feed = {"hidden_states": rng.normal(size=(1, 1, 64)).astype(np.float32),
+                        "logits": rng.normal(size=(1, 1, 49152)).astype(np.float32)}
+                for got, want in zip(ours.gate_session.run(None, feed), onnx.gate_session.run(None, feed),
+                                     strict=True):
+                    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        hybrid = make_drafter("hybrid:medusa", heads_bundle, manifest, backend=backend)
+        assert isinstance(hybrid.model.session, TorchSession)
+
+
 def test_unknown_gate_and_missing_calibration(heads_bundle, tiny_weights, tmp_path):
     from specdeploy.runtime.bundle import config_pairs, read_manifest, write_manifest
     from specdeploy.runtime.drafters.heads import GateConfigError, GateSpec

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -33,7 +34,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from specdeploy.exporter.reference.torch_backend import TorchBackend
+from specdeploy.exporter.reference.torch_backend import DTYPES, TorchBackend
+from specdeploy.exporter.reference.torch_drafters import load_chimera, random_chimera
+from specdeploy.graphs.chimera import ChimeraConfig
 from specdeploy.graphs.native_step import StepShape, random_weights
 from specdeploy.runtime.backends import StepInputs
 from specdeploy.runtime.bundle import (
@@ -46,9 +49,12 @@ from specdeploy.runtime.bundle import (
 )
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
 from specdeploy.runtime.drafters import PromptLookupDrafter
+from specdeploy.runtime.drafters.hybrid import HybridDrafter
+from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
 from specdeploy.runtime.probe import resolve_plan
 
 SCHEMA = 1
+WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "weights"  # the shipped drafts (tracked)
 SMOLLM2_135M = StepShape(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                          num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_positions=8192)
 TINY = StepShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -137,6 +143,22 @@ class Check:
         return TorchBackend("", self.manifest, device=self.device, precision=precision, cuda_graphs=graphs,
                             weights=self._weights, shape=self.shape)
 
+    def drafters(self, precision: str) -> Iterator[tuple[str, Any]]:
+        """(name, drafter) for each model draft, in torch on the device: the shipped Chimera over the random
+        base (real shape), or a random one of the tiny shape in a dry run; and the hybrid over it."""
+        weights = self._weights
+        embed, lm = weights["embed_tokens"], weights["lm_head_t"].t()
+        dtype = DTYPES[precision]
+        for name in ("chimera", "hybrid"):
+            if self.shape == SMOLLM2_135M:
+                model = load_chimera(WEIGHTS_DIR / "chimera.safetensors", embed, lm, self.device, dtype)
+            else:
+                s = self.shape
+                cfg = ChimeraConfig("chimera", 4, s.hidden_size, s.vocab_size, s.num_heads, s.num_kv_heads,
+                                    s.head_dim, s.intermediate_size, s.rms_norm_eps, s.rope_theta)
+                model = random_chimera(cfg, embed, lm, self.device, dtype)
+            yield name, (model if name == "chimera" else HybridDrafter(model))
+
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
@@ -187,7 +209,21 @@ def _decode(check: Check, backend: TorchBackend, drafter, ids: list[list[int]], 
         tps.append(st.decode_tokens_per_s)
         taus.append(st.mean_accepted)
     return {"tokens": toks, "tok_s": round(float(np.mean(tps)), 1), "tau": round(float(np.mean(taus)), 3),
-            "plan": plan.reason, "speculative": plan.speculate}
+            "plan": plan.reason, "speculative": plan.speculate,
+            "profile": drafter.profile() if drafter is not None and hasattr(drafter, "profile") else {}}
+
+
+def draft_call_ms(drafter, shape: StepShape, prompt: list[int], iters: int) -> float:
+    """Mean time of one draft call: catch up over ``prompt``, then steps that each accepted one draft."""
+    rng = np.random.default_rng(SEED)
+    drafter.reset()
+    tokens = np.asarray(prompt, np.int64)
+    drafter.head_topk(tokens, rng.normal(size=(len(tokens) - 1, shape.hidden_size)).astype(np.float32))
+    calls, t0 = drafter.calls, time.perf_counter()
+    for _ in range(iters):
+        tokens = np.append(tokens, rng.integers(0, shape.vocab_size, size=2))
+        drafter.head_topk(tokens, rng.normal(size=(2, shape.hidden_size)).astype(np.float32))
+    return (time.perf_counter() - t0) / (drafter.calls - calls) * 1e3
 
 
 def first_divergence(check: Check, ref: list[int], other: list[int], prompt: list[int]) -> dict[str, Any] | None:
@@ -205,6 +241,9 @@ def first_divergence(check: Check, ref: list[int], other: list[int], prompt: lis
 
 
 def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_prompts: int) -> dict[str, Any]:
+    if not dry_run and not torch.cuda.is_available():
+        raise BackendUnavailableError("The GPU check needs a CUDA GPU and PyTorch sees none; pass --dry-run to run "
+                                      "its stages on the CPU.")
     cuda = torch.cuda.is_available() and not dry_run
     device = "cuda" if cuda else "cpu"
     shape = TINY if dry_run else SMOLLM2_135M
@@ -228,6 +267,8 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                 with check.backend(prec, graphs) as backend:
                     t0 = time.time()
                     captured = backend.capture_all()
+                    for t in STEP_SIZES:  # one untimed pass: lazy initialisation, allocator growth
+                        check.step_ms(backend, t, past, 2)
                     key = f"{prec}-{'graphs' if graphs else 'eager'}"
                     res[key] = {"captured": captured, "capture_s": round(time.time() - t0, 2), "ms": {
                         str(t): _sig(check.step_ms(backend, t, past, iters)) for t in STEP_SIZES}}
@@ -239,32 +280,49 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                 res[f"{prec}-graph-speedup"] = {t: round(e[t] / g[t], 2) for t in e}
     ids = prompts(shape, num_prompts, 64 if not dry_run else 24)
     plain: dict[str, list[list[int]]] = {}
+    res_plain: dict[str, float] = {}
     with rep.stage("decode") as res:
         for prec in precisions:
             with check.backend(prec, cuda) as backend:
                 backend.capture_all()
                 ar = _decode(check, backend, None, ids, max_new)
                 pl = _decode(check, backend, PromptLookupDrafter(), ids, max_new)
-            plain[prec] = ar["tokens"]
+            plain[prec], res_plain[prec] = ar["tokens"], ar["tok_s"]
             res[prec] = {"ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"],
                          "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
                          "tau_random_weights": pl["tau"], "plan": pl["plan"],
                          "speculative_identical_to_plain": [a == b for a, b in zip(ar["tokens"], pl["tokens"],
                                                                                    strict=True)]}
             rep.save()
+    with rep.stage("drafts") as res:  # model drafts in torch on the device: their cost, the figure τ multiplies
+        for prec in precisions:
+            with check.backend(prec, cuda) as backend:
+                backend.capture_all()
+                for name, drafter in check.drafters(prec):
+                    run = _decode(check, backend, drafter, ids, max_new)
+                    entry = res.setdefault(prec, {})[name] = {
+                        "tok_s": run["tok_s"], "vs_plain": round(run["tok_s"] / res_plain[prec], 2),
+                        "plan": run["plan"], "tau_random_weights": run["tau"],
+                        "identical_to_plain": [a == b for a, b in zip(plain[prec], run["tokens"], strict=True)]}
+                    if name == "chimera":  # the draft's own cost, whether or not the plan lets it speculate
+                        entry["draft_call_ms"] = _sig(draft_call_ms(drafter, check.shape, ids[0], iters))
+                    rep.save()
     with rep.stage("identity") as res:
         for prec in precisions[1:]:
             res[prec] = [first_divergence(check, ref, other, p) for ref, other, p in
                          zip(plain["fp32"], plain[prec], ids, strict=True)]
         res["fp32_reference"] = "torch fp32, TF32 off" if cuda else "torch fp32 on the CPU"
     with rep.stage("predicted") as res:
-        res.update(predict(rep.data.get("steps", {}), precisions, cpu_results))
+        res.update(predict(rep.data.get("steps", {}), rep.data.get("drafts", {}), precisions, cpu_results))
     return rep.data
 
 
-def predict(steps: dict[str, Any], precisions: tuple[str, ...], cpu_results: Path | None) -> dict[str, Any]:
-    """tok/s per draft = tau (CPU, real weights) / (the device's plain step + its T=16 step cost - 1 plain
-    step + the draft call), in plain-step units: ``ar_tok_s * tau / (c16 + draft/plain)``."""
+def predict(steps: dict[str, Any], drafts: dict[str, Any], precisions: tuple[str, ...],
+            cpu_results: Path | None) -> dict[str, Any]:
+    """Speed-up over plain decoding per draft: tau (CPU, real weights) x t1 / (t16 + draft), where t1 and t16
+    are this device's 1-row and 16-row step times and the draft cost is one draft call per step (a lower
+    bound: an adaptive chain makes 1 to 4), measured here in torch for Chimera and the hybrid over it
+    (``drafts`` stage), else the CPU's ONNX Runtime figure (``draft_ms_from``)."""
     if cpu_results is None or not cpu_results.is_file():
         return {"skipped": f"no CPU bench JSON at {cpu_results}"}
     runs = json.loads(cpu_results.read_text())
@@ -275,12 +333,18 @@ def predict(steps: dict[str, Any], precisions: tuple[str, ...], cpu_results: Pat
         if not mode:
             continue
         t1, t16 = mode["ms"]["1"], mode["ms"]["16"]
-        out[prec] = {v["name"]: {"tau_cpu": round(v["mean_accepted_tokens"], 3),
-                                 "draft_ms_cpu": (v.get("profile") or {}).get("draft_call_ms", 0.0),
-                                 "speedup_vs_plain": round(v["mean_accepted_tokens"] * t1 / (
-                                     (t16 if v["name"] != "ar" else t1)
-                                     + ((v.get("profile") or {}).get("draft_call_ms") or 0.0)), 2)}
-                     for v in runs.get("variants", []) if not v.get("skipped") and v.get("identical_to_ar")}
+        here = drafts.get(prec, {})
+        out[prec] = {}
+        for v in runs.get("variants", []):
+            if v.get("skipped") or not v.get("identical_to_ar"):
+                continue
+            name, tau = v["name"], v["mean_accepted_tokens"]
+            device_ms = (here.get("chimera") or {}).get("draft_call_ms") if name in ("chimera", "hybrid") else None
+            draft_ms = device_ms if device_ms is not None else (v.get("profile") or {}).get("draft_call_ms") or 0.0
+            step = t1 if name == "ar" else t16
+            out[prec][name] = {"tau_cpu": round(tau, 3), "draft_ms": draft_ms,
+                               "draft_ms_from": "device" if device_ms is not None else "cpu",
+                               "speedup_vs_plain": round(tau * t1 / (step + draft_ms), 2)}
     return out
 
 
@@ -292,7 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=4)
     args = ap.parse_args(argv)
-    run(args.out, args.dry_run, args.cpu_results, args.max_new_tokens, args.num_prompts)
+    try:
+        run(args.out, args.dry_run, args.cpu_results, args.max_new_tokens, args.num_prompts)
+    except SpecDeployError as exc:  # one sentence, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -190,6 +190,14 @@ class TorchBackend(Backend):
         cap = self._graphs[key] = _Captured(graph, static, logits, argmax, hidden, ptrs)
         return cap
 
+    def make_drafter(self, name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None, chains: bool):
+        """Trained drafts run here too, in torch on this device (``torch_drafters.py``)."""
+        from specdeploy.exporter.reference.torch_drafters import bundle_drafter
+
+        step = self.step_module
+        return bundle_drafter(name, manifest, step.embed_tokens.weight, step.lm_head.weight, self.device, self.dtype,
+                              tree, chains)
+
     def close(self) -> None:
         self._graphs.clear()
         self._pool.clear()
@@ -273,8 +281,10 @@ class DeviceRows(np.lib.mixins.NDArrayOperatorsMixin):
 
 
 def make_torch(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
-    """``torch``: CUDA graphs when CUDA is present, eager on the CPU."""
-    return TorchBackend(bundle_dir, manifest, cuda_graphs=None, threads=threads)
+    """``torch``: CUDA graphs when CUDA is present (all captured at load), eager on the CPU."""
+    backend = TorchBackend(bundle_dir, manifest, cuda_graphs=None, threads=threads)
+    backend.capture_all()
+    return backend
 
 
 def make_torch_eager(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
@@ -282,4 +292,7 @@ def make_torch_eager(bundle_dir: Path, manifest: BundleManifest, threads: int | 
 
 
 def make_torch_graphs(bundle_dir: Path, manifest: BundleManifest, threads: int | None = None) -> TorchBackend:
-    return TorchBackend(bundle_dir, manifest, cuda_graphs=True, threads=threads)
+    """``torch-graphs``: every decode graph captured at load, so that none is captured while generating."""
+    backend = TorchBackend(bundle_dir, manifest, cuda_graphs=True, threads=threads)
+    backend.capture_all()
+    return backend

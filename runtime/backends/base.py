@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Self
+from pathlib import Path
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
 from ..bundle import BundleManifest, GraphEntry
 from ..kvcache import KVCache
+
+if TYPE_CHECKING:
+    from ..drafters.base import Drafter
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ class Backend(ABC):
 
     def release_unused(self) -> None:
         """Free what the resolved step plan does not run (the 1-row graph of a non-split plan)."""
+
+    def make_drafter(self, name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None,
+                     chains: bool) -> Drafter | None:
+        """A trained draft ``name`` that runs where this backend runs (its device), or None: the runtime's
+        own drafter, in ONNX Runtime on the CPU."""
+        return None
 
     def runtime_version(self) -> str:
         """The kernel library's name and version, part of the exactness verdict's key."""

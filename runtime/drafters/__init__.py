@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..backends.base import Backend
 from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
 from ..tree import TreeSpec, tree_choice
@@ -22,10 +23,15 @@ def tree_spec(tree: str | None, manifest: BundleManifest, max_depth: int) -> Tre
 
 
 def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
-                 threads: int | None = None, chains: bool = False) -> Drafter | None:
-    """The drafter ``name``; ``chains``: the step plan verifies chains only, so take the calibrated chain."""
+                 threads: int | None = None, chains: bool = False, backend: Backend | None = None) -> Drafter | None:
+    """The drafter ``name``; ``chains``: the step plan verifies chains only, so take the calibrated chain.
+    A trained draft runs on ``backend``'s device where the backend offers it (``Backend.make_drafter``)."""
     if name in (None, "", "none"):
         return None
+    if name in (*TRAINED_KINDS, "cerberus-nogate") and backend is not None:
+        own = backend.make_drafter(name, Path(bundle_dir), manifest, tree, chains)
+        if own is not None:
+            return own
     if name == "prompt-lookup":
         spec = tree_spec(tree, manifest, MAX_LOOKUP_DEPTH)
         if spec is None:
@@ -40,8 +46,8 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         if model not in (*TRAINED_KINDS, "cerberus-nogate"):
             raise DraftMismatchError(f"'{name}': the hybrid's model must be one of "
                                      f"{', '.join((*TRAINED_KINDS, 'cerberus-nogate'))}.")
-        return HybridDrafter(make_drafter(model, bundle_dir, manifest, tree=tree, threads=threads, chains=chains),
-                             chains=chains)
+        return HybridDrafter(make_drafter(model, bundle_dir, manifest, tree=tree, threads=threads, chains=chains,
+                                          backend=backend), chains=chains)
     if name == "chimera":
         from .chimera import make_chimera_drafter
 
