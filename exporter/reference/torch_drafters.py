@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 from specdeploy.graphs.chimera import ChimeraConfig, ChimeraDraft, ChimeraStepGraph
-from specdeploy.runtime.drafters.chimera import MIN_CAPACITY, ChimeraDrafter
+from specdeploy.runtime.drafters.chimera import ChimeraDrafter
 from specdeploy.runtime.errors import DraftMismatchError
 from specdeploy.runtime.tree import TreeSpec, parse_tree_arg
 
@@ -42,14 +42,7 @@ class TorchChimeraDrafter(ChimeraDrafter):
         self._neg_t = torch.finfo(dtype).min
         self.calls = 0
 
-    def _ensure(self, needed: int) -> None:
-        cap = 0 if self._k is None else self._k.shape[2]
-        if needed <= cap:
-            return
-        new_cap = max(MIN_CAPACITY, cap)
-        while new_cap < needed:
-            new_cap *= 2
-        shape = (self._kv_shape[0], self._kv_shape[1], new_cap, self._kv_shape[3])
+    def _grow(self, shape: tuple[int, ...], cap: int) -> None:
         k = torch.zeros(shape, device=self.device, dtype=self.dtype)
         v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         if self._k is not None:

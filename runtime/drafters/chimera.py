@@ -79,7 +79,10 @@ class ChimeraDrafter(Drafter):
         new_cap = max(MIN_CAPACITY, cap)
         while new_cap < needed:
             new_cap *= 2
-        shape = (self._kv_shape[0], self._kv_shape[1], new_cap, self._kv_shape[3])
+        self._grow((self._kv_shape[0], self._kv_shape[1], new_cap, self._kv_shape[3]), cap)
+
+    def _grow(self, shape: tuple[int, ...], cap: int) -> None:
+        """Replace the draft cache by zeroed buffers of ``shape`` holding its first ``cap`` slots."""
         k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         if self._k is not None:
             k[:, :, :cap] = self._k
