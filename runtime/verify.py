@@ -175,6 +175,15 @@ def greedy_accept(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray,
     return Acceptance(nodes, np.append(tree.tokens[nodes[1:]], bonus).astype(np.int64))
 
 
+def _row(logits, i: int, top_k: int) -> np.ndarray:
+    """Row ``i`` of the logits. From a backend's device array (``top_row``, the torch backend's), only its
+    top-k come back when top-k sampling is all :func:`warp_logits` keeps of the row: the rest is -inf there
+    anyway, so the warped distribution is the same, bit for bit."""
+    if top_k > 0 and hasattr(logits, "top_row"):
+        return logits.top_row(i, top_k)
+    return logits[i]
+
+
 def sample_accept(
     tree: DraftTree,
     buffers: TreeBuffers,
@@ -201,7 +210,7 @@ def sample_accept(
     node = 0
     nodes, out = [0], []
     while True:
-        p = warp_logits(logits[node], temperature, top_k, top_p)  # [V] float64, our own copy
+        p = warp_logits(_row(logits, node, top_k), temperature, top_k, top_p)  # [V] float64, our own copy
         mass = 1.0  # p's total: point-mass rejections zero entries instead of renormalising all of V
         child = -1
         for c in buffers.children[node]:

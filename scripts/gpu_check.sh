@@ -14,7 +14,8 @@
 #   they are missing there (carry ".whl"; the list and sizes are in scripts/gpu_wheels.txt);
 # - JSON is written before anything slow and after every stage: $OUT/gpu_check.json (summary: stages,
 #   environment, bench, tests), $OUT/bench.json, and the logs.
-# Stages and limits: env (instant), setup (<= 60 s), bench (<= 300 s), tests (<= 100 s).
+# Stages and limits (7 minutes at the very most): env (<= 30 s), setup (<= 45 s), bench (<= 270 s),
+# tests (<= 90 s).
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -112,17 +113,17 @@ setup() {
 }
 export -f setup
 export ROOT WORK PY
-stage setup 60 bash -c setup
+stage setup 45 bash -c setup
 export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 
 # --- bench: before the tests, so that a slow test costs no figure -----------------------------------
 BENCH_ARGS=(--cpu-results docs/results/s10_32_fp32.json)
 if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
-stage bench 300 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
+stage bench 270 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
 
 # --- tests: every test marked gpu (skipped without CUDA) ------------------------------------------------
 if "$PY" -c "import pytest" 2>/dev/null; then
-  stage tests 100 "$PY" -m pytest -m gpu tests/test_gpu_path.py -q -rA -p no:cacheprovider \
+  stage tests 90 "$PY" -m pytest -m gpu tests/test_gpu_path.py -q -rA -p no:cacheprovider \
     --junitxml="$OUT/tests.xml"
 else
   echo "tests:127:0" >>"$OUT/stages.txt"

@@ -162,6 +162,34 @@ def test_half_precision_decoding_with_a_torch_draft(precision):
                 assert draft_call_ms(drafter, TINY, ids[0], 2) > 0
 
 
+def test_top_k_sampling_reads_back_only_the_top_k_and_samples_the_same():
+    from specdeploy.runtime.tree import DraftTree
+    from specdeploy.runtime.verify import sample_accept
+
+    class TopOnly(DeviceRows):  # fails if sampling reads a whole row instead of its top-k
+        def __getitem__(self, index):
+            raise AssertionError("a whole row was read")
+
+    assert DeviceRows(torch.tensor([[0.0, 5.0, 1.0, 4.0]])).top_row(0, 2).tolist() == [-np.inf, 5.0, -np.inf, 4.0]
+    assert DeviceRows(torch.tensor([[0.0, 5.0, 4.0, 4.0]])).top_row(0, 2).tolist() == [0.0, 5.0, 4.0, 4.0]  # a tie
+    rng = np.random.default_rng(0)
+    accepted = 0
+    for case in range(60):
+        logits = rng.normal(size=(4, 50)).astype(np.float32)
+        if case % 3 == 0:
+            logits[:, :6] = 2.5  # ties at the top-k cut
+        tokens = np.array([7, *(int(logits[i].argmax()) for i in range(3))])  # a chain the base likes
+        tree = DraftTree(tokens, np.array([-1, 0, 1, 2]))
+        for top_k in (1, 3, 8):
+            args = {"temperature": 0.8, "top_k": top_k}
+            want = sample_accept(tree, tree.buffers(), logits, np.random.default_rng(case), **args)
+            got = sample_accept(tree, tree.buffers(), TopOnly(torch.from_numpy(logits)), np.random.default_rng(case),
+                                **args)
+            assert got.nodes.tolist() == want.nodes.tolist() and got.tokens.tolist() == want.tokens.tolist()
+            accepted += len(want.nodes) - 1
+    assert accepted > 0
+
+
 def test_capture_all_captures_nothing_on_a_cpu():
     check = Check(TINY, "cpu", max_context=128, max_tree=16)
     with check.backend("fp32", False) as backend:

@@ -261,6 +261,20 @@ class DeviceRows(np.lib.mixins.NDArrayOperatorsMixin):
         out = self._t[parts]
         return DeviceRows(out) if out.dim() >= 2 else out.cpu().numpy()
 
+    def top_row(self, index: int, k: int) -> np.ndarray:
+        """Row ``index`` (of a 2-D array) with -inf outside its ``k`` largest entries, reading back only those;
+        the whole row where the k-th largest ties the next (top-k sampling keeps every tie)."""
+        row = self._t[index]
+        if self._host is not None or k + 1 >= row.shape[-1]:
+            return np.asarray(self)[index]
+        vals, ids = torch.topk(row, k + 1)  # descending
+        vals, ids = vals.cpu().numpy(), ids.cpu().numpy()
+        if vals[k] == vals[k - 1]:
+            return row.cpu().numpy()
+        out = np.full(row.shape[-1], -np.inf, dtype=np.float32)
+        out[ids[:k]] = vals[:k]
+        return out
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         if self._host is None:
             self._host = self._t.cpu().numpy()
