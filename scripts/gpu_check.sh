@@ -123,7 +123,7 @@ stage bench 270 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENC
 
 # --- tests: every test marked gpu (skipped without CUDA) ------------------------------------------------
 if "$PY" -c "import pytest" 2>/dev/null; then
-  stage tests 90 "$PY" -m pytest -m gpu tests/test_gpu_path.py -q -rA -p no:cacheprovider \
+  stage tests 90 "$PY" -m pytest -m gpu tests/test_gpu_path.py tests/test_gpu_check.py -q -rA -p no:cacheprovider \
     --junitxml="$OUT/tests.xml"
 else
   echo "tests:127:0" >>"$OUT/stages.txt"
