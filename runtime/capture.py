@@ -37,6 +37,16 @@ from .backends.base import StepInputs
 from .kvcache import KVCache, bucket_for
 
 
+def chain_feed(ids: np.ndarray, past: int, capacity: int, logits_rows: np.ndarray) -> StepInputs:
+    """A chain of ``len(ids)`` tokens after ``past`` committed slots, over a cache of ``capacity`` slots."""
+    t, neg = len(ids), np.finfo(np.float32).min
+    mask = np.full((1, 1, t, capacity), neg, np.float32)
+    mask[..., :past] = 0.0
+    mask[0, 0, :, past:past + t] = np.where(np.tril(np.ones((t, t), bool)), 0.0, neg)
+    return StepInputs(ids[None].astype(np.int64), (past + np.arange(t))[None], mask, past + np.arange(t),
+                      logits_rows.astype(np.int64))
+
+
 def tree_buckets(max_tree: int) -> tuple[int, ...]:
     """Padded tree sizes: powers of two below ``max_tree``, then ``max_tree`` itself."""
     if max_tree < 1:

@@ -24,6 +24,17 @@ def _verdict_cache(tmp_path_factory):
     os.environ["SPECDEPLOY_CACHE"] = str(tmp_path_factory.mktemp("specdeploy_cache"))
 
 
+@pytest.fixture
+def cuda(monkeypatch):
+    """A stand-in CUDA runtime (``gpu_standins.FakeCuda``) behind the TensorRT backend's ``cudart()``."""
+    from gpu_standins import FakeCuda
+    from specdeploy.runtime.backends import trt as trt_mod
+
+    fake = FakeCuda()
+    monkeypatch.setattr(trt_mod, "cudart", lambda: fake)
+    return fake
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's real tokenizer (from the embedded GGUF), saved as a plain folder."""

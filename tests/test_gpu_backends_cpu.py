@@ -26,7 +26,6 @@ from gpu_standins import (
     manifest,
 )
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
-from specdeploy.runtime.backends import trt as trt_mod
 from specdeploy.runtime.backends.ort import OrtCudaBackend
 from specdeploy.runtime.backends.trt import DeviceArray
 from specdeploy.runtime.backends.trt_profiles import optimization_profiles
@@ -37,13 +36,6 @@ from specdeploy.runtime.contract import (
 )
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
 from specdeploy.runtime.kvcache import KVCache
-
-
-@pytest.fixture
-def cuda(monkeypatch):
-    fake = FakeCuda()
-    monkeypatch.setattr(trt_mod, "cudart", lambda: fake)
-    return fake
 
 
 # --- ONNX Runtime's CUDA session --------------------------------------------------------------------------

@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.bench.gpu import TINY, Check, Report, chain_feed, prompts, synthetic_manifest
+from specdeploy.exporter.bench.gpu import TINY, Check, Report, prompts, synthetic_manifest
 from specdeploy.exporter.reference.torch_backend import DeviceRows, TorchBackend
 from specdeploy.graphs.base_step import rms_norm
 from specdeploy.graphs.native_step import random_weights, step_from_weights
 from specdeploy.runtime.bundle import read_manifest
+from specdeploy.runtime.capture import chain_feed
 from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BackendUnavailableError
 from specdeploy.runtime.probe import resolve_plan
@@ -79,7 +80,7 @@ def test_torch_backend_reads_the_bundles_weights_without_transformers(tiny_bundl
 import sys
 import numpy as np
 from specdeploy.exporter.reference.torch_backend import TorchBackend
-from specdeploy.exporter.bench.gpu import chain_feed
+from specdeploy.runtime.capture import chain_feed
 from specdeploy.runtime.bundle import read_manifest
 m = read_manifest({str(tiny_bundle)!r})
 with TorchBackend({str(tiny_bundle)!r}, m, device="cpu", cuda_graphs=False) as b:
@@ -152,10 +153,11 @@ def test_half_precision_decoding_with_a_torch_draft(precision):
     check = Check(TINY, "cpu", max_context=128, max_tree=16)
     ids = prompts(TINY, 1, 24)
     with check.backend(precision, False) as backend:
-        plain = _decode(check, backend, None, ids, 8)
+        plan = resolve_plan(backend, check.manifest, use_cache=False)
+        plain = _decode(check, backend, plan, None, ids, 8)
         assert len(plain["tokens"][0]) == 8 and plain["plan"]
         for name, drafter in check.drafters(precision):
-            run = _decode(check, backend, drafter, ids, 8)
+            run = _decode(check, backend, plan, drafter, ids, 8)
             assert run["tokens"] == plain["tokens"]  # the plan speculates only where exact
             if name == "chimera":
                 assert drafter.graph.embed_weight.dtype == backend.dtype
@@ -238,6 +240,7 @@ def test_torch_drafts_on_the_device_keep_plain_output(precision):
     ids = prompts(TINY, 2, 24)
     with check.backend(precision, True) as backend:
         backend.capture_all()
-        plain = _decode(check, backend, None, ids, 32)
+        plan = resolve_plan(backend, check.manifest, use_cache=False)
+        plain = _decode(check, backend, plan, None, ids, 32)
         for _, drafter in check.drafters(precision):
-            assert _decode(check, backend, drafter, ids, 32)["tokens"] == plain["tokens"]
+            assert _decode(check, backend, plan, drafter, ids, 32)["tokens"] == plain["tokens"]

@@ -41,13 +41,6 @@ from specdeploy.runtime.errors import BundleError
 from specdeploy.runtime.kvcache import KVCache
 
 
-@pytest.fixture
-def cuda(monkeypatch):
-    fake = FakeCuda()
-    monkeypatch.setattr(trt_mod, "cudart", lambda: fake)
-    return fake
-
-
 # --- TensorRT ---------------------------------------------------------------------------------------------
 class FakeContext:
     """An execution context: shapes and addresses set on it, read by the launches made from it."""

@@ -123,10 +123,10 @@ def test_sampling_and_typical_acceptance_on_real_model(real_bundle):
 def test_torch_backend_rebuilt_from_the_real_bundle_matches_onnx_runtime(real_bundle):
     """The torch backend (the GPU path's reference) reads the real bundle's fp32 weights, with no source model,
     and its prefill logits and device argmax agree with ONNX Runtime's fp32 graph on an MT-bench prompt."""
-    from specdeploy.exporter.bench.gpu import chain_feed
     from specdeploy.exporter.reference.torch_backend import TorchBackend
     from specdeploy.runtime.backends.ort import OrtBackend
     from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.capture import chain_feed
     from specdeploy.runtime.text import TextCodec
 
     manifest = read_manifest(real_bundle)

@@ -38,7 +38,6 @@ from specdeploy.exporter.reference.torch_backend import DTYPES, TorchBackend
 from specdeploy.exporter.reference.torch_drafters import load_chimera, random_chimera
 from specdeploy.graphs.chimera import ChimeraConfig
 from specdeploy.graphs.native_step import StepShape, random_weights
-from specdeploy.runtime.backends import StepInputs
 from specdeploy.runtime.bundle import (
     BundleManifest,
     GraphEntry,
@@ -47,10 +46,12 @@ from specdeploy.runtime.bundle import (
     SourceInfo,
     TokenizerInfo,
 )
+from specdeploy.runtime.capture import chain_feed
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.drafters.hybrid import HybridDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
+from specdeploy.runtime.plan import StepPlan
 from specdeploy.runtime.probe import resolve_plan
 
 SCHEMA = 1
@@ -149,15 +150,15 @@ class Check:
         weights = self._weights
         embed, lm = weights["embed_tokens"], weights["lm_head_t"].t()
         dtype = DTYPES[precision]
-        for name in ("chimera", "hybrid"):
-            if self.shape == SMOLLM2_135M:
-                model = load_chimera(WEIGHTS_DIR / "chimera.safetensors", embed, lm, self.device, dtype)
-            else:
-                s = self.shape
-                cfg = ChimeraConfig("chimera", 4, s.hidden_size, s.vocab_size, s.num_heads, s.num_kv_heads,
-                                    s.head_dim, s.intermediate_size, s.rms_norm_eps, s.rope_theta)
-                model = random_chimera(cfg, embed, lm, self.device, dtype)
-            yield name, (model if name == "chimera" else HybridDrafter(model))
+        if self.shape == SMOLLM2_135M:
+            model = load_chimera(WEIGHTS_DIR / "chimera.safetensors", embed, lm, self.device, dtype)
+        else:
+            s = self.shape
+            cfg = ChimeraConfig("chimera", 4, s.hidden_size, s.vocab_size, s.num_heads, s.num_kv_heads,
+                                s.head_dim, s.intermediate_size, s.rms_norm_eps, s.rope_theta)
+            model = random_chimera(cfg, embed, lm, self.device, dtype)
+        yield "chimera", model  # the decoder resets a drafter at each generation, so the hybrid reuses it
+        yield "hybrid", HybridDrafter(model)
 
     def sync(self) -> None:
         if self.cuda:
@@ -186,18 +187,8 @@ class Check:
         return (time.perf_counter() - t0) / iters * 1e3
 
 
-def chain_feed(ids: np.ndarray, past: int, capacity: int, logits_rows: np.ndarray) -> StepInputs:
-    """A chain of ``len(ids)`` tokens after ``past`` committed slots, over a cache of ``capacity`` slots."""
-    t, neg = len(ids), np.finfo(np.float32).min
-    mask = np.full((1, 1, t, capacity), neg, np.float32)
-    mask[..., :past] = 0.0
-    mask[0, 0, :, past:past + t] = np.where(np.tril(np.ones((t, t), bool)), 0.0, neg)
-    return StepInputs(ids[None].astype(np.int64), (past + np.arange(t))[None], mask, past + np.arange(t),
-                      logits_rows.astype(np.int64))
-
-
-def _decode(check: Check, backend: TorchBackend, drafter, ids: list[list[int]], max_new: int) -> dict[str, Any]:
-    plan = resolve_plan(backend, check.manifest, use_cache=False)
+def _decode(check: Check, backend: TorchBackend, plan: StepPlan, drafter, ids: list[list[int]],
+            max_new: int) -> dict[str, Any]:
     dec = Decoder(backend, check.manifest, drafter, plan=plan)
     if drafter is not None and drafter.needs_cost_curve:
         drafter.use_cost_curve(measure_cost_curve(dec))
@@ -285,8 +276,9 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
         for prec in precisions:
             with check.backend(prec, cuda) as backend:
                 backend.capture_all()
-                ar = _decode(check, backend, None, ids, max_new)
-                pl = _decode(check, backend, PromptLookupDrafter(), ids, max_new)
+                plan = resolve_plan(backend, check.manifest, use_cache=False)
+                ar = _decode(check, backend, plan, None, ids, max_new)
+                pl = _decode(check, backend, plan, PromptLookupDrafter(), ids, max_new)
             plain[prec], res_plain[prec] = ar["tokens"], ar["tok_s"]
             res[prec] = {"ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"],
                          "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
@@ -298,8 +290,9 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
         for prec in precisions:
             with check.backend(prec, cuda) as backend:
                 backend.capture_all()
+                plan = resolve_plan(backend, check.manifest, use_cache=False)
                 for name, drafter in check.drafters(prec):
-                    run = _decode(check, backend, drafter, ids, max_new)
+                    run = _decode(check, backend, plan, drafter, ids, max_new)
                     entry = res.setdefault(prec, {})[name] = {
                         "tok_s": run["tok_s"], "vs_plain": round(run["tok_s"] / res_plain[prec], 2),
                         "plan": run["plan"], "tau_random_weights": run["tau"],

@@ -29,7 +29,7 @@ import torch
 from specdeploy.graphs.native_step import StepShape, step_from_weights
 from specdeploy.runtime.backends import Backend, StepInputs, StepOutputs
 from specdeploy.runtime.bundle import BundleManifest, graph_paths
-from specdeploy.runtime.capture import CaptureKey, prepare_captured_step, tree_buckets
+from specdeploy.runtime.capture import CaptureKey, chain_feed, prepare_captured_step, tree_buckets
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
 from specdeploy.runtime.kvcache import KVCache, capacity_buckets
 from specdeploy.runtime.precision import FP32
@@ -149,22 +149,18 @@ class TorchBackend(Backend):
             k, n = padded.k_real, padded.n_real
             return self._outputs(cap.logits[:, :k].clone(), cap.argmax[:, :k], cap.hidden[:, :n])
 
-    def capture_all(self, batch: int = 1) -> int:
-        """Capture every graph a decode of ``batch`` rows can replay (each capacity bucket x padded T), so
-        that no capture happens inside timed decoding. Returns how many graphs were captured."""
+    def capture_all(self) -> int:
+        """Capture every graph a one-row decode can replay (each capacity bucket x padded T), so that no
+        capture happens inside timed decoding. Returns how many graphs were captured."""
         if not self.cuda_graphs:
             return 0
-        before, neg = self.captures, np.finfo(np.float32).min
+        before = self.captures
         for capacity in self.cap_buckets:
-            cache = self.new_cache(batch, capacity)  # the pooled buffers a decode of this capacity gets
+            cache = self.new_cache(1, capacity)  # the pooled buffers a decode of this capacity gets
             for t in (t for t in self.t_buckets if 1 + t <= capacity):
-                mask = np.full((batch, 1, t, capacity), neg, np.float32)  # one committed slot, then a chain
-                mask[..., 0] = 0.0
-                mask[:, 0, :, 1:1 + t] = np.where(np.tril(np.ones((t, t), bool)), 0.0, neg)
-                feed = StepInputs(np.zeros((batch, t), np.int64), np.tile(1 + np.arange(t), (batch, 1)), mask,
-                                  1 + np.arange(t), np.arange(t))
+                feed = chain_feed(np.zeros(t, np.int64), 1, capacity, np.arange(t))  # after one committed slot
                 with torch.no_grad():
-                    self._graph_for(CaptureKey(batch, capacity, t), feed, cache)
+                    self._graph_for(CaptureKey(1, capacity, t), feed, cache)
         return self.captures - before
 
     def _graph_for(self, key: CaptureKey, feed: StepInputs, cache: KVCache) -> _Captured:
