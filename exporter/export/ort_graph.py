@@ -113,8 +113,8 @@ def q4_linear(g: _Builder, x: str, name: str, qb, accuracy_level: int = 0) -> st
 
     The block sums are one MatMul with a 0/1 indicator ``[K, K/32]`` (shared by every linear of that
     K), not ``Reshape`` + ``ReduceSum``: 120 fewer nodes in SmolLM2's step, whose plain steps then
-    took 0.93x the time (0.87x without spinning threads) on an AMD EPYC with AVX-512
-    (docs/benchmarks.md, "The q4_1 block sums")."""
+    took a median 0.90x the time (0.87x without spinning threads) on an AMD EPYC with AVX-512
+    (docs/benchmarks.md, session 16)."""
     from specdeploy.exporter.export.gguf_blocks import BLOCK
 
     n, k = qb.shape
