@@ -219,23 +219,6 @@ def test_q4_linear_matches_the_dequantized_weights(t, accuracy):
     assert np.abs(got - want).max() < (1e-4 if accuracy == 0 else 2e-2) * np.abs(want).max()
 
 
-def test_q4_linears_share_one_block_indicator_per_input_width():
-    """The block sums are a MatMul with a 0/1 indicator [K, K/32], written once per K however many
-    linears read it, and no Reshape/ReduceSum form is left."""
-    from onnx import numpy_helper
-    from specdeploy.exporter.export.gguf_blocks import _parse_q4_1
-    from specdeploy.exporter.export.ort_graph import _Builder, q4_linear
-
-    g = _Builder()
-    for name, (n, k) in {"a": (40, 128), "b": (24, 128), "c": (16, 64)}.items():
-        q4_linear(g, "x", name, _parse_q4_1(_random_q4_1(n, k)[0], n, k), 4)
-    indicators = {i.name: numpy_helper.to_array(i) for i in g.inits if i.name.startswith("block_indicator_")}
-    assert sorted(indicators) == ["block_indicator_128", "block_indicator_64"]
-    ind = indicators["block_indicator_128"]
-    assert ind.shape == (128, 4) and np.array_equal(ind.argmax(1), np.arange(128) // 32) and ind.sum() == 128
-    assert not {"ReduceSum", "Reshape"} & {n.op_type for n in g.nodes}
-
-
 def test_cpu_graph_choice_plain_and_speculative(tiny_bundle):
     """Plain decoding takes the GGUF-block graph when there is one; tree steps take the fp32 fused one."""
     import dataclasses

@@ -60,7 +60,6 @@ class _Builder:
         self.inits: list = []
         self._n = 0
         self._data, self._location = data, location
-        self.shared: set[str] = set()  # initializers that several nodes read, added once
 
     def name(self, base: str) -> str:
         self._n += 1
@@ -107,14 +106,9 @@ def _np(t) -> np.ndarray:
 
 def q4_linear(g: _Builder, x: str, name: str, qb, accuracy_level: int = 0) -> str:
     """``x [B, T, K] @ W.T`` for ``W = d * q + m`` held as 4-bit blocks (:class:`gguf_blocks.Q4Blocks`):
-    ``MatMulNBits`` with zero point 0 gives the ``d * q`` part, and the ``m`` part is x's block sums
-    times the block minima. ``accuracy_level`` 4 quantizes x to int8 inside the kernel (the ``q4_1``
-    precision, llama.cpp's arithmetic); 0 multiplies in fp32.
-
-    The block sums are one MatMul with a 0/1 indicator ``[K, K/32]`` (shared by every linear of that
-    K), not ``Reshape`` + ``ReduceSum``: 120 fewer nodes in SmolLM2's step, whose plain steps then
-    took a median 0.90x the time (0.87x without spinning threads) on an AMD EPYC with AVX-512
-    (docs/benchmarks.md, session 16)."""
+    ``MatMulNBits`` with zero point 0 gives the ``d * q`` part, a small MatMul of x's block sums with
+    the block minima adds the ``m`` part. ``accuracy_level`` 4 quantizes x to int8 inside the kernel
+    (the ``q4_1`` precision, llama.cpp's arithmetic); 0 multiplies in fp32."""
     from specdeploy.exporter.export.gguf_blocks import BLOCK
 
     n, k = qb.shape
@@ -122,11 +116,8 @@ def q4_linear(g: _Builder, x: str, name: str, qb, accuracy_level: int = 0) -> st
     y = g.one("MatMulNBits", [x, g.init(name + ".q4", packed), g.init(name + ".scales", scales),
                               g.init(name + ".zero_points", zero_points)], MS,
               K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=accuracy_level)
-    indicator = f"block_indicator_{k}"
-    if indicator not in g.shared:
-        g.shared.add(indicator)
-        g.init(indicator, np.eye(k // BLOCK, dtype=np.float32).repeat(BLOCK, axis=0))  # [K, K/32]
-    sums = g.one("MatMul", [x, indicator])  # [B, T, K/32]: the sum of x over each block
+    sums = g.one("ReduceSum", [g.one("Reshape", [x, g.const([0, 0, k // BLOCK, BLOCK])]), g.const([-1])],
+                 keepdims=0)  # [B, T, K/32]: the sum of x over each block
     return g.one("Add", [y, g.one("MatMul", [sums, g.init(name + ".block_min", qb.m.T)])])
 
 
