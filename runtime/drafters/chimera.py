@@ -114,17 +114,14 @@ class ChimeraDrafter(Drafter):
         mask[..., :start] = 0.0
         mask[0, 0, :, start : start + t] = np.where(np.tril(np.ones((t, t), dtype=bool)), 0.0, self._neg)
         b = self._binding
-        if b is None:  # made once per cache buffer set: a call then rebinds only its small inputs
+        if b is None:  # made once per cache buffer set: a call then rebinds only its small inputs and outputs
             b = self._binding = self.session.io_binding()
             b.bind_ortvalue_input("past_key", self._ov[0])
             b.bind_ortvalue_input("past_value", self._ov[1])
-            for name in ("feature", "topk_ids", "topk_logprobs"):
-                b.bind_output(name)
-            b.bind_ortvalue_output("present_key", self._ov[0])  # in place
+            b.bind_ortvalue_output("present_key", self._ov[0])  # in place; outputs 0 and 1
             b.bind_ortvalue_output("present_value", self._ov[1])
-        else:
-            for name in ("feature", "topk_ids", "topk_logprobs"):  # fresh outputs: earlier ones stay valid
-                b.bind_output(name)
+        for name in ("feature", "topk_ids", "topk_logprobs"):  # outputs 2..4, fresh each call
+            b.bind_output(name)
         b.bind_cpu_input("hidden", np.ascontiguousarray(hidden, dtype=np.float32)[None])
         if self.feature_layers:
             real = layers is not None
@@ -142,7 +139,7 @@ class ChimeraDrafter(Drafter):
         self.session.run_with_iobinding(b)
         if self.policy is not None:
             self.policy.timer.timed(time.perf_counter() - t0, rows=t)
-        feat, ids, logp = (o.numpy() for o in b.get_outputs()[:3])
+        feat, ids, logp = (o.numpy() for o in b.get_outputs()[2:5])
         return feat[0], ids[0], logp[0]
 
     # --- drafting -----------------------------------------------------------------------------------
