@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 from specdeploy.exporter.cli_decode import bench, bench_serve, generate, serve
-from specdeploy.runtime.drafters.kinds import TRAINED_KINDS
+from specdeploy.runtime.drafters.kinds import NGRAM, TRAINED_KINDS
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.precision import (
     DRAFT_PRECISIONS,
@@ -109,8 +109,9 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 
 @export.command("draft")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(TRAINED_KINDS), help="Draft kind.")
-@click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
+@click.option("--kind", required=True, type=click.Choice((*TRAINED_KINDS, NGRAM)), help="Draft kind.")
+@click.option("--draft", "draft", required=True, type=click.Path(path_type=Path),
+              help="Draft weights (.safetensors); for ngram, the base model's replies (.npz of 'train data').")
 @click.option("--calibration", default=None, type=click.Path(path_type=Path),
               help="Calibration JSON (default: <weights>.calibration.json next to the weights, if present).")
 @click.option("--vocab-trim", type=int, default=None,
@@ -120,7 +121,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
               help="Chimera only: also write an int8-weight draft graph, which the CPU drafter prefers.")
 def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
                      model: str | None, precision: str) -> None:
-    """Add a trained Chimera draft, or Medusa or Cerberus heads (and Cerberus' gate), to a bundle.
+    """Add a trained Chimera draft, Medusa or Cerberus heads (and Cerberus' gate), or an n-gram table to a bundle.
 
     The draft graphs return top-k ids and log-probs, so the shared lm_head projection runs inside ONNX
     Runtime. Chimera's graph is one draft step over its own small KV cache. The draft must have been
@@ -130,7 +131,14 @@ def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | N
     Examples:
       specdeploy export draft --kind chimera --draft graphs/weights/chimera.safetensors bundles/smollm2
       specdeploy export draft --kind cerberus --draft graphs/weights/cerberus.safetensors bundles/smollm2
+      specdeploy export draft --kind ngram --draft graphs/weights/self-replies.npz bundles/smollm2
     """
+    if kind == NGRAM:
+        from specdeploy.exporter.export.ngram import export_ngram
+
+        export_ngram(bundle, draft)
+        click.echo(f"Added the {kind} table to {bundle}")
+        return
     from specdeploy.exporter.export.draft import export_draft
 
     export_draft(bundle, kind, draft, calibration=calibration, vocab_trim=vocab_trim, model=model, precision=precision)

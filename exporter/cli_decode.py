@@ -23,7 +23,7 @@ DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--draft", default="none", show_default=True,
-              help="none, prompt-lookup, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
+              help="none, prompt-lookup, ngram, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name (tree8/16/32/64, chain4...) or JSON choices; default auto.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -104,7 +104,8 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
     """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
 
     Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
-    and identity columns), prompt-lookup, chimera, hybrid, cerberus, medusa (drafts stored in the bundle),
+    and identity columns), prompt-lookup, ngram, chimera, hybrid, cerberus, medusa (drafts or tables stored in
+    the bundle),
     hf (transformers generate, greedy fp32) and hf-prompt-lookup. A variant whose package or draft
     is missing is skipped with a note. Prompts are first turns rendered with the chat template;
     all variants decode the same token ids greedily.
@@ -130,7 +131,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--draft", default="none", show_default=True,
-              help="none, prompt-lookup, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
+              help="none, prompt-lookup, ngram, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
@@ -151,7 +152,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
               help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
 @click.option("--max-batch", default=None, type=click.IntRange(min=1),
               help=f"Requests decoded together in every step (continuous batching on the bundle's standard-op graph; "
-                   f"draft none or prompt-lookup). 1: one at a time, on the bundle's fastest graph. Default: "
+                   f"draft none, prompt-lookup or ngram). 1: one at a time, on the bundle's fastest graph. Default: "
                    f"{DEFAULT_SERVE_BATCH} where the bundle, backend and draft allow batching, else 1.")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve --replicas engines as one Ray Serve deployment (needs: pip install 'specdeploy[ray]').")
@@ -239,7 +240,7 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
 @click.option("--max-batch", "max_batches", default=f"1,{DEFAULT_SERVE_BATCH}", show_default=True,
               help="Comma-separated --max-batch settings; one server each, compared with the first.")
 @click.option("--concurrency", default="1,4,16,32", show_default=True, help="Comma-separated client counts.")
-@click.option("--draft", default="prompt-lookup", show_default=True, help="none or prompt-lookup.")
+@click.option("--draft", default="prompt-lookup", show_default=True, help="none, prompt-lookup or ngram.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL prompts ({'prompt': ...} or MT-bench 'turns'); default: MT-bench first turns.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))

@@ -14,10 +14,11 @@ columns' alignment modulo a small period ``p`` matters. So the scheduler keeps e
 length's residue (at most ``p - 1`` steps' wait), and a repack moves rows only in ways that keep it.
 A greedy request then gives, token for token, the output it gives alone on this engine.
 
-**Speculation that adapts to load.** With a ``prompt-lookup`` draft, a sequence that has the batch to
-itself drafts a lookup chain, sized by the measured cost of T-row steps, exactly as alone. Two or more
-rows decode plainly: a batch already reads the weights once for many tokens, and rows that accept
-different numbers of tokens would need the shared write pointer to advance by different amounts.
+**Speculation that adapts to load.** With a ``prompt-lookup`` or ``ngram`` draft, a sequence that has
+the batch to itself drafts a lookup (or n-gram table) chain, sized by the measured cost of T-row steps,
+exactly as alone. Two or more rows decode plainly: a batch already reads the weights once for many
+tokens, and rows that accept different numbers of tokens would need the shared write pointer to advance
+by different amounts.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ _HEADROOM = 64  # spare columns after a repack, so the shared cache is not repac
 MAX_DRAFT = 10  # longest lookup chain per row
 
 
-BATCH_DRAFTS = (None, "", "none", "prompt-lookup")
+BATCH_DRAFTS = (None, "", "none", "prompt-lookup", "ngram")
 
 
 def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> SpecDeployError | None:
@@ -59,11 +60,23 @@ def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> 
     if backend != "ort-cpu":
         return BackendUnavailableError(f"Batching (max_batch > 1) runs on the ort-cpu backend only, not '{backend}'.")
     if draft not in BATCH_DRAFTS:
-        return DraftMismatchError(f"Batching (max_batch > 1) drafts with prompt lookup only; the '{draft}' draft "
-                                  "needs max_batch 1.")
+        return DraftMismatchError(f"Batching (max_batch > 1) drafts with prompt lookup or ngram only; the '{draft}' "
+                                  "draft needs max_batch 1.")
     if not any(g.role == "base" and g.target == "trt" for g in manifest.graphs):
         return BundleError("The bundle has no standard-op base graph, which batching needs (ONNX Runtime's fused "
                            "attention takes one sequence at a time); export it with --target all, or use max_batch 1.")
+    return None
+
+
+def batch_drafter(draft: str | None, bundle_dir: Path, manifest: BundleManifest) -> Callable[[], PromptLookupDrafter] | None:
+    """What makes each batched sequence's drafter (one chain, at most ``MAX_DRAFT`` tokens), or None."""
+    if draft == "prompt-lookup":
+        return lambda: PromptLookupDrafter(branches=1, num_tokens=MAX_DRAFT)
+    if draft == "ngram":
+        from .drafters.ngram import NgramDrafter, load_ngram_drafter
+
+        table = load_ngram_drafter(bundle_dir, manifest).table  # one table, shared by every sequence
+        return lambda: NgramDrafter(table, branches=1, num_tokens=MAX_DRAFT)
     return None
 
 
@@ -99,15 +112,16 @@ class BatchScheduler:
     """N decode slots over one backend; ``submit`` returns a token iterator, like ``Decoder.generate``."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int, period: int,
-                 draft: bool = False, lossy: bool = False):
+                 drafter: Callable[[], PromptLookupDrafter] | None = None, lossy: bool = False):
         self.backend, self.manifest, self.plan = backend, manifest, plan
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch, self.period = max_batch, period
         self.lossy = lossy  # batched rows are not bitwise a lone row's here (allow_inexact)
         self.decoder = Decoder(backend, manifest, None, plan=plan)  # prefills and prompt checks
         self.limit = manifest.limits.max_context
-        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if draft and plan.speculate else 1
+        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if drafter is not None and plan.speculate else 1
         self.draft = self.max_rows > 1
+        self._new_drafter = drafter  # a lookup drafter per sequence (its state is the sequence's)
         # Capacities in steps of 64 columns, not doublings: every row attends over the whole capacity, and
         # at 32 rows a step over 1024 columns took 1.8x one over 320 (AMD EPYC, fp32).
         top = self.limit + self.max_rows + _HEADROOM
@@ -147,7 +161,7 @@ class BatchScheduler:
         self.decoder.check_prompt(ids, config)
         stats.prompt_tokens = len(ids)
         stats.lossy = self.lossy or (self.draft and self.plan.lossy)
-        drafter = PromptLookupDrafter(branches=1, num_tokens=MAX_DRAFT) if self.draft else None
+        drafter = self._new_drafter() if self.draft else None
         if drafter is not None:
             drafter.use_cost_curve(self.cost)
         seq = _Seq(ids, config, stats, cancelled, drafter)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Self
 
 from .backends import make_backend
-from .batch import BatchScheduler, batch_backend, batch_refusal
+from .batch import BatchScheduler, batch_backend, batch_drafter, batch_refusal
 from .batch_probe import probe_batch
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
@@ -274,7 +274,8 @@ class Engine:
             else:
                 self.batch_reason = f"LOSSY batching (allow_inexact): {verdict.reason}."
         return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, verdict.period or 1,
-                              draft=self.draft_name == "prompt-lookup", lossy=not verdict.exact and max_batch > 1)
+                              drafter=batch_drafter(self.draft_name, self.bundle_dir, self.manifest),
+                              lossy=not verdict.exact and max_batch > 1)
 
     @property
     def closed(self) -> bool:
@@ -462,7 +463,7 @@ def _no_op() -> None:
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None, threads: int | None = None,
          tree: str | None = None, max_tree: int | None = None, allow_inexact: bool = False,
          progress: Callable[[str], None] | None = None, max_batch: int = 1) -> Engine:
-    """Open a bundle for decoding. ``draft``: None, "prompt-lookup", or a draft kind stored in the bundle.
+    """Open a bundle for decoding. ``draft``: None, "prompt-lookup", "ngram", or a draft kind stored in the bundle.
 
     Greedy speculative output is identical to plain output: at load a probe measures, bit for bit on this
     machine, which step plan keeps it so (``engine.plan``, cached; see ``runtime/plan.py``). Where none
@@ -470,7 +471,7 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
     anyway, and every generation's ``stats.lossy`` says so. ``progress`` receives a line while probing.
 
     ``max_batch`` > 1 batches up to that many concurrent generations in every step (``ort-cpu`` and a
-    bundle with a standard-op graph; drafts: prompt lookup or none). It runs that graph for every
+    bundle with a standard-op graph; drafts: prompt lookup, ngram or none). It runs that graph for every
     step, so its outputs are that graph's; a batched greedy request equals the same request alone on
     the engine, bit for bit, where the batch probe says so (else batching is off, with a warning).
     """

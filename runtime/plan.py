@@ -69,6 +69,7 @@ class ProbeResult:
     candidate: Candidate
     checks: tuple[ProbeCheck, ...]
     plain_ms: float  # median time of the probe's plain steps on this candidate
+    cached: bool = False  # read from the verdict cache: plain_ms is the probe's, from an earlier load
 
     @property
     def chains_exact(self) -> bool:
@@ -124,8 +125,9 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
         if res.chains_exact:
             shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
             skipped = f" ({why_not})" if failed else ""
-            reason = (f"exact speculation: step plan '{res.candidate.name}' ({res.plain_ms:.1f} ms per plain step), "
-                      f"{shape}, probed bit for bit on this machine{skipped}.")
+            when = "when first probed" if res.cached else "now"
+            reason = (f"exact speculation: step plan '{res.candidate.name}' ({res.plain_ms:.1f} ms per plain step "
+                      f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
             return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, tuple(results))
     fastest = results[0]
     if allow_inexact:
@@ -204,7 +206,7 @@ def cached_verdict(key: str) -> ProbeResult | None:
     try:
         cand = Candidate(**raw["candidate"])
         checks = tuple(ProbeCheck(c["what"], float(c["max_abs"])) for c in raw["checks"])
-        return ProbeResult(cand, checks, float(raw["plain_ms"]))
+        return ProbeResult(cand, checks, float(raw["plain_ms"]), cached=True)
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -216,6 +218,7 @@ def store_verdict(key: str, res: ProbeResult) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         verdicts = _read_verdicts()
         raw = dataclasses.asdict(res)
+        raw.pop("cached", None)
         raw["machine"] = machine_id()
         verdicts[key] = raw
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One command from a fresh clone: set up .venv, export the embedded SmolLM2-135M-Instruct to a bundle
 # for ONNX Runtime on this CPU (its own Q4_1 blocks with int8 activations: near-fp32 quality at
-# llama.cpp's arithmetic; see docs/benchmarks.md), add the shipped Chimera draft, validate both against
-# torch, then stream a generation with plain greedy decoding, Chimera and prompt-lookup speculative
-# decoding, each with its tokens/s, and check that the three outputs are identical. Idempotent.
+# llama.cpp's arithmetic; see docs/benchmarks.md), add the shipped Chimera draft and the model's own
+# n-gram table (from its committed self-replies), validate against torch, then stream a generation with
+# plain greedy decoding, Chimera, n-gram and prompt-lookup speculative decoding, each with its tokens/s,
+# and check that the four outputs are identical. Idempotent.
 # PRECISION=fp32 (or int4) picks another bundle.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 PRECISION="${PRECISION:-q4_1}"
@@ -15,6 +16,7 @@ else
   specdeploy export base --precision "$PRECISION" --out "$BUNDLE"
 fi
 specdeploy export draft --kind chimera --draft graphs/weights/chimera.safetensors "$BUNDLE"
+specdeploy export draft --kind ngram --draft graphs/weights/self-replies.npz "$BUNDLE"
 specdeploy validate "$BUNDLE"
 OUT_DIR="$(mktemp -d)"
 trap 'rm -rf "$OUT_DIR"' EXIT
@@ -30,9 +32,11 @@ echo "[main] plain greedy decoding:" >&2
 run plain
 echo "[main] Chimera speculative decoding (the shipped draft):" >&2
 run chimera --draft chimera
+echo "[main] n-gram speculative decoding (prompt lookup or the model's own n-gram table, per step):" >&2
+run ngram --draft ngram
 echo "[main] prompt-lookup speculative decoding (no trained draft):" >&2
 run prompt-lookup --draft prompt-lookup
-for name in chimera prompt-lookup; do
+for name in chimera ngram prompt-lookup; do
   if cmp -s "$OUT_DIR/plain.txt" "$OUT_DIR/$name.txt"; then
     echo "[main] $name output is identical to plain greedy decoding" >&2
   else

@@ -202,7 +202,7 @@ def test_probe_finds_an_alignment_and_a_failing_probe_turns_batching_off(tiny_bu
 
 def test_batching_refusals_are_one_sentence(tiny_bundle):
     manifest = read_manifest(tiny_bundle)
-    with pytest.raises(DraftMismatchError, match="prompt lookup only"):
+    with pytest.raises(DraftMismatchError, match="prompt lookup or ngram only"):
         load(tiny_bundle, draft="chimera", max_batch=2)
     with pytest.raises(BackendUnavailableError, match="ort-cpu backend only"):
         load(tiny_bundle, backend="ort-cuda", max_batch=2)

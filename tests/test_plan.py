@@ -155,6 +155,8 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         n = len(calls)
         again = resolve_plan(engine.backend, engine.manifest)
         assert len(calls) == n and again.candidate == first.candidate and again.exact == first.exact
+        if first.exact:  # the plan line says which step time it quotes: measured now, or the first probe's
+            assert "per plain step now)" in first.reason and "per plain step when first probed)" in again.reason
         monkeypatch.setattr(plan, "machine_id", lambda: "another CPU | x86_64 | 000")
         resolve_plan(engine.backend, engine.manifest)
         assert len(calls) == 2 * n  # another machine: probed again

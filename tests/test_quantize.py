@@ -325,6 +325,18 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
         for p in prompts:
             ids = plain.encode(p, chat=True)
             assert hybrid.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
+    # ... and the model's n-gram table (what the main job adds): ngram and the hybrid over it, lossless.
+    from specdeploy.exporter.export.ngram import export_ngram
+
+    export_ngram(out, weights.parent / "self-replies.npz", progress=lambda m: None)
+    with load(out) as plain, load(out, draft="ngram") as ngram, load(out, draft="hybrid") as hybrid:
+        assert hybrid.decoder.drafter.lookup.kind == "ngram"
+        for p in prompts:
+            ids = plain.encode(p, chat=True)
+            ref = plain.generate_ids(ids, GenerationConfig(48))
+            assert ngram.generate_ids(ids, GenerationConfig(48)) == ref
+            assert hybrid.generate_ids(ids, GenerationConfig(48)) == ref
+        assert ngram.decoder.drafter.sources["table"] > 0
 
 
 @pytest.mark.slow
@@ -343,12 +355,17 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
     from specdeploy.exporter.bench.run import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[:4]]
-    with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
+    from specdeploy.exporter.export.ngram import export_ngram
+
+    replies = Path(__file__).resolve().parents[1] / "graphs" / "weights" / "self-replies.npz"
+    export_ngram(out, replies, progress=lambda m: None)
+    with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec, load(out, draft="ngram") as ngram:
         _check_plan(plain, spec, text)
         ids_all = [plain.encode(p, chat=True) for p in prompts]
         refs = [plain.generate_ids(ids, GenerationConfig(48)) for ids in ids_all]
         for ids, ref in zip(ids_all, refs):
             assert spec.generate_ids(ids, GenerationConfig(48)) == ref
+            assert ngram.generate_ids(ids, GenerationConfig(48)) == ref
         refused = [r for r in spec.plan.probes if not r.chains_exact]
     if refused:
         # The control: speculation forced onto the fastest plan the probe refused differs from plain

@@ -32,6 +32,8 @@ OWN_VARIANTS = (
     VariantSpec("prompt-lookup-inexact", "ours", "specdeploy ORT CPU, prompt-lookup trees on the fastest step plan "
                 "whether or not it is exact here (--allow-inexact; LOSSY where the probe refuses)",
                 draft="prompt-lookup", options=(("allow_inexact", True),), requires=("onnxruntime",)),
+    VariantSpec("ngram", "ours", "specdeploy ORT CPU, prompt lookup or the model's own n-gram table, per step",
+                draft="ngram", requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("hybrid", "ours", "specdeploy ORT CPU, prompt lookup + the Chimera draft in one tree",

@@ -369,7 +369,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     except _OutOfTime:
         if config.replies == "self":
             save_replies(out / "replies.partial.npz", conv_ids[: shard_index * config.shard_size],
-                         replies_of(shards, shard_index))
+                         replies_of(shards, shard_index), loaded.weight_sha)
         return None
     finally:
         model.to("cpu")
@@ -381,7 +381,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
     _assemble(out, shard_index, hidden_size, layers=bool(config.feature_layers))
     np.save(out / "heldout.npy", np.asarray(heldout, dtype=bool))
     if config.replies == "self":
-        save_replies(out / "replies.npz", conv_ids, replies_of(out / "shards", shard_index))
+        save_replies(out / "replies.npz", conv_ids, replies_of(out / "shards", shard_index), loaded.weight_sha)
     seconds = time.time() - t0
     meta = {
         "format": CACHE_FORMAT,

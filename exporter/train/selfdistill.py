@@ -213,16 +213,19 @@ def reply_mask(prompt_len: int, reply_len: int, min_tokens: int) -> np.ndarray:
 
 
 # --- reply ids, kept -------------------------------------------------------------------------------------
-def save_replies(path: Path, conversation_ids: list[str], replies: list[np.ndarray] | None) -> None:
+def save_replies(path: Path, conversation_ids: list[str], replies: list[np.ndarray] | None,
+                 base_weight_sha: str | None = None) -> None:
     """The reply token ids of a self-reply cache, by conversation id: small enough to commit (uint16 when
-    every id fits, else int32; compressed)."""
+    every id fits, else int32; compressed), with the weight hash of the model that wrote them (which
+    ``export draft --kind ngram`` checks)."""
     if replies is None:
         return
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in replies])]).astype(np.int64)
     ids = np.concatenate(replies).astype(np.int64) if replies else np.zeros(0, np.int64)
     ids = ids.astype(np.uint16 if ids.size == 0 or (ids.min() >= 0 and ids.max() < 1 << 16) else np.int32)
     tmp = path.with_name(f".{path.name}.tmp.npz")
-    np.savez_compressed(tmp, conversation_ids=np.asarray(conversation_ids), offsets=offsets, ids=ids)
+    made_by = {} if base_weight_sha is None else {"base_weight_sha": np.asarray(base_weight_sha)}
+    np.savez_compressed(tmp, conversation_ids=np.asarray(conversation_ids), offsets=offsets, ids=ids, **made_by)
     os.replace(tmp, path)
 
 

@@ -9,7 +9,7 @@ from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
 from ..tree import TreeSpec, tree_choice
 from .base import DraftContext, Drafter
-from .kinds import DRAFTS, HEADS_KINDS, HYBRID, TRAINED_KINDS
+from .kinds import DRAFTS, HEADS_KINDS, HYBRID, NGRAM, TRAINED_KINDS
 from .prompt_lookup import PromptLookupDrafter
 
 MAX_LOOKUP_DEPTH = 16
@@ -39,6 +39,10 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         # A static tree bounds the lookup: branches at depth 1, tokens per branch, total nodes.
         branches = max(1, sum(1 for c in spec.choices if len(c) == 1))
         return PromptLookupDrafter(num_tokens=max(1, spec.depth), branches=branches, max_nodes=spec.num_nodes)
+    if name == NGRAM:
+        from .ngram import load_ngram_drafter
+
+        return load_ngram_drafter(Path(bundle_dir), manifest)
     if name == HYBRID or name.startswith(HYBRID + ":"):
         from .hybrid import HybridDrafter
 
@@ -46,8 +50,10 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         if model not in (*TRAINED_KINDS, "cerberus-nogate"):
             raise DraftMismatchError(f"'{name}': the hybrid's model must be one of "
                                      f"{', '.join((*TRAINED_KINDS, 'cerberus-nogate'))}.")
+        # Lookup includes the model's own n-gram table where the bundle has one.
+        lookup = make_drafter(NGRAM, bundle_dir, manifest) if any(d.kind == NGRAM for d in manifest.drafts) else None
         return HybridDrafter(make_drafter(model, bundle_dir, manifest, tree=tree, threads=threads, chains=chains,
-                                          backend=backend), chains=chains)
+                                          backend=backend), lookup=lookup, chains=chains)
     if name == "chimera":
         from .chimera import make_chimera_drafter
 

@@ -3,7 +3,8 @@
 For small models, retrieval drafting pays most reliably where the text repeats its context, and a
 model draft where it does not. Each step the hybrid asks prompt lookup first (continuations of the
 longest matching n-gram, their length chosen from the measured step-cost curve and the match
-statistics), then decides from what each source has earned:
+statistics; where the bundle has the model's n-gram table, lookup is :class:`NgramDrafter`, which
+may answer from the table instead), then decides from what each source has earned:
 
 * each source's acceptance is tracked online (Beta estimates of its first drafted token being accepted
   and of each later one, given the one before was), so a step's expected tokens are known;
@@ -38,6 +39,7 @@ class HybridDrafter(Drafter):
         self.lookup = lookup or PromptLookupDrafter()
         self.chains = chains
         self.kind = f"hybrid:{model.kind}"
+        self.sources = {"lookup": 0, "model": 0, "plain": 0}  # steps by the source of their main path, all sequences
         self.reset()
 
     def reset(self) -> None:
@@ -50,7 +52,6 @@ class HybridDrafter(Drafter):
         self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
         self.model_acceptance = ChainAcceptance()
         self.timer = CallTimer()  # the model's call (a whole proposal) against the rest of a step
-        self.sources = {"lookup": 0, "model": 0, "plain": 0}  # steps by the source of their main path
 
     def check(self, manifest) -> None:
         self.model.check(manifest)
@@ -73,13 +74,6 @@ class HybridDrafter(Drafter):
         return float(self.model_acceptance.expected_tokens(depth)) / (self.lookup.step_cost(depth + 1)
                                                                       + self.timer.call_cost)
 
-    def _lookup_value(self, found: DraftTree) -> float:
-        """Expected tokens per unit of cost of lookup's proposal (a plain step when it found nothing)."""
-        match = self.lookup.last_match
-        path = found.main_path().num_nodes - 1
-        expected = self.lookup.expected_tokens(match[0], path) if match is not None else 1.0
-        return expected / self.lookup.step_cost(found.num_nodes)
-
     def _run_model(self, ctx: DraftContext) -> DraftTree:
         if self._pending:
             kept = [*self._pending, (ctx.hidden, ctx.layers)]
@@ -99,10 +93,10 @@ class HybridDrafter(Drafter):
         found = self.lookup.propose(ctx)
         matched = found.num_nodes > 1
         if self.chains:  # one chain runs: lookup's, the model's or none, whichever is worth most
-            use_model = self._model_value() > self._lookup_value(found)
+            use_model = self._model_value() > self.lookup.proposal_value(found)
         else:  # a lookup match with room left takes the model's nodes too; otherwise as above
             use_model = (matched and found.num_nodes < ctx.max_nodes) or (
-                not matched and self._model_value() > self._lookup_value(found))
+                not matched and self._model_value() > self.lookup.proposal_value(found))
         if not use_model:
             self._pending.append((ctx.hidden, ctx.layers))
             self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
@@ -120,7 +114,9 @@ class HybridDrafter(Drafter):
         return _merge(found, drafted, ctx.max_nodes)
 
     def profile(self) -> dict:
-        return {**self.timer.profile(), "steps_by_source": dict(self.sources)}
+        out = {**self.timer.profile(), "steps_by_source": dict(self.sources)}
+        lookup = self.lookup.profile().get("steps_by_source")
+        return {**out, "lookup_steps_by_source": lookup} if lookup else out
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         self.timer.stop()

@@ -104,6 +104,13 @@ class PromptLookupDrafter(Drafter):
         """Expected tokens of a step that drafts ``length`` tokens from a match of size ``n``."""
         return float(self._stats[n].expected_tokens(length))
 
+    def proposal_value(self, found: DraftTree) -> float:
+        """Expected tokens per unit of step cost of ``found``, this drafter's last proposal (a plain
+        step's: 1.0 when it found nothing)."""
+        match = self._last
+        expected = self.expected_tokens(match[0], found.main_path().num_nodes - 1) if match is not None else 1.0
+        return expected / self.step_cost(found.num_nodes)
+
     def step_cost(self, rows: int) -> float:
         """Cost of a step of ``rows`` rows relative to a 1-row step (the cost curve in use)."""
         return float(self._cost[min(max(rows, 1), len(self._cost)) - 1])
