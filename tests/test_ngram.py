@@ -68,6 +68,24 @@ def test_the_table_backs_off_to_shorter_contexts_and_round_trips(tmp_path):
     assert len(chance) == 3 and all(0 < c < 1 for c in chance)
 
 
+def test_the_chains_context_bound_drafts_what_an_unbounded_search_drafts():
+    """The chain skips orders longer than the last known context plus one: never a different token."""
+    replies = _random_replies(3, 60, 5)  # a small vocabulary: long contexts recur
+    table = build_table(replies, vocab_size=8)
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        context = rng.integers(0, 5, rng.integers(1, 7)).tolist()
+        chain, _ = table.chain(context, 12, floor=0.0)
+        ref, ctx = [], list(context)
+        for _ in range(12):
+            tok = table.predict(ctx)[0]  # every order tried, longest first
+            if tok < 0:
+                break
+            ref.append(tok)
+            ctx.append(tok)
+        assert chain == ref
+
+
 def test_calibration_measures_higher_hit_rates_where_the_evidence_is_stronger():
     replies = [np.array([1, 2, 3, 4, 5, 6] * 5 + [7])] * 40 + _random_replies(1, 200, 40)
     rate, stats = calibrate(replies, vocab_size=64)
