@@ -163,18 +163,24 @@ class NgramDrafter(PromptLookupDrafter):
                 best, best_value = length, value
         return chain[:best], np.asarray(calibrated[:best]), (best_value if best else 0.0)
 
+    def _table_instead(self, tokens: np.ndarray, budget: int, lookup_value: float) -> list[int]:
+        """The table's chain where it is worth more than lookup's proposal (``lookup_value``), else []."""
+        chain, chance, value = self._table_chain(tokens, budget) if budget > 0 else ([], None, 0.0)
+        self._table_draft = None
+        if not chain or value <= lookup_value:
+            return []
+        self._table_draft, self._table_value = chance, value
+        self.sources["table"] += 1
+        return chain
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         found = super().propose(ctx)
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
         budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
         match = self.last_match
-        lookup_value = super().proposal_value(found)  # 1.0 (a plain step) when lookup found nothing
-        chain, chance, table_value = self._table_chain(tokens, budget) if budget > 0 else ([], None, 0.0)
-        self._table_draft = None
-        if chain and table_value > lookup_value:
+        chain = self._table_instead(tokens, budget, super().proposal_value(found))  # 1.0: lookup found nothing
+        if chain:
             self._last = None  # lookup learns nothing from a step it did not draft
-            self._table_draft, self._table_value = chance, table_value
-            self.sources["table"] += 1
             return DraftTree(np.array([int(tokens[-1]), *chain], dtype=np.int64), np.arange(-1, len(chain), dtype=np.int64))
         self.sources["lookup" if match is not None else "plain"] += 1
         return found
@@ -185,12 +191,9 @@ class NgramDrafter(PromptLookupDrafter):
         tokens = np.asarray(tokens, dtype=np.int64)
         n, cont = super().chain(tokens, max_len)
         lookup_value = self.expected_tokens(n, len(cont)) / self.step_cost(1 + len(cont)) if cont else 1.0
-        chain, chance, table_value = self._table_chain(tokens, max_len) if max_len > 0 else ([], None, 0.0)
-        self._table_draft = None
-        if chain and table_value > lookup_value:
-            self._table_draft = chance
-            self.sources["table"] += 1
-            return TABLE_SOURCE, chain
+        table = self._table_instead(tokens, max_len, lookup_value)
+        if table:
+            return TABLE_SOURCE, table
         self.sources["lookup" if cont else "plain"] += 1
         return n, cont
 
