@@ -58,9 +58,16 @@ def _check_variant(v: dict, n_prompts: int) -> None:
     assert isinstance(v["identical_to_ar"], bool)
 
 
-def test_bench_ours(tmp_path, tiny_bundle, prompts_file):
+def test_bench_ours(tmp_path, tiny_bundle, prompts_file, monkeypatch):
+    from types import SimpleNamespace
+
+    from specdeploy.exporter.bench import run as run_mod
+
+    pauses: list[float] = []  # before every timed generation, the last variant's spinning threads settle
+    monkeypatch.setattr(run_mod, "time", SimpleNamespace(sleep=pauses.append))
     result, out = _bench(tmp_path, tiny_bundle, prompts_file, "ar,prompt-lookup")
     assert result.exit_code == 0, result.output
+    assert pauses == [run_mod.SETTLE_S] * 4 and run_mod.SETTLE_S > 0  # 2 prompts x 2 variants
     report = json.loads(out.read_text())
     assert set(report) == {"variants", "config", "created"}
     assert CONFIG_KEYS <= set(report["config"])

