@@ -190,8 +190,7 @@ class NgramDrafter(PromptLookupDrafter):
         neither pays); the first value is the match's n-gram size, or ``TABLE_SOURCE`` for the table's."""
         tokens = np.asarray(tokens, dtype=np.int64)
         n, cont = super().chain(tokens, max_len)
-        lookup_value = self.expected_tokens(n, len(cont)) / self.step_cost(1 + len(cont)) if cont else 1.0
-        table = self._table_instead(tokens, max_len, lookup_value)
+        table = self._table_instead(tokens, max_len, self.worth(n if cont else None, len(cont), 1 + len(cont)))
         if table:
             return TABLE_SOURCE, table
         self.sources["lookup" if cont else "plain"] += 1

@@ -108,8 +108,12 @@ class PromptLookupDrafter(Drafter):
         """Expected tokens per unit of step cost of ``found``, this drafter's last proposal (a plain
         step's: 1.0 when it found nothing)."""
         match = self._last
-        expected = self.expected_tokens(match[0], found.main_path().num_nodes - 1) if match is not None else 1.0
-        return expected / self.step_cost(found.num_nodes)
+        return self.worth(match and match[0], found.main_path().num_nodes - 1, found.num_nodes)
+
+    def worth(self, n: int | None, drafted: int, rows: int) -> float:
+        """Expected tokens per unit of step cost of a ``rows``-row step drafting ``drafted`` tokens from a
+        match of size ``n`` (None: no match, a plain step's expected 1.0 token)."""
+        return (self.expected_tokens(n, drafted) if n else 1.0) / self.step_cost(rows)
 
     def step_cost(self, rows: int) -> float:
         """Cost of a step of ``rows`` rows relative to a 1-row step (the cost curve in use)."""
