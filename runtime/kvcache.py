@@ -86,6 +86,10 @@ class KVCache:
         self.epoch += 1
         return True
 
+    def keep_first(self, n: int) -> None:
+        """The step's first ``n`` rows (slots ``length..length+n-1``) are accepted: they are in place already."""
+        self.length += n
+
     def commit(self, accepted_slots: np.ndarray) -> None:
         """Move the K/V rows of accepted tree nodes (absolute slots) to ``length..`` and extend length.
 

@@ -100,6 +100,16 @@ _ROOT_PARENTS = np.array([-1], dtype=np.int64)
 _ROOT_PARENTS.setflags(write=False)
 
 
+@lru_cache(maxsize=128)
+def _chain_parents(n: int) -> np.ndarray:
+    """The parents of an ``n``-node chain, -1 then 0..n-2 (read-only, one array per length)."""
+    if n == 1:
+        return _ROOT_PARENTS
+    parents = np.arange(-1, n - 1, dtype=np.int64)
+    parents.setflags(write=False)
+    return parents
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     """One step's draft: node tokens in topological order, node 0 being the root token."""
@@ -135,6 +145,17 @@ class DraftTree:
         object.__setattr__(tree, "scores", None)
         return tree
 
+    @classmethod
+    def chain(cls, tokens: list[int]) -> DraftTree:
+        """The chain ``tokens[0] -> tokens[1] -> ...`` (root first), made without the general checks: a chain's
+        parents are valid by construction (once per drafted step; see :func:`verify._chain_accept` for why
+        small numpy calls are avoided there)."""
+        tree = object.__new__(cls)
+        object.__setattr__(tree, "tokens", np.array(tokens, dtype=np.int64))
+        object.__setattr__(tree, "parents", _chain_parents(len(tokens)))
+        object.__setattr__(tree, "scores", None)
+        return tree
+
     @property
     def num_nodes(self) -> int:
         return int(self.tokens.shape[0])
@@ -144,7 +165,8 @@ class DraftTree:
 
     @property
     def is_chain(self) -> bool:
-        return bool(np.array_equal(self.parents, np.arange(-1, self.num_nodes - 1)))
+        return self.parents is _chain_parents(self.num_nodes) or bool(
+            np.array_equal(self.parents, np.arange(-1, self.num_nodes - 1)))
 
     def main_path(self) -> DraftTree:
         """The chain from the root through each node's first child (the drafter's best candidate).
@@ -265,6 +287,7 @@ class TreeBuffers:
     retrieve: np.ndarray  # [L, D+1] int64, root-to-leaf node paths padded with -1, one row per leaf
     internal: np.ndarray  # [I] int64, nodes that have children (the verifier needs only their rows)
     children: tuple[tuple[int, ...], ...]  # children[i]: child node indices of node i, in order
+    chain: bool = False  # every node's parent is the node before it (node i sits at depth i)
 
     @property
     def num_nodes(self) -> int:
@@ -273,7 +296,14 @@ class TreeBuffers:
 
 def build_buffers(parents) -> TreeBuffers:
     """Build (or fetch from cache) the buffers for a parent array ``[N]`` with ``parents[i] < i``."""
+    if isinstance(parents, np.ndarray) and parents is _chain_parents(parents.shape[0]):
+        return _chain_buffers(parents.shape[0])
     return _build_buffers(tuple(np.asarray(parents, dtype=np.int64).reshape(-1).tolist()))
+
+
+@lru_cache(maxsize=128)
+def _chain_buffers(n: int) -> TreeBuffers:
+    return _build_buffers(tuple(range(-1, n - 1)))
 
 
 @lru_cache(maxsize=256)
@@ -301,7 +331,8 @@ def _build_buffers(key: tuple[int, ...]) -> TreeBuffers:
     arrays = (parents, depth, mask, retrieve, internal)
     for a in arrays:
         a.setflags(write=False)  # shared by every step that reuses this tree
-    return TreeBuffers(*arrays, children=tuple(tuple(c) for c in children))
+    return TreeBuffers(*arrays, children=tuple(tuple(c) for c in children),
+                       chain=all(p == i - 1 for i, p in enumerate(key)))
 
 
 # Static trees. Grown greedily under DEFAULT_ACCEPT (below) with depth <= 4: each is the set of

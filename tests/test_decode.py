@@ -146,6 +146,20 @@ def test_prompt_lookup_drafts_only_what_pays_on_the_cost_curve():
     assert learnt(steep, [10] * 20) == learnt(flat, [10] * 20) == 10  # always right: the longest draft
 
 
+def test_lookup_expected_tokens_are_the_beta_chain_formula():
+    """The plain-Python expected tokens (one call per drafted step) equal 1 + p1 (1 + a + ... + a^(L-1)),
+    and the array form agrees with the scalar one."""
+    from specdeploy.runtime.drafters.prompt_lookup import ChainAcceptance
+
+    acc = ChainAcceptance()
+    for accepted, drafted in [(0, 3), (2, 3), (5, 10), (0, 1), (3, 3)]:
+        acc.update(accepted, drafted)
+    p1, a = acc.first[0] / sum(acc.first), acc.later[0] / sum(acc.later)
+    want = [1.0 + p1 * sum(a**j for j in range(length)) for length in range(11)]
+    assert acc.expected_up_to(10) == pytest.approx(want, rel=1e-12)
+    assert acc.expected_tokens(np.array([0, 3, 10])) == pytest.approx([want[0], want[3], want[10]], rel=1e-12)
+
+
 def test_eos_inside_accepted_path_stops_there(tiny_bundle):
     with load(tiny_bundle) as engine:
         ids = engine.encode("The end is near")

@@ -7,6 +7,7 @@ are the tree's, and sampling acceptance against the warped base distribution wit
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -558,3 +559,41 @@ def test_tree_choice_is_the_one_parser_of_tree_arguments():
         tree_choice("bushy", 64, 4)
     with pytest.raises(TreeSpecError):
         tree_choice("chain8", 64, 4)  # deeper than the drafter's heads
+
+
+@st.composite
+def chain_cases(draw, vocab=3):
+    """(chain tree, logits [N + pad, V]) with small integer logits: ties and long accepted prefixes are common."""
+    n = draw(st.integers(1, 12))
+    tokens = [draw(st.integers(0, vocab - 1)) for _ in range(n)]
+    pad = draw(st.integers(0, 2))
+    seed = draw(st.integers(0, 2**32 - 1))
+    logits = np.random.default_rng(seed).integers(0, 2, size=(n + pad, vocab)).astype(np.float32)
+    return tokens, logits
+
+
+@FAST
+@given(chain_cases())
+def test_chain_fast_path_equals_the_general_tree_rule(case):
+    """A chain (made by DraftTree.chain or as a general tree) is verified by a plain-Python path; it gives
+    the general rule's acceptance and plain greedy's tokens, with and without the backend's argmax."""
+    tokens, logits = case
+    fast = DraftTree.chain(tokens)
+    general = DraftTree(np.array(tokens), np.arange(-1, len(tokens) - 1))
+    assert fast.is_chain and fast.main_path() is fast and fast.parents.tolist() == general.parents.tolist()
+    assert fast.buffers().chain and general.buffers().chain
+    not_chain = dataclasses.replace(general.buffers(), chain=False)  # forces the general tree code
+    ref = greedy_accept(general, not_chain, logits)
+    nodes, out = plain_greedy(general, logits)
+    assert ref.nodes.tolist() == nodes and ref.tokens.tolist() == out
+    for tree in (fast, general):
+        for row_argmax in (None, logits.argmax(-1)):
+            acc = greedy_accept(tree, tree.buffers(), logits, row_argmax=row_argmax)
+            assert acc.nodes.tolist() == nodes and acc.tokens.tolist() == out
+            assert acc.tokens.dtype == np.int64 and acc.nodes.dtype == np.int64
+
+
+@FAST
+@given(parent_arrays(max_nodes=12))
+def test_buffers_know_chains(parents):
+    assert build_buffers(parents).chain == (parents.tolist() == list(range(-1, parents.size - 1)))

@@ -181,7 +181,7 @@ class NgramDrafter(PromptLookupDrafter):
         chain = self._table_instead(tokens, budget, super().proposal_value(found))  # 1.0: lookup found nothing
         if chain:
             self._last = None  # lookup learns nothing from a step it did not draft
-            return DraftTree(np.array([int(tokens[-1]), *chain], dtype=np.int64), np.arange(-1, len(chain), dtype=np.int64))
+            return DraftTree.chain([int(tokens[-1]), *chain])
         self.sources["lookup" if match is not None else "plain"] += 1
         return found
 

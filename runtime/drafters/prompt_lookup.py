@@ -35,10 +35,18 @@ class ChainAcceptance:
 
     def expected_tokens(self, lengths: np.ndarray) -> np.ndarray:
         """Expected tokens of a step drafting L tokens, for each L: 1 + p1 (1 + a + ... + a^(L-1))."""
-        p1, a = self.first[0] / sum(self.first), self.later[0] / sum(self.later)
         lengths = np.asarray(lengths)
-        partial = np.concatenate([[0.0], np.cumsum(a ** np.arange(int(lengths.max(initial=0))))])
-        return 1.0 + p1 * partial[lengths]
+        return np.asarray(self.expected_up_to(int(lengths.max(initial=0))))[lengths]
+
+    def expected_up_to(self, longest: int) -> list[float]:
+        """The expected tokens of drafting L = 0..``longest`` tokens, in plain Python (once per drafted step:
+        small numpy calls cost several microseconds each right after a step, see verify._chain_accept)."""
+        p1, a = self.first[0] / sum(self.first), self.later[0] / sum(self.later)
+        out, partial = [1.0], 0.0
+        for j in range(longest):
+            partial += a**j
+            out.append(1.0 + p1 * partial)
+        return out
 
     def update(self, accepted: int, drafted: int) -> None:
         """``accepted`` of the ``drafted`` chain tokens were accepted."""
@@ -71,7 +79,7 @@ class PromptLookupDrafter(Drafter):
 
     def use_cost_curve(self, cost_curve: Mapping[int, float]) -> None:
         """Cost of a T-token step relative to a 1-token step (e.g. measured on the backend in use)."""
-        self._cost = np.array([step_cost(cost_curve, n) for n in range(1, self.num_tokens * self.branches + 2)])
+        self._cost = [step_cost(cost_curve, n) for n in range(1, self.num_tokens * self.branches + 2)]
         self._lengths = {}
 
     def reset(self) -> None:
@@ -90,9 +98,10 @@ class PromptLookupDrafter(Drafter):
         if not self.adaptive:
             return self.num_tokens
         length = self._lengths.get(n)
-        if length is None:  # L = 0 is a plain step
-            expected = self._stats[n].expected_tokens(np.arange(self.num_tokens + 1))
-            length = self._lengths[n] = int(np.argmax(expected / self._cost[: self.num_tokens + 1]))
+        if length is None:  # L = 0 is a plain step; the first best length on ties
+            expected = self._stats[n].expected_up_to(self.num_tokens)
+            values = [e / c for e, c in zip(expected, self._cost)]
+            length = self._lengths[n] = values.index(max(values))
         return length
 
     @property
@@ -102,7 +111,7 @@ class PromptLookupDrafter(Drafter):
 
     def expected_tokens(self, n: int, length: int) -> float:
         """Expected tokens of a step that drafts ``length`` tokens from a match of size ``n``."""
-        return float(self._stats[n].expected_tokens(length))
+        return self._stats[n].expected_up_to(length)[length]
 
     def proposal_value(self, found: DraftTree) -> float:
         """Expected tokens per unit of step cost of ``found``, this drafter's last proposal (a plain
@@ -164,6 +173,9 @@ class PromptLookupDrafter(Drafter):
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
         budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
         n, conts = self._continuations(tokens) if budget > 0 else (0, [])
+        if len(conts) <= 1:  # one match (or none): the trie is a chain
+            self._last = (n, len(conts[0])) if conts else None
+            return DraftTree.chain([int(tokens[-1]), *(conts[0][:budget] if conts else ())])
         # Merge the continuations into a trie rooted at the current token.
         node_tokens, parents = [int(tokens[-1])], [-1]
         children: dict[tuple[int, int], int] = {}
