@@ -150,6 +150,8 @@ class DraftTree:
         """The chain ``tokens[0] -> tokens[1] -> ...`` (root first), made without the general checks: a chain's
         parents are valid by construction (once per drafted step; see :func:`verify._chain_accept` for why
         small numpy calls are avoided there)."""
+        if not tokens:
+            raise TreeSpecError("A draft tree needs at least its root node.")
         tree = object.__new__(cls)
         object.__setattr__(tree, "tokens", np.array(tokens, dtype=np.int64))
         object.__setattr__(tree, "parents", _chain_parents(len(tokens)))

@@ -582,6 +582,8 @@ def test_chain_fast_path_equals_the_general_tree_rule(case):
     general = DraftTree(np.array(tokens), np.arange(-1, len(tokens) - 1))
     assert fast.is_chain and fast.main_path() is fast and fast.parents.tolist() == general.parents.tolist()
     assert fast.buffers().chain and general.buffers().chain
+    with pytest.raises(TreeSpecError):
+        DraftTree.chain([])
     not_chain = dataclasses.replace(general.buffers(), chain=False)  # forces the general tree code
     ref = greedy_accept(general, not_chain, logits)
     nodes, out = plain_greedy(general, logits)
