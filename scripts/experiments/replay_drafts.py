@@ -10,7 +10,7 @@ It prints, per drafter, tau and the predicted decode speed-up over plain decodin
 cost); loop overhead and the prefill are not in it. Chains only (the plan on CPUs whose tree rows
 differ). Prompt lookup and the n-gram table (the bundle's, if it has one) run on the CPU in
 microseconds, so this answers in seconds what a bench run answers in minutes: how a drafting policy
-or a table would do, before it is benched. It matched the measured tau of both on session 17's run.
+or a table would do, before it is benched. Its tau came within 0.02 of the measured tau of both in session 18.
 """
 
 from __future__ import annotations
