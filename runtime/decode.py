@@ -214,22 +214,17 @@ class Decoder:
 
     def commit(self, state: DecodeState, tree: DraftTree, acc: Acceptance, out: StepOutputs) -> list[int]:
         """Keep the accepted nodes' K/V and hidden states; the bonus token becomes the next root."""
-        k = acc.nodes.shape[0]
-        last = int(acc.nodes[-1])
-        if last == k - 1:  # nodes 0..k-1 (a chain's accepted prefix, always): no K/V moves, and sliced
-            # copies instead of fancy indexing: fewer small numpy calls per step (see verify._chain_accept)
-            state.cache.keep_first(k)
-            hidden = out.hidden_states[0, :k].copy()
-            layers = None if out.layer_states is None else out.layer_states[0, :k].copy()
-        else:
-            state.cache.commit(state.cache.length + acc.nodes)
-            hidden = out.hidden_states[0, acc.nodes]
-            layers = None if out.layer_states is None else out.layer_states[0, acc.nodes]
+        nodes = acc.nodes
+        last = int(nodes[-1])
+        state.cache.commit(state.cache.length + nodes)
         if self.drafter is not None:
-            self.drafter.accepted(acc.nodes, tree)
-        state.hidden = hidden
-        if layers is not None:
-            state.layers = layers
+            self.drafter.accepted(nodes, tree)
+        # Nodes 0..last (a chain's accepted prefix, always) as a slice: one small numpy call fewer than
+        # fancy indexing (see verify._chain_accept); copied either way.
+        rows = slice(0, last + 1) if last == len(nodes) - 1 else nodes
+        state.hidden = out.hidden_states[0, rows].copy()
+        if out.layer_states is not None:
+            state.layers = out.layer_states[0, rows].copy()
         state.root_logits = out.logits[0, last]
         emitted = acc.tokens.tolist()
         state.tokens.extend(emitted)

@@ -86,22 +86,16 @@ class KVCache:
         self.epoch += 1
         return True
 
-    def keep_first(self, n: int) -> None:
-        """The step's first ``n`` rows (slots ``length..length+n-1``) are accepted: they are in place already."""
-        self.length += n
-
     def commit(self, accepted_slots: np.ndarray) -> None:
         """Move the K/V rows of accepted tree nodes (absolute slots) to ``length..`` and extend length.
 
         ``accepted_slots`` is increasing and starts at ``length`` (the root), so a chain that was
-        accepted in order needs no move at all.
+        accepted in order needs no move at all. That case (a plain step, any chain step) is decided on
+        two Python ints: small numpy calls are slow right after a step (see verify._chain_accept).
         """
         n = len(accepted_slots)
-        if n == 1 and accepted_slots[0] == self.length:  # a plain step: nothing to move
-            self.length += 1
-            return
-        dst = np.arange(self.length, self.length + n)
-        if not np.array_equal(accepted_slots, dst):
+        if int(accepted_slots[-1]) != self.length + n - 1:  # increasing from length: else a gap to close
+            dst = np.arange(self.length, self.length + n)
             src = np.asarray(accepted_slots)
             for bufs in (self.keys, self.values):
                 for b in bufs:

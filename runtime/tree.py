@@ -298,14 +298,9 @@ class TreeBuffers:
 
 def build_buffers(parents) -> TreeBuffers:
     """Build (or fetch from cache) the buffers for a parent array ``[N]`` with ``parents[i] < i``."""
-    if isinstance(parents, np.ndarray) and parents is _chain_parents(parents.shape[0]):
-        return _chain_buffers(parents.shape[0])
+    if isinstance(parents, np.ndarray) and parents is _chain_parents(parents.shape[0]):  # no numpy call
+        return _build_buffers(tuple(range(-1, parents.shape[0] - 1)))
     return _build_buffers(tuple(np.asarray(parents, dtype=np.int64).reshape(-1).tolist()))
-
-
-@lru_cache(maxsize=128)
-def _chain_buffers(n: int) -> TreeBuffers:
-    return _build_buffers(tuple(range(-1, n - 1)))
 
 
 @lru_cache(maxsize=256)

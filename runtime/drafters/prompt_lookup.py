@@ -173,8 +173,8 @@ class PromptLookupDrafter(Drafter):
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
         budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
         n, conts = self._continuations(tokens) if budget > 0 else (0, [])
+        self._last = (n, max(len(c) for c in conts)) if conts else None
         if len(conts) <= 1:  # one match (or none): the trie is a chain
-            self._last = (n, len(conts[0])) if conts else None
             return DraftTree.chain([int(tokens[-1]), *(conts[0][:budget] if conts else ())])
         # Merge the continuations into a trie rooted at the current token.
         node_tokens, parents = [int(tokens[-1])], [-1]
@@ -191,7 +191,6 @@ class PromptLookupDrafter(Drafter):
                     parents.append(cur)
                     children[(cur, tok)] = nxt
                 cur = nxt
-        self._last = (n, max((len(c) for c in conts), default=0)) if conts else None
         return DraftTree(tokens=np.array(node_tokens, dtype=np.int64), parents=np.array(parents, dtype=np.int64))
 
     def chain(self, tokens: np.ndarray, max_len: int) -> tuple[int, list[int]]:
