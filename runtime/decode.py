@@ -11,13 +11,14 @@ how many nodes a step carries. Each stage is a named function with explicit inpu
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .backends.base import Backend, StepInputs, StepOutputs
 from .bundle import BundleManifest
+from .cost_meter import StepCostMeter
 from .drafters.base import DraftContext, Drafter
 from .errors import DraftMismatchError, PromptError, TreeSpecError
 from .kvcache import KVCache, bucket_for, capacity_buckets
@@ -137,6 +138,16 @@ class Decoder:
         self._neg = np.finfo(backend.mask_dtype).min
         self.chains_only = not self.plan.trees
         self.min_rows = self.plan.min_rows
+        # Re-estimates the drafter's cost curve from the loop's step times (see track_costs).
+        self.cost_meter: StepCostMeter | None = None
+
+    def track_costs(self, prior: Mapping[int, float]) -> None:
+        """Give the drafter ``prior`` (the curve measured at load) and from then on the curve the decode
+        loop's own step times give (:class:`~.cost_meter.StepCostMeter`), kept across generations."""
+        if self.drafter is None:
+            raise ValueError("Only a decoder with a drafter has a cost curve to track.")
+        self.drafter.use_cost_curve(prior)
+        self.cost_meter = StepCostMeter(prior)
 
     # --- stages -------------------------------------------------------------------------------
     def _inputs(self, tree_tokens: np.ndarray, depth: np.ndarray, mask: np.ndarray, cache: KVCache,
@@ -280,7 +291,10 @@ class Decoder:
             buffers = tree.buffers()
             tb = time.perf_counter()
             out = self.verify(state, tree, buffers)
-            stats.backend_s += time.perf_counter() - tb
+            took = time.perf_counter() - tb
+            stats.backend_s += took
+            if self.cost_meter is not None and self.cost_meter.add(len(tree.tokens), took):
+                self.drafter.use_cost_curve(self.cost_meter.curve)  # the loop's own step costs (cost_meter.py)
             acc = self.accept(tree, buffers, out, sampling, rng)
             emitted = self.commit(state, tree, acc, out)
             stats.steps += 1

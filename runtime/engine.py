@@ -248,7 +248,7 @@ class Engine:
         if drafter is not None and drafter.needs_cost_curve:
             # The drafter sizes its drafts by step cost: measure this backend's (~1 s).
             self.cost_curve = measure_cost_curve(self.decoder)
-            drafter.use_cost_curve(self.cost_curve)
+            self.decoder.track_costs(self.cost_curve)  # then re-estimated from the decode loop's steps
         self._slot = _Slot()
         self._mutex = threading.Lock()  # guards the totals below and the set of open streams
         self._streams: weakref.WeakSet[TextStream] = weakref.WeakSet()

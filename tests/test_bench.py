@@ -84,7 +84,7 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file, monkeypatch):
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["mean_accepted_tokens"] == pytest.approx(1.0)
     assert set(ar["acceptance_histogram"]) == {"1"} and ar["depth_acceptance"] == []
     assert ar["gate_decisions"] is None  # no drafter, no gate
-    assert ar["profile"] == {"cost_curve": None}  # nothing to explain: no drafter, no measured curve
+    assert ar["profile"] == {"cost_curve": None, "cost_curve_loop": None}  # no drafter: no measured curve
     assert pl["profile"]["cost_curve"]["1"] == pytest.approx(1.0) and set(pl["profile"]["cost_curve"]) >= {"2", "8"}
     # Prompt lookup has no gate: every decode step is a draft step (a root-only tree when nothing matched).
     assert pl["gate_decisions"] == {"draft": pl["steps"], "ar": 0}

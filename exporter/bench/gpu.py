@@ -190,8 +190,8 @@ class Check:
 def _decode(check: Check, backend: TorchBackend, plan: StepPlan, drafter, ids: list[list[int]],
             max_new: int) -> dict[str, Any]:
     dec = Decoder(backend, check.manifest, drafter, plan=plan)
-    if drafter is not None and drafter.needs_cost_curve:
-        drafter.use_cost_curve(measure_cost_curve(dec))
+    if dec.drafter is not None and dec.drafter.needs_cost_curve:
+        dec.track_costs(measure_cost_curve(dec))  # then re-estimated from the loop's steps, as on the CPU
     list(dec.generate(ids[0][:8], GenerationConfig(max_new_tokens=4)))  # warm-up
     toks, tps, taus = [], [], []
     for p in ids:

@@ -21,8 +21,10 @@ JSON schema (stable; CI and other tools read it)::
       gate_decisions {draft, ar}: decode steps the drafter's gate sent to draft + verify and to a plain
                      1-token step (ours with a drafter; null otherwise),
       profile {cost_curve {rows: cost relative to a 1-row step, as measured at load; null when not
-               measured}, draft_call_ms, step_ms (a step without its draft calls), and the drafter's
-               own counts: gate {draft, explore, plain}, steps_by_source} (ours only; the last run's),
+               measured}, cost_curve_loop {the same as last re-estimated from the decode loop's step
+               times; null until it was}, draft_call_ms, step_ms (a step without its draft calls), and
+               the drafter's own counts: gate {draft, explore, plain}, steps_by_source} (ours only; the
+               last run's),
       steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the

@@ -67,8 +67,9 @@ class OursRunner(Runner):
 
     def _profile(self) -> dict:
         drafter = self.engine.decoder.drafter
-        curve = self.engine.cost_curve
+        curve, meter = self.engine.cost_curve, self.engine.decoder.cost_meter
         return {"cost_curve": {int(t): round(float(c), 4) for t, c in curve.items()} if curve else None,
+                "cost_curve_loop": dict(meter.curve) if meter is not None and meter.updates else None,
                 **(drafter.profile() if drafter is not None else {})}
 
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
