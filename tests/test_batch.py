@@ -117,7 +117,12 @@ def test_cancel_and_queue_beyond_max_batch(tiny_bundle):
         for t in readers:
             t.start()
         deadline = time.monotonic() + 30  # the streams queue at their first next(), in their threads
-        while (eng.stats().running, eng.stats().queue_depth) != (2, 2) and time.monotonic() < deadline:
+
+        def settled() -> bool:  # two rows admitted and both prefilled (a joining row counts as running first)
+            st = eng.stats()
+            return (st.running, st.queue_depth) == (2, 2) and sum(s.stats.prefill_s > 0 for s in streams) == 2
+
+        while not settled() and time.monotonic() < deadline:
             time.sleep(0.01)
         st = eng.stats()
         assert st.running == 2 and st.queue_depth == 2  # two decode, two wait for a row
