@@ -30,6 +30,7 @@ from .tree import step_cost
 WINDOW = 1024  # steps whose times count (in ngram decoding ~6% of them are 1-node steps)
 MIN_SAMPLES = 24  # steps of a node count (and of 1 node) before its measured ratio counts
 EVERY = 32  # steps between re-estimates
+CHANGE = 0.01  # a re-estimate replaces the curve only where a point moved by more than this
 
 
 class StepCostMeter:
@@ -47,7 +48,8 @@ class StepCostMeter:
         self._step = 0
 
     def add(self, nodes: int, seconds: float) -> bool:
-        """Record one step of ``nodes`` nodes; True when this re-estimated the curve and it changed."""
+        """Record one step of ``nodes`` nodes; True when this re-estimated the curve and it changed (by more
+        than ``CHANGE`` somewhere)."""
         self._step += 1
         times = self._times.get(nodes)
         if times is None:
@@ -69,7 +71,8 @@ class StepCostMeter:
         if one is None or not medians:
             return False
         curve = self._merged({n: t / one for n, t in medians.items()})
-        if curve == self.curve:
+        # The drafters recompute their cost tables on every new curve: not for a move of a few 1e-4.
+        if curve.keys() == self.curve.keys() and all(abs(c - self.curve[t]) <= CHANGE for t, c in curve.items()):
             return False
         self.curve = curve
         self.updates += 1
