@@ -118,7 +118,8 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
               help="Draft vocabulary: the N most frequent ids, 0 = full lm_head (default: the calibrated choice).")
 @click.option("--model", default=None, help="Source model, if it moved since export.")
 @click.option("--precision", type=click.Choice(DRAFT_PRECISIONS), default=INT8, show_default=True,
-              help="Chimera only: also write an int8-weight draft graph, which the CPU drafter prefers.")
+              help="Trained drafts: int8 writes an int8-weight draft graph, which the CPU drafter runs (plus "
+                   "the fp32 one where a TensorRT base graph can use it); fp32 writes only the fp32 graph.")
 def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
                      model: str | None, precision: str) -> None:
     """Add a trained Chimera draft, Medusa or Cerberus heads (and Cerberus' gate), or an n-gram table to a bundle.

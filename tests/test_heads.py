@@ -204,14 +204,54 @@ def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
     manifest = read_manifest(heads_bundle)
     kinds = {d.kind: d for d in manifest.drafts}
     assert set(kinds) == {"medusa", "cerberus"}
-    assert [g.role for g in kinds["cerberus"].graphs] == ["cerberus", "cerberus-gate"]
+    # The tiny bundle has a TensorRT base graph, so the fp32 heads graph is kept beside the int8 one.
+    assert [g.role for g in kinds["cerberus"].graphs] == ["cerberus", "cerberus-int8", "cerberus-gate"]
+    assert [(g.precision, g.target) for g in kinds["medusa"].graphs] == [("fp32", "trt"), ("int8", "ort")]
     assert kinds["cerberus"].setting("gate_kind") == "entropy" and kinds["cerberus"].setting("default_tree") == "tree16"
     assert all(d.base_weight_sha == manifest.source.weight_sha for d in manifest.drafts)
     spec = {s.name: s for s in kinds["medusa"].graphs[0].outputs}
     assert spec["topk_ids"].dtype == "int64" and len(spec["topk_ids"].shape) == 4
     loaded, _ = tiny_setup
     checks = compare_drafts(heads_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
-    assert len(checks) == 4 and all(c.passed for c in checks), checks
+    assert len(checks) == 6 and all(c.passed for c in checks), checks
+    assert {c.case for c in checks} == {"medusa", "medusa-int8", "cerberus", "cerberus-int8", "cerberus-gate"}
+    assert {c.case: c.atol for c in checks if c.output == "topk_logprobs"}["medusa"] == 1e-3
+
+
+def test_the_cpu_drafter_runs_the_int8_heads_and_fp32_only_exports_have_none(heads_bundle, tiny_weights, tmp_path):
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters.heads import heads_role
+
+    manifest = read_manifest(heads_bundle)
+    with load(heads_bundle, draft="medusa") as eng:
+        used = eng.decoder.drafter.session._model_path
+    assert Path(used).name == "medusa-int8.onnx" and heads_role(manifest.draft("medusa"), "fp32") == "medusa"
+    bundle = tmp_path / "b"
+    shutil.copytree(heads_bundle, bundle)
+    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="fp32")
+    entry = read_manifest(bundle).draft("medusa")
+    assert [g.role for g in entry.graphs] == ["medusa"] and not (bundle / "medusa-int8.onnx").exists()
+    assert heads_role(entry) == "medusa"
+    with pytest.raises(DraftMismatchError, match="no int8 graph"):
+        heads_role(entry, "int8")
+    with pytest.raises(DraftMismatchError, match="Unknown draft precision"):
+        export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="int2")
+
+
+def test_an_ort_only_bundle_gets_only_the_int8_heads(tiny_model_factory, tiny_weights, tmp_path):
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+
+    bundle = tmp_path / "ort"
+    export_base(str(tiny_model_factory("llama")), bundle, max_context=512, target="ort", progress=lambda m: None)
+    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
+    assert [g.role for g in read_manifest(bundle).draft("medusa").graphs] == ["medusa-int8"]
+    assert not (bundle / "medusa.onnx").exists() and not list(bundle.glob(".medusa*"))
+    with load(bundle) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
+        ids = plain.encode("The quick brown fox")
+        assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
 
 
 @pytest.mark.parametrize("draft,tree", [("medusa", None), ("medusa", "chain4"), ("cerberus-nogate", "dynamic:12"),
@@ -254,13 +294,14 @@ def test_the_torch_backend_runs_heads_drafts_on_its_device_as_onnx_does(heads_bu
     from specdeploy.exporter.reference.torch_drafters import TorchSession
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters import make_drafter
+    from specdeploy.runtime.drafters.heads import make_heads_drafter
 
     manifest = read_manifest(heads_bundle)
     rng = np.random.default_rng(0)
     with TorchBackend(heads_bundle, manifest, device="cpu", cuda_graphs=False) as backend:
         for name in ("medusa", "cerberus"):
             ours = make_drafter(name, heads_bundle, manifest, backend=backend)
-            onnx = make_drafter(name, heads_bundle, manifest)
+            onnx = make_heads_drafter(name, heads_bundle, manifest, precision="fp32")  # the graph torch traces
             assert isinstance(ours.session, TorchSession) and not isinstance(onnx.session, TorchSession)
             for _ in range(3):
                 hidden = rng.normal(size=64).astype(np.float32)
@@ -368,7 +409,8 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     for kind in ("medusa", "cerberus"):
         export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
     checks = validate_bundle(bundle, progress=lambda m: None)
-    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "cerberus", "cerberus-gate"}
+    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int8", "cerberus",
+                                                                          "cerberus-int8", "cerberus-gate"}
     prompts = _mtbench(3)
     with load(bundle) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))

@@ -314,18 +314,19 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
         progress(f"running torch and ONNX Runtime on the {entry.kind} draft graphs ...")
         modules = torch_draft_modules(entry, lm_weight)
         for g in entry.graphs:
-            module = modules[g.role]
+            module = modules[g.role.removesuffix("-int8")]  # an int8 graph is checked against the fp32 heads
             names = [i.name for i in g.inputs]
             session = make_session(bundle_dir / g.file, "cpu")
             got = session.run(None, {n: feeds[n] for n in names})
             with torch.no_grad():
                 ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in names))]
-            if g.role == entry.kind:  # heads: (topk_ids, topk_logprobs)
+            if g.role in (entry.kind, f"{entry.kind}-int8"):  # heads: (topk_ids, topk_logprobs)
+                atol = DRAFT_LOGPROB_ATOL if g.precision == "fp32" else INT8_DRAFT_ATOL
                 delta = float(np.max(np.abs(ref[1] - got[1])))
                 gap = ref[1][..., 0] - ref[1][..., 1]  # [B, N, K]
-                clear = gap > DRAFT_LOGPROB_ATOL * 10
+                clear = gap > atol * 10
                 agree = bool((ref[0][..., 0] == got[0][..., 0])[clear].all())
-                checks.append(OutputCheck(g.role, "topk_logprobs", delta, DRAFT_LOGPROB_ATOL, agree))
+                checks.append(OutputCheck(g.role, "topk_logprobs", delta, atol, agree))
             else:
                 for name, a, b in zip([o.name for o in g.outputs], ref, got):
                     checks.append(OutputCheck(g.role, name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))

@@ -125,7 +125,14 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
 
     ``calibration`` defaults to ``<weights>.calibration.json`` when that exists; ``use_calibration``
     False ignores it (the calibration step itself exports the uncalibrated draft first).
+    ``precision`` "int8" writes the heads graph as ``<kind>-int8.onnx`` (int8 MatMulNBits weights and
+    activations, as :func:`export_chimera` does), which the CPU drafter takes: its trimmed lm_head is
+    most of a heads call, and int8 reads a quarter of the fp32 bytes. The fp32 ``<kind>.onnx`` is
+    written as well where a TensorRT (``trt``) base graph can use it, or alone with "fp32". The
+    Cerberus gate graph (a 578 -> 32 -> 1 MLP) stays fp32.
     """
+    if precision not in DRAFT_PRECISIONS:
+        raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
     import torch
     from specdeploy.exporter.export.staging import export_graph, graph_entry, updated_bundle
     from specdeploy.exporter.source import load_model
@@ -169,15 +176,21 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
         progress("note: no gate calibration; 'cerberus' will refuse to load, 'cerberus-nogate' works.")
 
     old = next((d for d in manifest.drafts if d.kind == kind), None)
+    keep_fp32 = precision == FP32 or _has_trt_base(manifest)
     with updated_bundle(bundle) as tmp:
         _drop_graph_files(tmp, old, manifest)
         progress(f"[2/3] tracing the {kind} heads ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
         batch, rows = Dim("batch"), Dim("rows")
+        fp32_file = f"{kind}.onnx" if keep_fp32 else f".{kind}-fp32.onnx"  # the latter only to quantize
         with torch.no_grad():
-            export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / f"{kind}.onnx", ["hidden_states"],
+            export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / fp32_file, ["hidden_states"],
                          ["topk_ids", "topk_logprobs"], {"hidden_states": {0: batch, 1: rows}})
-        _share(tmp, manifest, f"{kind}.onnx", [], progress)
-        graphs = [graph_entry(tmp, kind, f"{kind}.onnx")]
+        graphs = _int8_graph(tmp, manifest, fp32_file, kind, progress) if precision == INT8 else []
+        if keep_fp32:
+            _share(tmp, manifest, fp32_file, [g.file for g in graphs], progress)
+            graphs.insert(0, graph_entry(tmp, kind, fp32_file))
+        else:
+            _unlink_graph(tmp / fp32_file)
         if kind == "cerberus":
             gate, trained = gate_module(weights)
             if gate_cal and gate_cal["kind"] == "learned" and not trained:
@@ -186,7 +199,7 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
                 export_graph(gate, example_gate_inputs(cfg.hidden_size, cfg.vocab_size), tmp / "cerberus-gate.onnx",
                              ["hidden_states", "logits"], ["entropy", "gate_prob"],
                              {"hidden_states": {0: batch, 1: rows}, "logits": {0: batch, 1: rows}})
-            _share(tmp, manifest, "cerberus-gate.onnx", [f"{kind}.onnx"], progress)
+            _share(tmp, manifest, "cerberus-gate.onnx", [g.file for g in graphs], progress)
             graphs.append(graph_entry(tmp, "cerberus-gate", "cerberus-gate.onnx"))
             settings["gate_trained"] = trained
         entry = DraftEntry(kind, cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs), config_pairs(settings))
@@ -207,12 +220,35 @@ def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: i
     return cls(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
 
 
-def _chimera_int8():
+def _draft_int8():
     from specdeploy.exporter.export.quantize import QuantConfig
 
     # int8 activations too (accuracy level 4): the fastest CPU kernel; safe here because the draft's
     # rounding can only change which tokens are proposed, never the verified output.
     return QuantConfig(8, accuracy_level=4, lm_head_bits=8, lm_head_accuracy_level=4)
+
+
+def _has_trt_base(manifest: BundleManifest) -> bool:
+    """Whether the bundle has a TensorRT base graph, which would run a draft's fp32 graph."""
+    return any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
+
+
+def _int8_graph(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str,
+                progress: Callable[[str], None]) -> list:
+    """``<role>-int8.onnx`` quantized from the staged fp32 graph, its shared weights stored once."""
+    from specdeploy.exporter.export.quantize import quantize_file
+    from specdeploy.exporter.export.staging import graph_entry
+
+    file = f"{role}-int8.onnx"
+    progress(f"[2/3] quantizing the draft's weights to int8 ({file}) ...")
+    quantize_file(tmp / fp32_file, tmp / file, _draft_int8())
+    _share(tmp, manifest, file, [], progress)
+    return [graph_entry(tmp, f"{role}-int8", file, target="ort", precision=INT8)]
+
+
+def _unlink_graph(path: Path) -> None:
+    for leftover in (path, path.with_name(path.name + ".data")):
+        leftover.unlink(missing_ok=True)
 
 
 def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None = None, topk: int = DEFAULT_TOPK,
@@ -270,7 +306,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         if calib.get("default_tree"):
             settings["default_tree"] = calib["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
-    keep_fp32 = precision == FP32 or any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
+    keep_fp32 = precision == FP32 or _has_trt_base(manifest)
     roles = (["chimera"] if keep_fp32 else []) + (["chimera-int8"] if precision == INT8 else [])
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)
             and [g.role for g in old.graphs] == roles):
@@ -290,21 +326,14 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         with torch.no_grad():
             export_graph(graph, example_step_inputs(cfg), tmp / fp32_file, names,
                          ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
-        graphs: tuple = ()
-        if precision == INT8:
-            from specdeploy.exporter.export.quantize import quantize_file
-
-            progress("[2/3] quantizing the draft step's weights to int8 (chimera-int8.onnx) ...")
-            quantize_file(tmp / fp32_file, tmp / "chimera-int8.onnx", _chimera_int8())
-            _share(tmp, manifest, "chimera-int8.onnx", [], progress)
-            graphs += (graph_entry(tmp, "chimera-int8", "chimera-int8.onnx", target="ort", precision=INT8),)
+        graphs = _int8_graph(tmp, manifest, fp32_file, "chimera", progress) if precision == INT8 else []
         if keep_fp32:
             _share(tmp, manifest, "chimera.onnx", [g.file for g in graphs], progress)
-            graphs = (graph_entry(tmp, "chimera", "chimera.onnx"), *graphs)
+            graphs.insert(0, graph_entry(tmp, "chimera", "chimera.onnx"))
         else:
-            for leftover in (tmp / fp32_file, tmp / f"{fp32_file}.data"):
-                leftover.unlink(missing_ok=True)
-        entry = DraftEntry("chimera", cfg.base_weight_sha, hash_files([weights.path]), graphs, config_pairs(settings))
+            _unlink_graph(tmp / fp32_file)
+        entry = DraftEntry("chimera", cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs),
+                           config_pairs(settings))
         drafts = tuple(d for d in manifest.drafts if d.kind != "chimera") + (entry,)
         write_manifest(tmp, manifest.replace(drafts=drafts))
         progress(f"[3/3] added {', '.join(g.file for g in graphs)} to {bundle}")

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry, GraphEntry
 from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
+from ..precision import INT8
 from ..tree import (
     CPU_COST_CURVE,
     DEFAULT_ACCEPT,
@@ -242,9 +243,21 @@ def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, 
     return tree_choice(tree, manifest.limits.max_tree, num_heads)
 
 
+def heads_role(entry: DraftEntry, precision: str = "auto") -> str:
+    """The heads graph the CPU drafter runs: ``<kind>-int8`` when the draft has one (``precision``
+    "auto" or "int8"), else the fp32 ``<kind>``; "int8" without an int8 graph gets one sentence."""
+    int8 = f"{entry.kind}-int8"
+    if precision in ("auto", INT8) and any(g.role == int8 for g in entry.graphs):
+        return int8
+    if precision == INT8:
+        raise DraftMismatchError(f"The bundle's {entry.kind} draft has no int8 graph; re-export it with --precision int8.")
+    return entry.kind
+
+
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
-                       threads: int | None = None, chains: bool = False) -> HeadsDrafter:
-    """``medusa``, ``cerberus`` (with its calibrated gate) or ``cerberus-nogate`` from the bundle."""
+                       threads: int | None = None, chains: bool = False, precision: str = "auto") -> HeadsDrafter:
+    """``medusa``, ``cerberus`` (with its calibrated gate) or ``cerberus-nogate`` from the bundle; the heads
+    graph as :func:`heads_role` picks it."""
     from ..backends.ort import make_draft_session
 
     if name not in HEADS_DRAFTS:
@@ -257,7 +270,7 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
 
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
 
-    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, kind).file)
+    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, heads_role(entry, precision)).file)
     gate_session = None
     if gate is not None:
         gate_session = make_draft_session(Path(bundle_dir) / draft_graph(entry, f"{kind}-gate").file)
