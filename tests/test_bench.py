@@ -125,6 +125,14 @@ def test_unknown_variant_is_one_line(tmp_path, tiny_bundle, prompts_file):
     assert len(lines) == 1 and "warp-drive" in lines[0] and "hf-prompt-lookup" in lines[0]
 
 
+def test_a_variant_whose_draft_the_bundle_lacks_is_skipped_with_the_export_command(tmp_path, tiny_bundle,
+                                                                                    prompts_file):
+    result, out = _bench(tmp_path, tiny_bundle, prompts_file, "ar,hybrid:medusa")
+    assert result.exit_code == 0, result.output
+    skipped = {v["name"]: v for v in json.loads(out.read_text())["variants"]}["hybrid:medusa"]
+    assert "export draft --kind medusa" in skipped["note"]
+
+
 def test_read_prompts_forms_and_errors(tmp_path, prompts_file):
     assert read_prompts(prompts_file) == [
         "Repeat after me: red green blue, red green blue, red green blue.",

@@ -255,7 +255,8 @@ def test_an_ort_only_bundle_gets_only_the_int8_heads(tiny_model_factory, tiny_we
 
 
 @pytest.mark.parametrize("draft,tree", [("medusa", None), ("medusa", "chain4"), ("cerberus-nogate", "dynamic:12"),
-                                        ("cerberus", None), ("cerberus", "chain4")])
+                                        ("cerberus", None), ("cerberus", "chain4"), ("hybrid:medusa", None),
+                                        ("hybrid:cerberus", None)])
 def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
     from specdeploy.runtime.drafters.heads import GateSpec
 
