@@ -99,8 +99,11 @@ def load_engine(bundle: Path, **options):
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option("--tree", default=None, help="Tree for speculative variants (default auto).")
 @click.option("--json", "json_out", default=Path("bench.json"), show_default=True, type=click.Path(path_type=Path))
+@click.option("--emulate-cpu", default=None, metavar="QEMU_CPU",
+              help="Run our variants under QEMU emulating this CPU model (e.g. EPYC-Rome: AVX2 only) to see the "
+                   "step plan and identity there; tok/s are then the emulator's. Needs qemu-user.")
 def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: int, max_new_tokens: int,
-          threads: int, tree: str | None, json_out: Path) -> None:
+          threads: int, tree: str | None, json_out: Path, emulate_cpu: str | None) -> None:
     """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
 
     Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
@@ -116,12 +119,13 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
     \b
     Example:
       specdeploy bench bundles/smollm2 --variants ar,hf,prompt-lookup --num-prompts 20 --json out/bench.json
+      specdeploy bench bundles/smollm2-q4_1 --variants ar,ngram --num-prompts 4 --max-new-tokens 32 --emulate-cpu EPYC-Rome
     """
     from specdeploy.exporter.bench.run import run_bench
 
     t0 = time.time()
     run_bench(bundle, [v.strip() for v in variants.split(",") if v.strip()], prompts_file, num_prompts,
-              max_new_tokens, threads, tree, json_out)
+              max_new_tokens, threads, tree, json_out, emulate_cpu=emulate_cpu)
     click.echo(f"bench finished in {time.time() - t0:.0f}s; wrote {json_out}")
 
 

@@ -4,4 +4,12 @@
 export SPECDEPLOY_EXTRAS="${SPECDEPLOY_EXTRAS:-dev,serve,ray}"  # the tests also cover `serve --ray`
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export SPECDEPLOY_THREADS="${SPECDEPLOY_THREADS:-2}"
+# tests/test_emulated_cpu.py runs bundles under QEMU's AVX2-only EPYC (the CPU kind this machine may not
+# be). Install qemu-user where the machine allows (root and apt); elsewhere those tests skip and say why.
+if ! command -v qemu-x86_64 >/dev/null && [ "$(uname -m)" = x86_64 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing qemu-user (apt) for the emulated-CPU tests" >&2
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user >/dev/null 2>&1; }; } \
+    || echo "[setup] qemu-user could not be installed: the emulated-CPU tests will skip" >&2
+fi
 python -m pytest -q "$@"

@@ -134,3 +134,24 @@ def real_bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("real") / "smollm2"
     export_base(None, out, max_context=2048, progress=lambda m: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def real_quant_bundle(tmp_path_factory, real_bundle):
+    """``make("q4_1" | "int4")``: SmolLM2 exported at that precision, once per session (~80 s each).
+
+    Shared: tests that add drafts to it add them for the later ones too, and none removes anything."""
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.runtime.bundle import read_manifest
+
+    cache: dict[str, Path] = {}
+
+    def make(precision: str) -> Path:
+        if precision not in cache:
+            out = tmp_path_factory.mktemp(f"real_{precision}") / f"smollm2-{precision}"
+            export_base(read_manifest(real_bundle).source.path, out, max_context=2048, precision=precision,
+                        progress=lambda m: None)
+            cache[precision] = out
+        return cache[precision]
+
+    return make

@@ -24,7 +24,7 @@ PROMPT_KEYS = {
     "loop_overhead", "finish_reason", "identical_to_ar", "first_difference", "token_ids",
 }
 CONFIG_KEYS = {"bundle", "model", "num_prompts", "max_new_tokens", "threads", "tree", "prompts_file",
-               "baseline", "baseline_added", "machine", "versions"}
+               "baseline", "baseline_added", "machine", "versions", "emulated_cpu"}
 
 
 @pytest.fixture()

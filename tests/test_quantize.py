@@ -282,14 +282,11 @@ def test_q4_1_needs_a_q4_1_gguf(tiny_model_factory, tmp_path):
 
 # --- the real model --------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, tmp_path):
+def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bundle):
     """SmolLM2 as its own Q4_1 blocks with int8 activations: near-fp32 quality, lossless speculation."""
     from specdeploy.exporter.check.validate import validate_bundle
-    from specdeploy.exporter.export.base import export_base
 
-    manifest = read_manifest(real_bundle)
-    out = tmp_path / "smollm2-q4_1"
-    export_base(manifest.source.path, out, max_context=2048, precision="q4_1", progress=lambda m: None)
+    out = real_quant_bundle("q4_1")
     [graph] = read_manifest(out).graphs
     assert (graph.file, graph.target, graph.precision) == ("base-ort.onnx", "ort", "q4_1")
     model = onnx.load(str(out / graph.file), load_external_data=False)
@@ -340,14 +337,11 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_bundle, 
 
 
 @pytest.mark.slow
-def test_real_int4_bundle_validates_and_stays_lossless(real_bundle, tmp_path):
+def test_real_int4_bundle_validates_and_stays_lossless(real_quant_bundle):
     """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy on the probed plan."""
     from specdeploy.exporter.check.validate import validate_bundle
-    from specdeploy.exporter.export.base import export_base
 
-    manifest = read_manifest(real_bundle)
-    out = tmp_path / "smollm2-int4"
-    export_base(manifest.source.path, out, max_context=2048, precision="int4", progress=lambda m: None)
+    out = real_quant_bundle("int4")
     lines: list[str] = []
     validate_bundle(out, progress=lines.append)  # raises ValidationFailed on any failure
     text = "\n".join(lines)

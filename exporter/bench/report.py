@@ -199,8 +199,10 @@ def package_versions() -> dict[str, str | None]:
 
 def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dict[str, list[RunResult]],
                  prompts: list[_Prompt], codec: _Decoder, config: dict[str, Any],
-                 text_prompts: int = 3) -> dict[str, Any]:
-    """The bench JSON document: ``variants`` (in run order), ``config`` and ``created``."""
+                 text_prompts: int = 3, machine: dict[str, str] | None = None) -> dict[str, Any]:
+    """The bench JSON document: ``variants`` (in run order), ``config`` and ``created``.
+
+    ``machine``: what replaces this CPU's model and ISA in ``config.machine`` (an emulated CPU's)."""
     base = results.get(BASELINE)
     variants = []
     for spec in specs:
@@ -212,7 +214,7 @@ def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dic
     for v in variants:
         if ar_tps and v["tokens_per_s"] is not None:
             v["speedup_vs_ar"] = v["tokens_per_s"] / ar_tps
-    config = {**config, "machine": machine_info(), "versions": package_versions()}
+    config = {**config, "machine": {**machine_info(), **(machine or {})}, "versions": package_versions()}
     return {"variants": variants, "config": config,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
 
@@ -228,12 +230,24 @@ def _subject(c: dict[str, Any]) -> str:
     return f"{name} [{c['precision']}]" if c.get("precision") else name
 
 
+def _emulated(c: dict[str, Any]) -> str:
+    from specdeploy.exporter.bench.emulate import emulation_note
+
+    return emulation_note(c["emulated_cpu"])
+
+
+def _baseline_plan(report: dict[str, Any]) -> str | None:
+    return next((v.get("plan") for v in report["variants"] if v["name"] == BASELINE and not v["skipped"]), None)
+
+
 def markdown_table(report: dict[str, Any]) -> str:
     c = report["config"]
     lines = [
         (f"specdeploy bench: {_subject(c)}, {c['num_prompts']} prompts x {c['max_new_tokens']} new "
          f"tokens, {c['threads']} threads, tree {c['tree'] or 'auto'} ({c['machine']['cpu_model']}; "
          f"{c['machine'].get('cpu_isa', '?')})"),
+        *(["", f"**{_emulated(c)}**"] if c.get("emulated_cpu") else []),
+        *(["", f"Step plan ({BASELINE}): {plan}"] if (plan := _baseline_plan(report)) else []),
         "",
         ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | gate: draft / AR "
          "| identical to ar | loop overhead | note |"),
@@ -271,8 +285,9 @@ def _plot_speed(report: dict[str, Any], path: Path) -> None:
                     xytext=(0, 2), textcoords="offset points")
     c = report["config"]
     ax.set_ylabel("tokens/s (end to end, mean over prompts)")
+    emulated = f"\nEMULATED {c['emulated_cpu']} (QEMU): not a CPU's speed" if c.get("emulated_cpu") else ""
     ax.set_title(f"{_subject(c)}: {c['num_prompts']} prompts x {c['max_new_tokens']} tokens, "
-                 f"{c['threads']} threads", fontsize=9)
+                 f"{c['threads']} threads{emulated}", fontsize=9)
     ax.margins(y=0.15)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

