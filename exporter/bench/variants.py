@@ -29,8 +29,8 @@ OWN_VARIANTS = (
                 requires=("onnxruntime",)),
     VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
                 draft="prompt-lookup", requires=("onnxruntime",)),
-    VariantSpec("prompt-lookup-inexact", "ours", "specdeploy ORT CPU, prompt-lookup trees on the fastest step plan "
-                "whether or not it is exact here (--allow-inexact; LOSSY where the probe refuses)",
+    VariantSpec("prompt-lookup-inexact", "ours", "specdeploy ORT CPU, prompt lookup with --allow-inexact: where "
+                "the probe finds no exact step plan here, trees on the fastest plan anyway (LOSSY); else as prompt-lookup",
                 draft="prompt-lookup", options=(("allow_inexact", True),), requires=("onnxruntime",)),
     VariantSpec("ngram", "ours", "specdeploy ORT CPU, prompt lookup or the model's own n-gram table, per step",
                 draft="ngram", requires=("onnxruntime",), bundle_draft=True),
