@@ -31,7 +31,7 @@ def emulator(cpu: str) -> tuple[str, ...]:
         raise BenchError(f"--emulate-cpu needs QEMU user-mode emulation ({QEMU.get(platform.machine(), 'qemu-user')}, "
                          f"Debian/Ubuntu package qemu-user), which is not installed.")
     listing = subprocess.run([exe, "-cpu", "help"], check=False, capture_output=True, text=True, timeout=_TIMEOUT_S).stdout
-    models = {parts[1] for parts in map(str.split, listing.splitlines()) if len(parts) >= 2}
+    models = {word for parts in map(str.split, listing.splitlines()) for word in parts[:2]}  # 'x86 EPYC-Rome ...', 'cortex-a72'
     if cpu not in models:
         raise BenchError(f"QEMU knows no CPU model '{cpu}'; '{exe} -cpu help' lists them (EPYC-Rome is an "
                          f"AVX2-only AMD EPYC, Haswell an AVX2-only Intel).")
