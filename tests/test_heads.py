@@ -221,20 +221,20 @@ def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
 def test_the_cpu_drafter_runs_the_int8_heads_and_fp32_only_exports_have_none(heads_bundle, tiny_weights, tmp_path):
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.drafters.heads import heads_role
+    from specdeploy.runtime.drafters.heads import cpu_graph_role
 
     manifest = read_manifest(heads_bundle)
     with load(heads_bundle, draft="medusa") as eng:
         used = eng.decoder.drafter.session._model_path
-    assert Path(used).name == "medusa-int8.onnx" and heads_role(manifest.draft("medusa"), "fp32") == "medusa"
+    assert Path(used).name == "medusa-int8.onnx" and cpu_graph_role(manifest.draft("medusa"), "fp32") == "medusa"
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
     export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="fp32")
     entry = read_manifest(bundle).draft("medusa")
     assert [g.role for g in entry.graphs] == ["medusa"] and not (bundle / "medusa-int8.onnx").exists()
-    assert heads_role(entry) == "medusa"
+    assert cpu_graph_role(entry) == "medusa"
     with pytest.raises(DraftMismatchError, match="no int8 graph"):
-        heads_role(entry, "int8")
+        cpu_graph_role(entry, "int8")
     with pytest.raises(DraftMismatchError, match="Unknown draft precision"):
         export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="int2")
 

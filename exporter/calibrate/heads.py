@@ -245,7 +245,7 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
     from specdeploy.runtime import load
     from specdeploy.runtime.backends.ort import make_session
     from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.drafters.heads import draft_graph, heads_role, make_heads_drafter
+    from specdeploy.runtime.drafters.heads import cpu_graph_role, draft_graph, make_heads_drafter
 
     bundle, draft = Path(bundle), Path(draft)
     t0 = time.time()
@@ -267,7 +267,7 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
             export_draft(bundle, kind, draft, vocab_trim=trim, progress=lambda m: None, use_calibration=False)
             manifest = read_manifest(bundle)
             entry = manifest.draft(kind)
-            session = make_session(bundle / draft_graph(entry, heads_role(entry)).file, "cpu", threads)
+            session = make_session(bundle / draft_graph(entry, cpu_graph_role(entry)).file, "cpu", threads)
             run_heads(session, traces)
             heads_s[trim] = time_heads(session, hidden_size)
             for t in trees:

@@ -185,12 +185,7 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
         with torch.no_grad():
             export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / fp32_file, ["hidden_states"],
                          ["topk_ids", "topk_logprobs"], {"hidden_states": {0: batch, 1: rows}})
-        graphs = _int8_graph(tmp, manifest, fp32_file, kind, progress) if precision == INT8 else []
-        if keep_fp32:
-            _share(tmp, manifest, fp32_file, [g.file for g in graphs], progress)
-            graphs.insert(0, graph_entry(tmp, kind, fp32_file))
-        else:
-            _unlink_graph(tmp / fp32_file)
+        graphs = _draft_graphs(tmp, manifest, fp32_file, kind, precision, keep_fp32, progress)
         if kind == "cerberus":
             gate, trained = gate_module(weights)
             if gate_cal and gate_cal["kind"] == "learned" and not trained:
@@ -246,9 +241,20 @@ def _int8_graph(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str,
     return [graph_entry(tmp, f"{role}-int8", file, target="ort", precision=INT8)]
 
 
-def _unlink_graph(path: Path) -> None:
-    for leftover in (path, path.with_name(path.name + ".data")):
-        leftover.unlink(missing_ok=True)
+def _draft_graphs(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str, precision: str, keep_fp32: bool,
+                  progress: Callable[[str], None]) -> list:
+    """The draft's graph entries from its staged fp32 graph: the int8 one (precision int8) and, where
+    kept, the fp32 one first (its shared weights stored once); an fp32 graph not kept is removed."""
+    from specdeploy.exporter.export.staging import graph_entry
+
+    graphs = _int8_graph(tmp, manifest, fp32_file, role, progress) if precision == INT8 else []
+    if keep_fp32:
+        _share(tmp, manifest, fp32_file, [g.file for g in graphs], progress)
+        graphs.insert(0, graph_entry(tmp, role, fp32_file))
+    else:
+        for leftover in (tmp / fp32_file, tmp / f"{fp32_file}.data"):
+            leftover.unlink(missing_ok=True)
+    return graphs
 
 
 def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None = None, topk: int = DEFAULT_TOPK,
@@ -267,7 +273,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     if precision not in DRAFT_PRECISIONS:
         raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
     import torch
-    from specdeploy.exporter.export.staging import export_graph, graph_entry, updated_bundle
+    from specdeploy.exporter.export.staging import export_graph, updated_bundle
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.chimera import example_step_inputs
     from torch.export import Dim
@@ -326,12 +332,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         with torch.no_grad():
             export_graph(graph, example_step_inputs(cfg), tmp / fp32_file, names,
                          ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
-        graphs = _int8_graph(tmp, manifest, fp32_file, "chimera", progress) if precision == INT8 else []
-        if keep_fp32:
-            _share(tmp, manifest, "chimera.onnx", [g.file for g in graphs], progress)
-            graphs.insert(0, graph_entry(tmp, "chimera", "chimera.onnx"))
-        else:
-            _unlink_graph(tmp / fp32_file)
+        graphs = _draft_graphs(tmp, manifest, fp32_file, "chimera", precision, keep_fp32, progress)
         entry = DraftEntry("chimera", cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs),
                            config_pairs(settings))
         drafts = tuple(d for d in manifest.drafts if d.kind != "chimera") + (entry,)

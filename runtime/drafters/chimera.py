@@ -30,11 +30,10 @@ import numpy as np
 from ..bundle import BundleManifest, DraftEntry
 from ..contract import parse_feature_layers
 from ..errors import DraftMismatchError
-from ..precision import INT8
 from ..tree import DraftTree, TreeSpec
 from .base import DraftContext, Drafter
 from .depth import ChainPolicy
-from .heads import check_entry, check_tree_choice, draft_graph, resolve_tree, tree_from_topk
+from .heads import check_entry, check_tree_choice, cpu_graph_role, draft_graph, resolve_tree, tree_from_topk
 
 MIN_CAPACITY = 256
 
@@ -209,11 +208,7 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
-    roles = {g.role for g in entry.graphs}
-    role = "chimera-int8" if precision in ("auto", INT8) and "chimera-int8" in roles else "chimera"
-    if precision == INT8 and role != "chimera-int8":
-        raise DraftMismatchError("The bundle's Chimera draft has no int8 graph; re-export it with --precision int8.")
-    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, role).file)
+    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, cpu_graph_role(entry, precision)).file)
     taps = parse_feature_layers(entry.setting("feature_layers"))
     return ChimeraDrafter(session, num_heads, int(entry.setting("num_kv_heads")), int(entry.setting("head_dim")),
                           topk, spec, dynamic, feature_layers=taps)

@@ -243,9 +243,9 @@ def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, 
     return tree_choice(tree, manifest.limits.max_tree, num_heads)
 
 
-def heads_role(entry: DraftEntry, precision: str = "auto") -> str:
-    """The heads graph the CPU drafter runs: ``<kind>-int8`` when the draft has one (``precision``
-    "auto" or "int8"), else the fp32 ``<kind>``; "int8" without an int8 graph gets one sentence."""
+def cpu_graph_role(entry: DraftEntry, precision: str = "auto") -> str:
+    """The draft graph the CPU drafter runs (heads or Chimera): ``<kind>-int8`` when the draft has one
+    (``precision`` "auto" or "int8"), else the fp32 ``<kind>``; "int8" without an int8 graph gets one sentence."""
     int8 = f"{entry.kind}-int8"
     if precision in ("auto", INT8) and any(g.role == int8 for g in entry.graphs):
         return int8
@@ -257,7 +257,7 @@ def heads_role(entry: DraftEntry, precision: str = "auto") -> str:
 def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
                        threads: int | None = None, chains: bool = False, precision: str = "auto") -> HeadsDrafter:
     """``medusa``, ``cerberus`` (with its calibrated gate) or ``cerberus-nogate`` from the bundle; the heads
-    graph as :func:`heads_role` picks it."""
+    graph as :func:`cpu_graph_role` picks it."""
     from ..backends.ort import make_draft_session
 
     if name not in HEADS_DRAFTS:
@@ -270,7 +270,7 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
 
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
 
-    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, heads_role(entry, precision)).file)
+    session = make_draft_session(Path(bundle_dir) / draft_graph(entry, cpu_graph_role(entry, precision)).file)
     gate_session = None
     if gate is not None:
         gate_session = make_draft_session(Path(bundle_dir) / draft_graph(entry, f"{kind}-gate").file)
