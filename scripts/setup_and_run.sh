@@ -13,7 +13,8 @@ PROMPT="${PROMPT:-Explain in three sentences why the sky is blue.}"
 if [ -f "$BUNDLE/manifest.json" ]; then
   echo "[main] bundle $BUNDLE exists; reusing it (delete it or run 'specdeploy export base --force' to redo)" >&2
 else
-  specdeploy export base --precision "$PRECISION" --out "$BUNDLE"
+  # the shipped Chimera reads base layers 1, 14 and 26 (EAGLE-3 fusion): the bundle outputs them
+  specdeploy export base --precision "$PRECISION" --feature-layers eagle3 --out "$BUNDLE"
 fi
 specdeploy export draft --kind chimera --draft graphs/weights/chimera.safetensors "$BUNDLE"
 specdeploy export draft --kind ngram --draft graphs/weights/self-replies.npz "$BUNDLE"

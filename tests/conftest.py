@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SPECDEPLOY_THREADS", "2")
 
+# The shipped Chimera fuses EAGLE-3's low, mid and high base layers (graphs/weights/README.md), so the real
+# bundles tap them, as the main job's does (scripts/setup_and_run.sh: export base --feature-layers eagle3).
+SHIPPED_TAPS = "eagle3"
 TINY = {
     "llama": ("LlamaForCausalLM", {}),
     "mistral": ("MistralForCausalLM", {"sliding_window": None}),
@@ -132,7 +135,7 @@ def real_bundle(tmp_path_factory) -> Path:
     if pre and Path(pre, "manifest.json").is_file():
         return Path(pre)
     out = tmp_path_factory.mktemp("real") / "smollm2"
-    export_base(None, out, max_context=2048, progress=lambda m: None)
+    export_base(None, out, max_context=2048, feature_layers=SHIPPED_TAPS, progress=lambda m: None)
     return out
 
 
@@ -150,7 +153,7 @@ def real_quant_bundle(tmp_path_factory, real_bundle):
         if precision not in cache:
             out = tmp_path_factory.mktemp(f"real_{precision}") / f"smollm2-{precision}"
             export_base(read_manifest(real_bundle).source.path, out, max_context=2048, precision=precision,
-                        progress=lambda m: None)
+                        feature_layers=SHIPPED_TAPS, progress=lambda m: None)
             cache[precision] = out
         return cache[precision]
 

@@ -521,8 +521,10 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     shutil.copytree(real_bundle, bundle)
     w = load_draft_weights(WEIGHTS / "chimera.safetensors", "chimera")
     assert (WEIGHTS / "chimera.safetensors").stat().st_size <= 30 * 2**20
-    # trained on the base model's own replies to 1024 ShareGPT first turns (graphs/weights/README.md)
-    assert w.config.num_heads == 4 and w.meta["data"]["tokens"] > 250_000
+    # trained on the base model's own replies to 5120 ShareGPT first turns, fusing EAGLE-3's low, mid and
+    # high base layers (graphs/weights/README.md); the real bundle taps them (conftest.SHIPPED_TAPS)
+    assert w.config.num_heads == 4 and w.meta["data"]["tokens"] > 1_000_000
+    assert w.config.feature_layers == (1, 14, 26)
     assert w.meta["data"]["config"]["replies"] == "self"
     export_draft(bundle, "chimera", WEIGHTS / "chimera.safetensors", progress=lambda m: None)
     from specdeploy.exporter.export.shared_data import stored_twice
