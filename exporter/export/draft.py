@@ -286,7 +286,8 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         lacking = manifest.base_files_without(taps)
         if lacking:
             raise DraftMismatchError(
-                f"'{draft}' fuses base layers {list(taps)}, but {', '.join(lacking)} do not output them; re-export "
+                f"'{draft}' fuses base layers {list(taps)}, but {', '.join(lacking)} "
+                f"{'does' if len(lacking) == 1 else 'do'} not output them; re-export "
                 f"the base with --feature-layers {','.join(map(str, taps))}.")
     m = manifest.model
     check_draft_base(weights.config, manifest.source.weight_sha, m.hidden_size, m.vocab_size, "the bundle's base model")
