@@ -59,14 +59,12 @@ WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "weights"  # the 
 
 
 def _draft_config(path: Path) -> ChimeraConfig:
+    """The shape (and taps) of the Chimera draft at ``path``."""
     from specdeploy.exporter.train.weights import load_draft_weights
 
     return load_draft_weights(path, "chimera").config
 
 
-def _fuses(path: Path) -> bool:
-    """Whether the Chimera at ``path`` reads base-layer taps (EAGLE-3 fusion)."""
-    return bool(_draft_config(path).feature_layers)
 SMOLLM2_135M = StepShape(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                          num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_positions=8192)
 TINY = StepShape(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -162,12 +160,12 @@ class Check:
         embed, lm = weights["embed_tokens"], weights["lm_head_t"].t()
         dtype = DTYPES[precision]
         shipped = WEIGHTS_DIR / "chimera.safetensors"
-        if self.shape == SMOLLM2_135M and not _fuses(shipped):
+        cfg = _draft_config(shipped) if self.shape == SMOLLM2_135M else None
+        if cfg is not None and not cfg.feature_layers:
             model = load_chimera(shipped, embed, lm, self.device, dtype)
-        elif self.shape == SMOLLM2_135M:  # the base is random here, so only the draft's cost is measured:
-            # a draft of the shipped one's shape, reading the last hidden state (the torch backend has no taps)
-            cfg = dataclasses.replace(_draft_config(shipped), feature_layers=())
-            model = random_chimera(cfg, embed, lm, self.device, dtype)
+        elif cfg is not None:  # the base is random here, so only the draft's cost is measured: a draft
+            # of the shipped one's shape, reading the last hidden state (the torch backend has no taps)
+            model = random_chimera(dataclasses.replace(cfg, feature_layers=()), embed, lm, self.device, dtype)
         else:
             s = self.shape
             cfg = ChimeraConfig("chimera", 4, s.hidden_size, s.vocab_size, s.num_heads, s.num_kv_heads,
