@@ -161,7 +161,9 @@ def test_close_cancels_running_and_queued(tiny_bundle):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while not any(s.stats.prefill_s for s in streams) and time.monotonic() < deadline:
+    # every request submitted (a stream submits when its thread first iterates it) and one prefilled
+    while (len(seen) + sched.active + sched.waiting < 3 or not any(s.stats.prefill_s for s in streams)) \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
     eng.close()
     for t in threads:
