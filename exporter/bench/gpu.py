@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from specdeploy.exporter.reference.torch_backend import DTYPES, TorchBackend
-from specdeploy.exporter.reference.torch_drafters import load_chimera, random_chimera
+from specdeploy.exporter.reference.torch_drafters import random_chimera
 from specdeploy.graphs.chimera import ChimeraConfig
 from specdeploy.graphs.native_step import StepShape, random_weights
 from specdeploy.runtime.bundle import (
@@ -159,12 +159,9 @@ class Check:
         weights = self._weights
         embed, lm = weights["embed_tokens"], weights["lm_head_t"].t()
         dtype = DTYPES[precision]
-        shipped = WEIGHTS_DIR / "chimera.safetensors"
-        cfg = _draft_config(shipped) if self.shape == SMOLLM2_135M else None
-        if cfg is not None and not cfg.feature_layers:
-            model = load_chimera(shipped, embed, lm, self.device, dtype)
-        elif cfg is not None:  # the base is random here, so only the draft's cost is measured: a draft
-            # of the shipped one's shape, reading the last hidden state (the torch backend has no taps)
+        if self.shape == SMOLLM2_135M:  # the base is random here, so only the draft's cost is measured: a
+            # draft of the shipped one's shape, reading the last hidden state (the torch backend has no taps)
+            cfg = _draft_config(WEIGHTS_DIR / "chimera.safetensors")
             model = random_chimera(dataclasses.replace(cfg, feature_layers=()), embed, lm, self.device, dtype)
         else:
             s = self.shape
