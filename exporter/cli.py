@@ -20,7 +20,7 @@ from specdeploy.runtime.precision import (
     ENGINE_PRECISIONS,
     EXPORT_PRECISIONS,
     FP16,
-    INT8,
+    INT4,
     MATMULNBITS_BITS,
 )
 
@@ -117,9 +117,10 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 @click.option("--vocab-trim", type=int, default=None,
               help="Draft vocabulary: the N most frequent ids, 0 = full lm_head (default: the calibrated choice).")
 @click.option("--model", default=None, help="Source model, if it moved since export.")
-@click.option("--precision", type=click.Choice(DRAFT_PRECISIONS), default=INT8, show_default=True,
-              help="Trained drafts: int8 writes an int8-weight draft graph, which the CPU drafter runs (plus "
-                   "the fp32 one where a TensorRT base graph can use it); fp32 writes only the fp32 graph.")
+@click.option("--precision", type=click.Choice(DRAFT_PRECISIONS), default=INT4, show_default=True,
+              help="Trained drafts: int8 or int4 writes a draft graph of that weight width (int8 "
+                   "activations), which the CPU drafter runs (plus the fp32 one where a TensorRT base graph can "
+                   "use it); fp32 writes only the fp32 graph. The draft's rounding never changes the output.")
 def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | None, vocab_trim: int | None,
                      model: str | None, precision: str) -> None:
     """Add a trained Chimera draft, Medusa or Cerberus heads (and Cerberus' gate), or an n-gram table to a bundle.

@@ -35,6 +35,7 @@ TABLE: dict[str, Precision] = {p.name: p for p in (
 
 EXPORT_PRECISIONS = (FP32, FP16, INT8, INT4, Q4_1)  # export base (fp16 is refused with a pointer to build)
 MATMULNBITS_BITS = {INT8: 8, INT4: 4}  # what our quantizer writes from fp32 weights
-DRAFT_PRECISIONS = (INT8, FP32)  # export draft (Chimera, Medusa, Cerberus)
+DRAFT_PRECISIONS = (INT8, INT4, FP32)  # export draft (Chimera, Medusa, Cerberus)
+QUANTIZED_DRAFT_PRECISIONS = (INT4, INT8)  # the CPU drafter's preference, first to last
 ENGINE_PRECISIONS = (FP32, FP16, BF16)  # build (TensorRT)
 QUANTIZED = frozenset(name for name, p in TABLE.items() if p.quantized)

@@ -216,14 +216,14 @@ def test_export_records_the_draft_and_ort_matches_torch(chimera_bundle, tiny_set
     manifest = read_manifest(chimera_bundle)
     entry = manifest.draft("chimera")
     assert entry.base_weight_sha == manifest.source.weight_sha and entry.setting("num_heads") == 4
-    assert [g.role for g in entry.graphs] == ["chimera", "chimera-int8"]
+    assert [g.role for g in entry.graphs] == ["chimera", "chimera-int4"]
     assert chimera_bundle.stat().st_mode & 0o777 == 0o755  # the staged copy is not left private
-    assert entry.graphs[1].precision == "int8" and entry.graphs[1].target == "ort"
+    assert entry.graphs[1].precision == "int4" and entry.graphs[1].target == "ort"
     loaded, _ = tiny_setup
     checks = compare_drafts(chimera_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
     names = {c.output for c in checks}
     assert names == {"feature", "topk_logprobs", "present_key", "present_value"}
-    assert {c.case for c in checks} == {"chimera", "chimera-int8"}
+    assert {c.case for c in checks} == {"chimera", "chimera-int4"}
     assert all(c.passed for c in checks), checks
     fp32 = [c for c in checks if c.case == "chimera"]
     assert all(c.atol == 1e-3 for c in fp32)
@@ -239,7 +239,7 @@ def _graph_files(bundle, drafts=("chimera",)):
 
 
 def test_the_draft_stores_no_base_weight_again(chimera_bundle, tiny_weights, tiny_model_factory, tmp_path):
-    """The embedding table is the base graph's own bytes; an ort-only bundle gets only the int8 draft."""
+    """The embedding table is the base graph's own bytes; an ort-only bundle gets only the int4 draft."""
     import onnx
     from specdeploy.exporter.export.base import export_base
     from specdeploy.exporter.export.draft import export_draft
@@ -247,7 +247,7 @@ def test_the_draft_stores_no_base_weight_again(chimera_bundle, tiny_weights, tin
     from specdeploy.runtime.bundle import read_manifest
 
     assert stored_twice(chimera_bundle, _graph_files(chimera_bundle)) == []
-    embed = next(t for t in onnx.load(str(chimera_bundle / "chimera-int8.onnx"), load_external_data=False)
+    embed = next(t for t in onnx.load(str(chimera_bundle / "chimera-int4.onnx"), load_external_data=False)
                  .graph.initializer if t.name == "embed_weight")
     assert {e.key: e.value for e in embed.external_data}["location"] == "base-ort.onnx.data"
     ort_only = tmp_path / "ort"
@@ -255,7 +255,7 @@ def test_the_draft_stores_no_base_weight_again(chimera_bundle, tiny_weights, tin
     before = sum(f.stat().st_size for f in ort_only.iterdir())
     export_draft(ort_only, "chimera", tiny_weights, progress=lambda m: None)
     manifest = read_manifest(ort_only)
-    assert [g.role for g in manifest.draft("chimera").graphs] == ["chimera-int8"]  # what the CPU runtime uses
+    assert [g.role for g in manifest.draft("chimera").graphs] == ["chimera-int4"]  # what the CPU runtime uses
     assert "base-ort.onnx.data" in manifest.draft("chimera").graphs[0].data_files  # so the hash covers it
     assert not (ort_only / "chimera.onnx").exists() and not list(ort_only.glob(".chimera*"))
     assert stored_twice(ort_only, _graph_files(ort_only)) == []
@@ -269,6 +269,34 @@ def test_the_draft_stores_no_base_weight_again(chimera_bundle, tiny_weights, tin
     read_manifest(ort_only)  # the base's data file, which the old draft also read, is still there
 
 
+def test_an_int8_chimera_graph_on_request(chimera_bundle, tiny_weights, tiny_setup, tmp_path):
+    """``--precision int8`` writes ``chimera-int8.onnx`` instead of the default int4 graph; the drafter runs
+    it, torch agrees within the int8 bound, and speculation stays plain decoding."""
+    from specdeploy.exporter.check.validate import compare_drafts
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters.chimera import make_chimera_drafter
+
+    bundle = tmp_path / "b"
+    shutil.copytree(chimera_bundle, bundle)
+    export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None, precision="int8")
+    manifest = read_manifest(bundle)
+    assert [(g.role, g.precision) for g in manifest.draft("chimera").graphs] == [("chimera", "fp32"),
+                                                                                  ("chimera-int8", "int8")]
+    assert not (bundle / "chimera-int4.onnx").exists()
+    assert Path(make_chimera_drafter(bundle, manifest).session._model_path).name == "chimera-int8.onnx"
+    with pytest.raises(DraftMismatchError, match="no int4 graph"):
+        make_chimera_drafter(bundle, manifest, precision="int4")
+    with load(bundle) as plain, load(bundle, draft="chimera") as spec:
+        ids = plain.encode("The quick brown fox")
+        assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
+    loaded, _ = tiny_setup
+    checks = [c for c in compare_drafts(bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
+              if c.case == "chimera-int8"]
+    assert {c.output for c in checks} == {"feature", "topk_logprobs", "present_key", "present_value"}
+    assert all(c.passed and c.atol == 0.5 for c in checks), checks
+
+
 def test_fp32_only_export_and_explicit_precision(chimera_bundle, tiny_weights, tmp_path):
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
@@ -279,10 +307,11 @@ def test_fp32_only_export_and_explicit_precision(chimera_bundle, tiny_weights, t
     export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None, precision="fp32")
     manifest = read_manifest(bundle)
     assert [g.role for g in manifest.draft("chimera").graphs] == ["chimera"]
-    assert not (bundle / "chimera-int8.onnx").exists()  # the replaced draft's files are gone
+    assert not (bundle / "chimera-int4.onnx").exists()  # the replaced draft's files are gone
     make_chimera_drafter(bundle, manifest, precision="fp32")
-    with pytest.raises(DraftMismatchError, match="no int8 graph"):
-        make_chimera_drafter(bundle, manifest, precision="int8")
+    for precision in ("int8", "int4"):
+        with pytest.raises(DraftMismatchError, match=f"no {precision} graph"):
+            make_chimera_drafter(bundle, manifest, precision=precision)
     with pytest.raises(DraftMismatchError, match="Unknown draft precision"):
         export_draft(bundle, "chimera", tiny_weights, progress=lambda m: None, precision="int2")
 
@@ -531,7 +560,7 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
 
     assert stored_twice(bundle, _graph_files(bundle)) == []  # the trt and ort graphs share their fp32 weights
     checks = validate_bundle(bundle, progress=lambda m: None)
-    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int8"}
+    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int4"}
     prompts = _mtbench(3)
     with load(bundle) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))

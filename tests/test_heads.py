@@ -204,9 +204,9 @@ def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
     manifest = read_manifest(heads_bundle)
     kinds = {d.kind: d for d in manifest.drafts}
     assert set(kinds) == {"medusa", "cerberus"}
-    # The tiny bundle has a TensorRT base graph, so the fp32 heads graph is kept beside the int8 one.
-    assert [g.role for g in kinds["cerberus"].graphs] == ["cerberus", "cerberus-int8", "cerberus-gate"]
-    assert [(g.precision, g.target) for g in kinds["medusa"].graphs] == [("fp32", "trt"), ("int8", "ort")]
+    # The tiny bundle has a TensorRT base graph, so the fp32 heads graph is kept beside the int4 one.
+    assert [g.role for g in kinds["cerberus"].graphs] == ["cerberus", "cerberus-int4", "cerberus-gate"]
+    assert [(g.precision, g.target) for g in kinds["medusa"].graphs] == [("fp32", "trt"), ("int4", "ort")]
     assert kinds["cerberus"].setting("gate_kind") == "entropy" and kinds["cerberus"].setting("default_tree") == "tree16"
     assert all(d.base_weight_sha == manifest.source.weight_sha for d in manifest.drafts)
     spec = {s.name: s for s in kinds["medusa"].graphs[0].outputs}
@@ -214,11 +214,11 @@ def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
     loaded, _ = tiny_setup
     checks = compare_drafts(heads_bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
     assert len(checks) == 6 and all(c.passed for c in checks), checks
-    assert {c.case for c in checks} == {"medusa", "medusa-int8", "cerberus", "cerberus-int8", "cerberus-gate"}
+    assert {c.case for c in checks} == {"medusa", "medusa-int4", "cerberus", "cerberus-int4", "cerberus-gate"}
     assert {c.case: c.atol for c in checks if c.output == "topk_logprobs"}["medusa"] == 1e-3
 
 
-def test_the_cpu_drafter_runs_the_int8_heads_and_fp32_only_exports_have_none(heads_bundle, tiny_weights, tmp_path):
+def test_the_cpu_drafter_runs_the_int4_heads_and_fp32_only_exports_have_none(heads_bundle, tiny_weights, tmp_path):
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters.heads import cpu_graph_role
@@ -226,12 +226,12 @@ def test_the_cpu_drafter_runs_the_int8_heads_and_fp32_only_exports_have_none(hea
     manifest = read_manifest(heads_bundle)
     with load(heads_bundle, draft="medusa") as eng:
         used = eng.decoder.drafter.session._model_path
-    assert Path(used).name == "medusa-int8.onnx" and cpu_graph_role(manifest.draft("medusa"), "fp32") == "medusa"
+    assert Path(used).name == "medusa-int4.onnx" and cpu_graph_role(manifest.draft("medusa"), "fp32") == "medusa"
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
     export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="fp32")
     entry = read_manifest(bundle).draft("medusa")
-    assert [g.role for g in entry.graphs] == ["medusa"] and not (bundle / "medusa-int8.onnx").exists()
+    assert [g.role for g in entry.graphs] == ["medusa"] and not (bundle / "medusa-int4.onnx").exists()
     assert cpu_graph_role(entry) == "medusa"
     with pytest.raises(DraftMismatchError, match="no int8 graph"):
         cpu_graph_role(entry, "int8")
@@ -239,7 +239,35 @@ def test_the_cpu_drafter_runs_the_int8_heads_and_fp32_only_exports_have_none(hea
         export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="int2")
 
 
-def test_an_ort_only_bundle_gets_only_the_int8_heads(tiny_model_factory, tiny_weights, tmp_path):
+def test_an_int8_heads_graph_on_request(heads_bundle, tiny_weights, tiny_setup, tmp_path):
+    """``--precision int8`` writes ``<kind>-int8.onnx`` instead of the default int4 graph; "auto" runs it,
+    and the output stays plain decoding's."""
+    from specdeploy.exporter.check.validate import compare_drafts
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.drafters.heads import cpu_graph_role
+
+    bundle = tmp_path / "b"
+    shutil.copytree(heads_bundle, bundle)
+    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="int8")
+    manifest = read_manifest(bundle)
+    entry = manifest.draft("medusa")
+    assert [(g.role, g.precision) for g in entry.graphs] == [("medusa", "fp32"), ("medusa-int8", "int8")]
+    assert not (bundle / "medusa-int4.onnx").exists()  # the replaced int4 graph is gone
+    assert cpu_graph_role(entry) == "medusa-int8" == cpu_graph_role(entry, "int8")
+    with pytest.raises(DraftMismatchError, match="no int4 graph; re-export it with --precision int4"):
+        cpu_graph_role(entry, "int4")
+    with load(bundle) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
+        assert Path(spec.decoder.drafter.session._model_path).name == "medusa-int8.onnx"
+        ids = plain.encode("The quick brown fox")
+        assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
+    loaded, _ = tiny_setup
+    checks = [c for c in compare_drafts(bundle, manifest, loaded, list(range(100, 116)), progress=lambda m: None)
+              if c.case == "medusa-int8"]
+    assert len(checks) == 1 and checks[0].atol == 0.5 and checks[0].passed, checks
+
+
+def test_an_ort_only_bundle_gets_only_the_int4_heads(tiny_model_factory, tiny_weights, tmp_path):
     from specdeploy.exporter.export.base import export_base
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
@@ -247,7 +275,7 @@ def test_an_ort_only_bundle_gets_only_the_int8_heads(tiny_model_factory, tiny_we
     bundle = tmp_path / "ort"
     export_base(str(tiny_model_factory("llama")), bundle, max_context=512, target="ort", progress=lambda m: None)
     export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
-    assert [g.role for g in read_manifest(bundle).draft("medusa").graphs] == ["medusa-int8"]
+    assert [g.role for g in read_manifest(bundle).draft("medusa").graphs] == ["medusa-int4"]
     assert not (bundle / "medusa.onnx").exists() and not list(bundle.glob(".medusa*"))
     with load(bundle) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
         ids = plain.encode("The quick brown fox")
@@ -410,8 +438,8 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     for kind in ("medusa", "cerberus"):
         export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
     checks = validate_bundle(bundle, progress=lambda m: None)
-    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int8", "cerberus",
-                                                                          "cerberus-int8", "cerberus-gate"}
+    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int4", "cerberus",
+                                                                          "cerberus-int4", "cerberus-gate"}
     prompts = _mtbench(3)
     with load(bundle) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))

@@ -315,7 +315,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     export_draft(out, "chimera", weights, progress=lambda m: None)
     bundle = read_manifest(out)
     files = [g.file for g in bundle.graphs] + [g.file for d in bundle.drafts for g in d.graphs]
-    assert files == ["base-ort.onnx", "chimera-int8.onnx"]  # only what the CPU runtime runs
+    assert files == ["base-ort.onnx", "chimera-int4.onnx"]  # only what the CPU runtime runs
     assert stored_twice(out, files) == []  # the draft reads the base's embedding table
     assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
     with load(out) as plain, load(out, draft="hybrid") as hybrid:

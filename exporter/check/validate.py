@@ -280,7 +280,9 @@ def quality_failures(bundle_dir: Path, manifest: BundleManifest, step, tokenizer
 
 # --- drafts ----------------------------------------------------------------------------------------
 DRAFT_LOGPROB_ATOL = 1e-3
-INT8_DRAFT_ATOL = 0.5  # int8-weight draft graphs against the fp32 torch reference
+# Quantized draft graphs against the fp32 torch reference: looser bounds that still catch a broken graph
+# (the draft's rounding only changes which tokens are proposed; verification keeps the output exact).
+DRAFT_ATOL = {FP32: DRAFT_LOGPROB_ATOL, INT8: 0.5, INT4: 2.0}
 
 
 def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_ids: list[int],
@@ -314,14 +316,15 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
         progress(f"running torch and ONNX Runtime on the {entry.kind} draft graphs ...")
         modules = torch_draft_modules(entry, lm_weight)
         for g in entry.graphs:
-            module = modules[g.role.removesuffix("-int8")]  # an int8 graph is checked against the fp32 heads
+            # an int8 or int4 graph is checked against the fp32 heads
+            module = modules[entry.kind if g.role.startswith(f"{entry.kind}-int") else g.role]
             names = [i.name for i in g.inputs]
             session = make_session(bundle_dir / g.file, "cpu")
             got = session.run(None, {n: feeds[n] for n in names})
             with torch.no_grad():
                 ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in names))]
-            if g.role in (entry.kind, f"{entry.kind}-int8"):  # heads: (topk_ids, topk_logprobs)
-                atol = DRAFT_LOGPROB_ATOL if g.precision == "fp32" else INT8_DRAFT_ATOL
+            if g.role != f"{entry.kind}-gate":  # heads, any precision: (topk_ids, topk_logprobs)
+                atol = DRAFT_ATOL[g.precision]
                 delta = float(np.max(np.abs(ref[1] - got[1])))
                 gap = ref[1][..., 0] - ref[1][..., 1]  # [B, N, K]
                 clear = gap > atol * 10
@@ -374,9 +377,7 @@ def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hid
         if ref is None:
             with torch.no_grad():
                 ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[k].copy()) for k in names))]
-        # int8 weights: a looser bound that still catches a broken graph (the draft's rounding only
-        # changes which tokens are proposed; verification keeps the output exact)
-        atol = DRAFT_LOGPROB_ATOL if graph.precision == "fp32" else INT8_DRAFT_ATOL
+        atol = DRAFT_ATOL[graph.precision]
         out_names = [o.name for o in graph.outputs]
         for name, a, b in zip(out_names, ref, got):
             if name == "topk_ids":

@@ -29,7 +29,13 @@ from specdeploy.runtime.bundle import (
 )
 from specdeploy.runtime.drafters.kinds import HEADS_KINDS, TRAINED_KINDS
 from specdeploy.runtime.errors import DraftMismatchError
-from specdeploy.runtime.precision import DRAFT_PRECISIONS, FP32, INT8
+from specdeploy.runtime.precision import (
+    DRAFT_PRECISIONS,
+    FP32,
+    INT4,
+    MATMULNBITS_BITS,
+    QUANTIZED_DRAFT_PRECISIONS,
+)
 
 DEFAULT_TOPK = 10  # enough for the largest static tree (ranks 0..9) and the dynamic tree's width
 
@@ -120,16 +126,16 @@ def _share(tmp: Path, manifest: BundleManifest, file: str, earlier: list[str], p
 def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
                  vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
                  progress: Callable[[str], None] = _stderr, use_calibration: bool = True,
-                 precision: str = INT8) -> DraftEntry:
+                 precision: str = INT4) -> DraftEntry:
     """Add a trained heads draft to ``bundle``; replaces a previous draft of the same kind.
 
     ``calibration`` defaults to ``<weights>.calibration.json`` when that exists; ``use_calibration``
     False ignores it (the calibration step itself exports the uncalibrated draft first).
-    ``precision`` "int8" writes the heads graph as ``<kind>-int8.onnx`` (int8 MatMulNBits weights and
-    activations, as :func:`export_chimera` does), which the CPU drafter takes: its trimmed lm_head is
-    most of a heads call, and int8 reads a quarter of the fp32 bytes. The fp32 ``<kind>.onnx`` is
-    written as well where a TensorRT (``trt``) base graph can use it, or alone with "fp32". The
-    Cerberus gate graph (a 578 -> 32 -> 1 MLP) stays fp32.
+    ``precision`` "int4" (the default) or "int8" writes the heads graph as ``<kind>-int4.onnx`` or
+    ``<kind>-int8.onnx`` (MatMulNBits weights, int8 activations, as :func:`export_chimera` does), which
+    the CPU drafter takes: its trimmed lm_head is most of a heads call, and 4-bit blocks read an eighth
+    of the fp32 bytes. The fp32 ``<kind>.onnx`` is written as well where a TensorRT (``trt``) base graph
+    can use it, or alone with "fp32". The Cerberus gate graph (a 578 -> 32 -> 1 MLP) stays fp32.
     """
     if precision not in DRAFT_PRECISIONS:
         raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
@@ -215,12 +221,13 @@ def chimera_graph_module(weights: DraftWeights, embed_weight, lm_weight, topk: i
     return cls(chimera_from_weights(weights), embed_weight, lm_weight, topk, vocab_map).eval()
 
 
-def _draft_int8():
+def _draft_quant(precision: str):
     from specdeploy.exporter.export.quantize import QuantConfig
 
     # int8 activations too (accuracy level 4): the fastest CPU kernel; safe here because the draft's
     # rounding can only change which tokens are proposed, never the verified output.
-    return QuantConfig(8, accuracy_level=4, lm_head_bits=8, lm_head_accuracy_level=4)
+    bits = MATMULNBITS_BITS[precision]
+    return QuantConfig(bits, accuracy_level=4, lm_head_bits=bits, lm_head_accuracy_level=4)
 
 
 def _has_trt_base(manifest: BundleManifest) -> bool:
@@ -228,26 +235,28 @@ def _has_trt_base(manifest: BundleManifest) -> bool:
     return any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
 
 
-def _int8_graph(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str,
-                progress: Callable[[str], None]) -> list:
-    """``<role>-int8.onnx`` quantized from the staged fp32 graph, its shared weights stored once."""
+def _quantized_graph(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str, precision: str,
+                     progress: Callable[[str], None]) -> list:
+    """``<role>-<precision>.onnx`` (int8 or int4 weights) quantized from the staged fp32 graph, its shared
+    weights stored once."""
     from specdeploy.exporter.export.quantize import quantize_file
     from specdeploy.exporter.export.staging import graph_entry
 
-    file = f"{role}-int8.onnx"
-    progress(f"[2/3] quantizing the draft's weights to int8 ({file}) ...")
-    quantize_file(tmp / fp32_file, tmp / file, _draft_int8())
+    file = f"{role}-{precision}.onnx"
+    progress(f"[2/3] quantizing the draft's weights to {precision} ({file}) ...")
+    quantize_file(tmp / fp32_file, tmp / file, _draft_quant(precision))
     _share(tmp, manifest, file, [], progress)
-    return [graph_entry(tmp, f"{role}-int8", file, target="ort", precision=INT8)]
+    return [graph_entry(tmp, f"{role}-{precision}", file, target="ort", precision=precision)]
 
 
 def _draft_graphs(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str, precision: str, keep_fp32: bool,
                   progress: Callable[[str], None]) -> list:
-    """The draft's graph entries from its staged fp32 graph: the int8 one (precision int8) and, where
-    kept, the fp32 one first (its shared weights stored once); an fp32 graph not kept is removed."""
+    """The draft's graph entries from its staged fp32 graph: the quantized one (precision int8 or int4)
+    and, where kept, the fp32 one first (its shared weights stored once); an fp32 graph not kept is removed."""
     from specdeploy.exporter.export.staging import graph_entry
 
-    graphs = _int8_graph(tmp, manifest, fp32_file, role, progress) if precision == INT8 else []
+    graphs = (_quantized_graph(tmp, manifest, fp32_file, role, precision, progress)
+              if precision in QUANTIZED_DRAFT_PRECISIONS else [])
     if keep_fp32:
         _share(tmp, manifest, fp32_file, [g.file for g in graphs], progress)
         graphs.insert(0, graph_entry(tmp, role, fp32_file))
@@ -259,13 +268,14 @@ def _draft_graphs(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str
 
 def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None = None, topk: int = DEFAULT_TOPK,
                    model: str | None = None, progress: Callable[[str], None] = _stderr,
-                   precision: str = INT8, calibration: str | Path | None = None,
+                   precision: str = INT4, calibration: str | Path | None = None,
                    use_calibration: bool = True) -> DraftEntry:
     """Add a trained Chimera draft (``chimera.onnx``, one draft step with its own KV) to ``bundle``.
 
-    ``precision`` "int8" writes ``chimera-int8.onnx`` (weight-only int8 MatMulNBits with int8
-    activations, ONNX Runtime only), which the CPU drafter prefers: a draft step reads ~4x fewer
-    weight bytes. The draft's numerics never change the output (the base model verifies every
+    ``precision`` "int4" (the default) writes ``chimera-int4.onnx`` (4-bit MatMulNBits blocks with int8
+    activations, ONNX Runtime only; "int8": 8-bit blocks, ``chimera-int8.onnx``), which the CPU drafter
+    prefers: a draft step reads ~8x fewer weight bytes than fp32 (a call measured 1.5 ms against int8's
+    2.3-2.5 ms, with the same acceptance; docs/benchmarks.md, session 23). The draft's numerics never change the output (the base model verifies every
     token), only how often drafts are accepted. The fp32 graph ``chimera.onnx`` is written as well
     when the bundle has a TensorRT (``trt``) base graph, or alone with ``precision`` "fp32". The
     embedding table is the base graph's own bytes, stored once (:mod:`.shared_data`).
@@ -314,7 +324,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
             settings["default_tree"] = calib["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     keep_fp32 = precision == FP32 or _has_trt_base(manifest)
-    roles = (["chimera"] if keep_fp32 else []) + (["chimera-int8"] if precision == INT8 else [])
+    roles = (["chimera"] if keep_fp32 else []) + ([f"chimera-{precision}"] if precision != FP32 else [])
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)
             and [g.role for g in old.graphs] == roles):
         progress(f"the Chimera draft in {bundle} is already these weights with these settings; nothing to do")

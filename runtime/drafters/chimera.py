@@ -201,7 +201,7 @@ class ChimeraDrafter(Drafter):
 
 def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
                          threads: int | None = None, precision: str = "auto", chains: bool = False) -> ChimeraDrafter:
-    """The bundle's Chimera drafter; ``precision`` "auto" takes the int8 draft graph when there is one."""
+    """The bundle's Chimera drafter; its graph as :func:`cpu_graph_role` picks it (``precision``)."""
     from ..backends.ort import make_draft_session
 
     entry: DraftEntry = manifest.draft("chimera")

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry, GraphEntry
 from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
-from ..precision import INT8
+from ..precision import QUANTIZED_DRAFT_PRECISIONS
 from ..tree import (
     CPU_COST_CURVE,
     DEFAULT_ACCEPT,
@@ -244,13 +244,17 @@ def resolve_tree(tree: str | None, entry: DraftEntry, manifest: BundleManifest, 
 
 
 def cpu_graph_role(entry: DraftEntry, precision: str = "auto") -> str:
-    """The draft graph the CPU drafter runs (heads or Chimera): ``<kind>-int8`` when the draft has one
-    (``precision`` "auto" or "int8"), else the fp32 ``<kind>``; "int8" without an int8 graph gets one sentence."""
-    int8 = f"{entry.kind}-int8"
-    if precision in ("auto", INT8) and any(g.role == int8 for g in entry.graphs):
-        return int8
-    if precision == INT8:
-        raise DraftMismatchError(f"The bundle's {entry.kind} draft has no int8 graph; re-export it with --precision int8.")
+    """The draft graph the CPU drafter runs (heads or Chimera). "auto": the draft's int4 graph, else its int8
+    one, else the fp32 ``<kind>``; "int4" or "int8" without that graph gets one sentence; "fp32" the fp32 one."""
+    roles = {g.role for g in entry.graphs}
+    if precision == "auto":
+        return next((f"{entry.kind}-{p}" for p in QUANTIZED_DRAFT_PRECISIONS if f"{entry.kind}-{p}" in roles),
+                    entry.kind)
+    if precision in QUANTIZED_DRAFT_PRECISIONS:
+        if f"{entry.kind}-{precision}" not in roles:
+            raise DraftMismatchError(f"The bundle's {entry.kind} draft has no {precision} graph; re-export it with "
+                                     f"--precision {precision}.")
+        return f"{entry.kind}-{precision}"
     return entry.kind
 
 
