@@ -139,7 +139,8 @@ def _emulated_lookup(bundle: Path, prompts: list[str], tokens: int) -> dict:
 @needs_qemu
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_emulated_avx2_cpu_speculation_equals_plain(precision, tiny_bundle, tiny_model_factory, tmp_path):
-    """Tiny bundles: the probe runs under the emulated CPU, caches its verdict apart, and lookup stays exact."""
+    """Tiny bundles: the probe runs under the emulated CPU, caches its verdict apart from a host of another
+    CPU kind (an AVX-512 one), and lookup stays exact."""
     bundle = tiny_bundle
     if precision != "fp32":
         from specdeploy.exporter.export.base import export_base
@@ -149,8 +150,11 @@ def test_emulated_avx2_cpu_speculation_equals_plain(precision, tiny_bundle, tiny
                     progress=lambda m: None)
     got = _emulated_lookup(bundle, ["Repeat after me: red green blue, red green blue.", "one two three one two three"], 40)
     print(f"tiny {precision} on emulated {ROME}: {got['plan']}")
-    verdicts = json.loads((plan.cache_dir() / "exactness.json").read_text())
-    assert any("CPUID lacks" in v["machine"] for v in verdicts.values())  # probed there, cached apart
+    machines = {v["machine"] for v in json.loads((plan.cache_dir() / "exactness.json").read_text()).values()}
+    if "CPUID lacks" in got["isa"]:  # the host has more (AVX-512, VNNI): the guest's verdict is cached apart
+        assert any("CPUID lacks" in m for m in machines)
+    else:  # the host is an AVX2-only CPU itself: the same kernel-relevant flags, so the same kind of key
+        assert any(m.split(" | ")[2] == got["isa"] for m in machines)
 
 
 @needs_qemu

@@ -275,8 +275,8 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     ``precision`` "int4" (the default) writes ``chimera-int4.onnx`` (4-bit MatMulNBits blocks with int8
     activations, ONNX Runtime only; "int8": 8-bit blocks, ``chimera-int8.onnx``), which the CPU drafter
     prefers: a draft step reads ~8x fewer weight bytes than fp32 (a call measured 1.5 ms against int8's
-    2.3-2.5 ms, with the same acceptance; docs/benchmarks.md, session 23). The draft's numerics never change the output (the base model verifies every
-    token), only how often drafts are accepted. The fp32 graph ``chimera.onnx`` is written as well
+    2.3-2.5 ms, with the same acceptance; docs/benchmarks.md, session 23). The draft's numerics never
+    change the output (the base model verifies every token), only how often drafts are accepted. The fp32 graph ``chimera.onnx`` is written as well
     when the bundle has a TensorRT (``trt``) base graph, or alone with ``precision`` "fp32". The
     embedding table is the base graph's own bytes, stored once (:mod:`.shared_data`).
     """
