@@ -25,7 +25,7 @@ from specdeploy.runtime.contract import (
 )
 from specdeploy.runtime.errors import ValidationFailed
 from specdeploy.runtime.plan import StepPlan
-from specdeploy.runtime.precision import FP16, FP32, INT4, INT8, Q4_1, QUANTIZED
+from specdeploy.runtime.precision import FP16, FP32, INT4, INT8, Q4_1, QUANTIZED, QUANTIZED_DRAFT_PRECISIONS
 
 # Weight-quantized graphs are judged by their quality report (quality.py): per case their argmax may
 # legitimately differ from fp32, and their deltas are bounded only loosely, to catch a broken graph.
@@ -317,7 +317,7 @@ def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_id
         modules = torch_draft_modules(entry, lm_weight)
         for g in entry.graphs:
             # an int8 or int4 graph is checked against the fp32 heads
-            module = modules[entry.kind if g.role.startswith(f"{entry.kind}-int") else g.role]
+            module = modules[entry.kind if g.precision in QUANTIZED_DRAFT_PRECISIONS else g.role]
             names = [i.name for i in g.inputs]
             session = make_session(bundle_dir / g.file, "cpu")
             got = session.run(None, {n: feeds[n] for n in names})

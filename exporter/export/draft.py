@@ -276,8 +276,9 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     activations, ONNX Runtime only; "int8": 8-bit blocks, ``chimera-int8.onnx``), which the CPU drafter
     prefers: a draft step reads ~8x fewer weight bytes than fp32 (a call measured 1.5 ms against int8's
     2.3-2.5 ms, with the same acceptance; docs/benchmarks.md, session 23). The draft's numerics never
-    change the output (the base model verifies every token), only how often drafts are accepted. The fp32 graph ``chimera.onnx`` is written as well
-    when the bundle has a TensorRT (``trt``) base graph, or alone with ``precision`` "fp32". The
+    change the output (the base model verifies every token), only how often drafts are accepted. The
+    fp32 graph ``chimera.onnx`` is written as well when the bundle has a TensorRT (``trt``) base graph,
+    or alone with ``precision`` "fp32". The
     embedding table is the base graph's own bytes, stored once (:mod:`.shared_data`).
     """
     if precision not in DRAFT_PRECISIONS:
@@ -324,7 +325,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
             settings["default_tree"] = calib["default_tree"]
     old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
     keep_fp32 = precision == FP32 or _has_trt_base(manifest)
-    roles = (["chimera"] if keep_fp32 else []) + ([f"chimera-{precision}"] if precision != FP32 else [])
+    roles = (["chimera"] if keep_fp32 else []) + ([f"chimera-{precision}"] if precision in QUANTIZED_DRAFT_PRECISIONS else [])
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)
             and [g.role for g in old.graphs] == roles):
         progress(f"the Chimera draft in {bundle} is already these weights with these settings; nothing to do")
