@@ -195,8 +195,9 @@ def test_q4_1_blocks_decode_like_gguf():
 
 @pytest.mark.parametrize("t, accuracy", [(1, 0), (5, 0), (1, 4), (5, 4)])
 def test_q4_linear_matches_the_dequantized_weights(t, accuracy):
-    """MatMulNBits(d*q) plus the block-minimum term equals x @ (d*q + m).T to fp32 rounding (accuracy
-    level 0), or to the rounding of x to int8 per block of 32 (level 4, the ``q4_1`` precision)."""
+    """MatMulNBits(d*q) plus the block-minimum term (a Gemm onto it) equals x @ (d*q + m).T on flat rows
+    ``[t, K]`` to fp32 rounding (accuracy level 0), or to the rounding of x to int8 per block of 32 (level
+    4, the ``q4_1`` precision)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
     from specdeploy.exporter.export.gguf_blocks import _parse_q4_1
@@ -207,16 +208,80 @@ def test_q4_linear_matches_the_dequantized_weights(t, accuracy):
     g = _Builder()
     y = q4_linear(g, "x", "w", _parse_q4_1(raw, n, k), accuracy)
     g.op("Identity", [y], outputs=["y"])
-    graph = helper.make_graph(g.nodes, "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "t", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "t", n])],
+    graph = helper.make_graph(g.nodes, "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["t", n])],
                               initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
     model.ir_version = 10
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(3).normal(0, 1, (1, t, k)).astype(np.float32)
+    x = np.random.default_rng(3).normal(0, 1, (t, k)).astype(np.float32)
     got = sess.run(None, {"x": x})[0]
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     assert np.abs(got - want).max() < (1e-4 if accuracy == 0 else 2e-2) * np.abs(want).max()
+
+
+@pytest.mark.parametrize("accuracy", [0, 4])
+def test_gguf_block_graph_on_flat_rows_keeps_the_step_contract(accuracy, tiny_model_factory, tmp_path):
+    """The GGUF-block graph (each linear's minima one Gemm onto its MatMulNBits, the layers on flat
+    ``[B*T, H]`` rows) gives the contract's shapes and torch's numbers on the same weights: logits, hidden
+    and layer states and the K/V rows, for a prefill, a step and a tree; int8 activations (level 4) to
+    their rounding."""
+    from collections import Counter
+
+    import torch
+    from specdeploy.exporter.check.validate import _FlatStep, base_cases
+    from specdeploy.exporter.export.base import model_config
+    from specdeploy.exporter.export.gguf_blocks import _GGUF_LINEARS, BLOCK, Q4Blocks
+    from specdeploy.exporter.export.ort_graph import build_ort_graph, save_graph
+    from specdeploy.exporter.source import load_model
+    from specdeploy.graphs.base_step import BaseStep
+
+    loaded = load_model(str(tiny_model_factory("llama")))
+    rng = np.random.default_rng(5)
+    blocks = {}
+    for i in range(loaded.model.config.num_hidden_layers):  # random Q4_1 blocks, and the model holds them
+        for module in _GGUF_LINEARS.values():
+            name = f"model.layers.{i}.{module}"
+            linear = loaded.model.get_submodule(name)
+            n, k = linear.weight.shape
+            d = rng.uniform(0.01, 0.03, (n, k // BLOCK)).astype(np.float16).astype(np.float32)
+            m = (-8 * d * rng.uniform(0.8, 1.2, d.shape)).astype(np.float16).astype(np.float32)
+            blocks[name] = Q4Blocks(rng.integers(0, 16, (n, k), dtype=np.uint8), d, m)
+            with torch.no_grad():
+                linear.weight.copy_(torch.from_numpy(blocks[name].dequantize()))
+    step = BaseStep(loaded.model, feature_layers=(0,)).eval()
+    graph = build_ort_graph(step, max_positions=128, blocks=blocks, block_accuracy=accuracy)
+    ops = Counter(n.op_type for n in graph.graph.node)
+    assert ops["MatMulNBits"] == ops["Gemm"] == 4 * step.num_layers and ops["MatMul"] == 1  # + the lm_head
+    save_graph(graph, tmp_path / "q4.onnx")
+
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(tmp_path / "q4.onnx"), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in sess.get_outputs()]
+
+    class _Manifest:  # base_cases reads only the model config
+        model = model_config(loaded.model, loaded.tokenizer, "llama")
+
+    flat = _FlatStep(step)
+
+    def without_layer_states(**kw):  # base_cases chains the presents, which follow logits and hidden states
+        out = flat(**kw)
+        return (*out[:2], *out[3:])
+
+    ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog again")["input_ids"][:12]
+    for case, feed in base_cases(_Manifest, without_layer_states, list(ids)):
+        with torch.no_grad():
+            ref = dict(zip(outputs, (o.numpy() for o in flat(**{k: torch.from_numpy(v) for k, v in feed.items()}))))
+        got = dict(zip(outputs, sess.run(None, feed)))
+        valid = int(feed["write_indices"][-1]) + 1
+        shape = (1, feed["input_ids"].shape[1], step.embed_tokens.weight.shape[1])  # [B, T, H]
+        assert got["hidden_states"].shape == shape and got["layer_states"].shape == shape
+        for name, want in ref.items():
+            have = got[name][:, :, :valid] if name.startswith("present") else got[name]
+            want = want[:, :, :valid] if name.startswith("present") else want
+            bound = 1e-4 if accuracy == 0 else 0.15  # int8 activations: a few % of the largest value
+            assert np.abs(have - want).max() < bound * max(1.0, np.abs(want).max()), (case, name)
 
 
 def test_cpu_graph_choice_plain_and_speculative(tiny_bundle):

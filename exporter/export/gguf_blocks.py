@@ -7,7 +7,7 @@ step than the file holds. A decode step on this CPU is bound by memory bandwidth
 cores: the 540 MB of fp32 weights alone take ~22 ms), so the ``ort`` graph keeps the blocks instead:
 
     x . w  =  sum_b d_b (x_b . q_b)  +  sum_b m_b (sum of x_b)
-           =  MatMulNBits(x; q, scale d, zero point 0)  +  MatMul(block sums of x, M)
+           =  Gemm(block sums of x, M, C = MatMulNBits(x; q, scale d, zero point 0))
 
 ``MatMulNBits`` (accuracy level 0: it dequantizes to fp32 and multiplies in fp32) computes the first
 term from the same ``d * q`` products transformers computes; the second term adds the block minima.

@@ -249,7 +249,7 @@ def quantize_lm_head(src: Path, dst: Path, bits: int = 8, accuracy_level: int = 
     lm = [n.name for n in model.graph.node if n.name in weighted and "logits" in n.output]
     if len(lm) != 1:  # the op-by-op ort graph multiplies by its own [H, V] copy, straight into ``logits``
         raise PrecisionError("The graph has no single lm_head MatMul to quantize.")
-    # The others are the block-minimum MatMuls of the Q4_1 linears: they stay fp32.
+    # Any others stay fp32 (the Q4_1 linears' block minima are Gemm nodes, not MatMuls).
     others = [name for name in weighted if name not in lm]
     save_graph(_matmul_nbits(model, bits, 32, True, accuracy_level, others), Path(dst))
 
