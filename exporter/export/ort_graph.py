@@ -201,6 +201,7 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     x = g.one("Gather", [embed, ids], axis=0)  # [B, T, H], or [B*T, H] flat
     bt = g.one("Shape", [contract.INPUT_IDS]) if flat else None  # [B, T]
     shapes: dict[int, str] = {}
+    ctx_rows = g.const([-1, hq * d]) if flat else None  # the attention output back to flat rows
 
     def batched(v: str, width: int, out: str | None = None) -> str:
         """A flat [B*T, width] value as [B, T, width] (as it is, when not flat)."""
@@ -245,7 +246,7 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         if pad_attention:
             ctx = g.one("Slice", [ctx, g.const([0]), t_1d, g.const([1])])  # the step's own rows
         if flat:
-            ctx = g.one("Reshape", [ctx, g.const([-1, hq * d])])
+            ctx = g.one("Reshape", [ctx, ctx_rows])
         residual_in = linear(ctx, p + "o_proj_t", blk.o_proj.weight, [m + "self_attn.o_proj"])
         h = norm(g.init(p + "post_norm", _np(blk.post_norm_weight)), blk.post_norm_eps)
         gate_up = linear(h, p + "gate_up_t", blk.gate_up.weight, [m + "mlp.gate_proj", m + "mlp.up_proj"])
@@ -255,8 +256,10 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
 
     final = batched(norm(g.init("final_norm", _np(step.norm_weight)), step.norm_eps), hidden,
                     contract.HIDDEN_STATES)
-    if taps:
+    if taps and flat:
         batched(g.one("Concat", taps, axis=-1), len(taps) * hidden, contract.LAYER_STATES)
+    elif taps:  # already [B, T, L*H]: straight into the output, no extra node
+        g.op("Concat", taps, outputs=[contract.LAYER_STATES], axis=-1)
     kept = g.one("Gather", [final, contract.LOGITS_INDEX], axis=1)  # [B, K, H]
     g.op("MatMul", [kept, lm_head], outputs=[contract.LOGITS])
 
