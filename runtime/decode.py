@@ -200,9 +200,9 @@ class Decoder:
 
     def verify(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
         n = len(tree.tokens)
-        if n < self.min_rows:  # dummy nodes after the chain, their rows dropped
+        if n < self.min_rows:  # dummy nodes, a chain under the last node, their rows dropped
             tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
-            padded = DraftTree(tokens, np.arange(-1, self.min_rows - 1))
+            padded = DraftTree(tokens, np.concatenate([tree.parents, np.arange(n - 1, self.min_rows - 1)]))
             out = self._step(state, padded, padded.buffers())  # cached by shape
             return out.first(n, n)
         return self._step(state, tree, buffers)

@@ -18,6 +18,17 @@ Candidates (:func:`candidates`):
 - ``one-graph``: every step on the multi-row graph, 1-row plain steps.
 - ``two-rows``: every step on the multi-row graph with at least two rows (a plain step carries a
   dummy row whose output is dropped): for kernels whose 1-row path differs from their multi-row path.
+- ``padded-N``: every step, plain ones included, runs exactly N rows (N the probe depth), so the
+  kernels see one shape per capacity bucket in plain and speculative decoding alike: exact by
+  construction wherever a row's arithmetic does not depend on the other rows' values, as with the
+  row-count-dependent GEMM and attention kernels of cuBLAS and cuDNN (on an H200 in fp32, fp16 and
+  bf16 the 1-row and 2-row plans differ and this one is exact). It is taken only where its plain step
+  costs at most :data:`PADDED_MAX_COST` times the fastest candidate's (a GPU, where 16 rows cost about
+  one; not a CPU, where they cost 3-4), since every plain step pays for the N rows.
+
+The probe checks each candidate at two contexts, :data:`PROBE_PROMPT` tokens and :data:`PROBE_LONG`
+(kernels may switch with the key length: on the H200 a bf16 plan exact at the short context alone let
+one of four 128-token generations leave plain decoding).
 
 If none is exact, the plan decodes plainly (``speculate`` False) with the fastest plain step and says
 why in one sentence; ``allow_inexact`` runs speculation there anyway, labelled lossy.
@@ -38,9 +49,11 @@ if TYPE_CHECKING:
     from .backends.base import Backend
     from .bundle import BundleManifest
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 PROBE_DEPTH = 16  # longest chain the probe checks, so the longest step an exact plan runs
 PROBE_PROMPT = 12  # tokens of context before the probed steps
+PROBE_LONG = 200  # the second context the chains are checked at (a later capacity bucket)
+PADDED_MAX_COST = 1.5  # the padded plan's plain step against the fastest candidate's, at most
 
 
 @dataclass(frozen=True)
@@ -109,22 +122,27 @@ class StepPlan:
         return self.candidate.split
 
 
-def candidates(backend: Backend) -> list[Candidate]:
-    """The plans this backend can run, fastest plain step first."""
+def candidates(backend: Backend, depth: int = PROBE_DEPTH) -> list[Candidate]:
+    """The plans this backend can run, fastest plain step first; ``depth`` rows for the padded one."""
     out = [Candidate("split", True, 1)] if backend.can_split else []
-    return out + [Candidate("one-graph", False, 1), Candidate("two-rows", False, 2)]
+    out += [Candidate("one-graph", False, 1), Candidate("two-rows", False, 2)]
+    return out + ([Candidate(f"padded-{depth}", False, depth)] if depth > 2 else [])
 
 
 # --- choosing and the verdict cache --------------------------------------------------------------
 def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) -> StepPlan:
     """The plan the probe results allow (the first exact candidate, in the order probed)."""
+    fastest_ms = min(r.plain_ms for r in results)
+    too_slow = [r for r in results if r.chains_exact and r.candidate.name.startswith("padded-")
+                and r.plain_ms > PADDED_MAX_COST * fastest_ms]
     failed = [r for r in results if not r.chains_exact]
-    why_not = "; ".join(f"'{r.candidate.name}' differs by {r.worst().max_abs:.2g} at {r.worst().what}"
-                        for r in failed)
+    why_not = "; ".join([f"'{r.candidate.name}' differs by {r.worst().max_abs:.2g} at {r.worst().what}"
+                         for r in failed] + [f"'{r.candidate.name}' is exact but its plain step costs "
+                                             f"{r.plain_ms / fastest_ms:.1f}x the fastest" for r in too_slow])
     for res in results:
-        if res.chains_exact:
+        if res.chains_exact and res not in too_slow:
             shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
-            skipped = f" ({why_not})" if failed else ""
+            skipped = f" ({why_not})" if why_not else ""
             when = "when first probed" if res.cached else "now"
             reason = (f"exact speculation: step plan '{res.candidate.name}' ({res.plain_ms:.1f} ms per plain step "
                       f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
@@ -134,7 +152,8 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
         reason = (f"LOSSY speculation (--allow-inexact): no step plan is exact on this machine ({why_not}); "
                   f"greedy output may differ from plain decoding.")
         return StepPlan(fastest.candidate, True, False, True, 1 << 30, reason, tuple(results))
-    reason = (f"plain decoding only: no step plan gives speculative rows bitwise equal to plain rows on this "
+    cost = "at a plain step's cost " if too_slow else ""
+    reason = (f"plain decoding only: no step plan gives speculative rows bitwise equal to plain rows {cost}on this "
               f"machine ({why_not}); pass --allow-inexact to speculate anyway, labelled lossy.")
     return StepPlan(fastest.candidate, False, False, False, 1, reason, tuple(results))
 

@@ -15,6 +15,7 @@ import numpy as np
 from .decode import Decoder
 from .plan import (
     PROBE_DEPTH,
+    PROBE_LONG,
     PROBE_PROMPT,
     Candidate,
     ProbeCheck,
@@ -39,59 +40,75 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
 
     From one prefilled context, plain steps feed tokens ``t_0..t_{depth-1}`` one at a time
     (teacher-forced, the way plain decoding would emit them); from the same context, a chain step of
-    each length T must give every row's logits, hidden state and K/V exactly as the plain steps did. The tree ``[t_0, z, t_1, t_2]`` (``z`` a sibling of ``t_1``) puts ``t_1`` and ``t_2`` at cache
-    slots whose ancestors are not adjacent, as a branching draft does.
+    each length T must give every row's logits, hidden state and K/V exactly as the plain steps did.
+    The chains are checked at two contexts, :data:`PROBE_PROMPT` tokens and :data:`PROBE_LONG` (where
+    the bundle's context allows), since kernels may switch with the key length. The tree
+    ``[t_0, z, t_1, t_2]`` (``z`` a sibling of ``t_1``; at the short context) puts ``t_1`` and ``t_2``
+    at cache slots whose ancestors are not adjacent, as a branching draft does.
     """
     dec = Decoder(backend, manifest, None, plan=_probe_plan(cand, depth))
     v = manifest.model.vocab_size
-    prompt = [(17 + 7919 * i) % v for i in range(PROBE_PROMPT)]
     tokens = [(101 + 104729 * i) % v for i in range(depth + 1)]
+    contexts = [PROBE_PROMPT] + ([PROBE_LONG] if PROBE_LONG + depth + 2 <= manifest.limits.max_context else [])
     backend.use_split(cand.split)
+    times: list[float] = []
+    checks: list[ProbeCheck] = []
     try:
-        state, _ = dec.prefill(prompt)
-        cache, p = state.cache, state.cache.length
-        cache.ensure_capacity(p + depth + 2, dec.buckets)
-
-        def run(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-            cache.length, n = start, len(tree.tokens)
-            out = dec.verify(state, tree, tree.buffers())
-            kv = [_host(b[:, :, start : start + n]) for b in cache.buffers()]  # the rows this step wrote
-            return out.logits[0, :n], out.hidden_states[0, :n], kv
-
-        def plain_step(i: int) -> None:
-            t0 = time.perf_counter()
-            lg, hd, kv = run(DraftTree.root(tokens[i]), p + i)
-            times.append(time.perf_counter() - t0)
-            plain_logits.append(lg[0])
-            plain_hidden.append(hd[0])
-            plain_kv.append([k[:, :, 0] for k in kv])
-
-        # Plain steps are taken as the chains need them: plain step i reads slots p..p+i-1, which the
-        # chain of length i (checked just before) wrote bit for bit as plain steps would have, so a
-        # failing candidate costs a few steps, not the whole depth.
-        times, plain_logits, plain_hidden, plain_kv = [], [], [], []
-        plain_step(0)
-        checks = []
-        for t in range(2, depth + 1):
-            plain_step(t - 1)
-            lg, hd, kv = run(DraftTree(np.asarray(tokens[:t]), np.arange(-1, t - 1)), p)
-            gap = max(_gap(lg, np.stack(plain_logits[:t])), _gap(hd, np.stack(plain_hidden[:t])),
-                      max(_gap(kv[j], np.stack([plain_kv[i][j] for i in range(t)], axis=2))
-                          for j in range(len(kv))))
-            checks.append(ProbeCheck(f"chain T={t}", gap))
-            if gap:  # the candidate fails: the rest would not change the verdict
+        for n_ctx in contexts:
+            prompt = [(17 + 7919 * i) % v for i in range(n_ctx)]
+            tag = "" if n_ctx == PROBE_PROMPT else f" @{n_ctx}"
+            ok = _chains_and_tree(dec, prompt, tokens, depth, tag, times, checks, tree=n_ctx == PROBE_PROMPT)
+            if not ok:
                 break
-        if depth >= 3 and not checks[-1].max_abs:
-            tree = DraftTree(np.asarray([tokens[0], tokens[depth], tokens[1], tokens[2]]), np.array([-1, 0, 0, 2]))
-            lg, hd, kv = run(tree, p)
-            keep = [0, 2, 3]  # the nodes on the path t_0 -> t_1 -> t_2
-            gap = max(_gap(lg[keep], np.stack(plain_logits[:3])), _gap(hd[keep], np.stack(plain_hidden[:3])),
-                      max(_gap(kv[j][:, :, keep], np.stack([plain_kv[i][j] for i in range(3)], axis=2))
-                          for j in range(len(kv))))
-            checks.append(ProbeCheck("tree", gap))
         return ProbeResult(cand, tuple(checks), 1000 * float(np.median(times)))
     finally:
         backend.use_split(True)
+
+
+def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: int, tag: str, times: list[float],
+                     checks: list[ProbeCheck], tree: bool) -> bool:
+    """One context's checks, appended to ``checks``; False once one differs (the rest would not change
+    the verdict)."""
+    state, _ = dec.prefill(prompt)
+    cache, p = state.cache, state.cache.length
+    cache.ensure_capacity(p + depth + 2, dec.buckets)
+
+    def run(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        cache.length, n = start, len(tree.tokens)
+        out = dec.verify(state, tree, tree.buffers())
+        kv = [_host(b[:, :, start : start + n]) for b in cache.buffers()]  # the rows this step wrote
+        return out.logits[0, :n], out.hidden_states[0, :n], kv
+
+    plain_logits, plain_hidden, plain_kv = [], [], []
+
+    def plain_step(i: int) -> None:
+        t0 = time.perf_counter()
+        lg, hd, kv = run(DraftTree.root(tokens[i]), p + i)
+        times.append(time.perf_counter() - t0)
+        plain_logits.append(lg[0])
+        plain_hidden.append(hd[0])
+        plain_kv.append([k[:, :, 0] for k in kv])
+
+    def gap(keep: list[int], lg: np.ndarray, hd: np.ndarray, kv: list[np.ndarray]) -> float:
+        return max(_gap(lg[keep], np.stack([plain_logits[i] for i in range(len(keep))])),
+                   _gap(hd[keep], np.stack([plain_hidden[i] for i in range(len(keep))])),
+                   max(_gap(kv[j][:, :, keep], np.stack([plain_kv[i][j] for i in range(len(keep))], axis=2))
+                       for j in range(len(kv))))
+
+    # Plain steps are taken as the chains need them: plain step i reads slots p..p+i-1, which the
+    # chain of length i (checked just before) wrote bit for bit as plain steps would have, so a
+    # failing candidate costs a few steps, not the whole depth.
+    plain_step(0)
+    for t in range(2, depth + 1):
+        plain_step(t - 1)
+        checks.append(ProbeCheck(f"chain T={t}{tag}", gap(list(range(t)), *run(DraftTree(
+            np.asarray(tokens[:t]), np.arange(-1, t - 1)), p))))
+        if checks[-1].max_abs:
+            return False
+    if tree and depth >= 3:
+        nodes = DraftTree(np.asarray([tokens[0], tokens[depth], tokens[1], tokens[2]]), np.array([-1, 0, 0, 2]))
+        checks.append(ProbeCheck("tree", gap([0, 2, 3], *run(nodes, p))))  # the path t_0 -> t_1 -> t_2
+    return True
 
 
 def _host(x) -> np.ndarray:
@@ -126,7 +143,7 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
     """
     depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
     results: list[ProbeResult] = []
-    for cand in candidates(backend):
+    for cand in candidates(backend, depth):
         key = verdict_key(backend, manifest, cand, depth)
         res = cached_verdict(key) if use_cache else None
         if res is None:

@@ -42,7 +42,8 @@ def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
     assert all(c.argmax_agree for c in checks if c.output == "logits")
     # The step-plan probe's report: every candidate, then the runtime's choice (runtime/plan.py).
     plans = [line for line in lines if line.lstrip().startswith("plan ")]
-    assert [p.split()[1] for p in plans] == ["one-graph", "two-rows"]
+    depth = min(16, manifest.limits.max_tree)
+    assert [p.split()[1] for p in plans] == ["one-graph", "two-rows", f"padded-{depth}"]
     assert sum(line.lstrip().startswith("runtime: ") for line in lines) == 1
 
 

@@ -172,3 +172,100 @@ def test_choose_orders_and_explains():
     assert picked.candidate == two and picked.exact and not picked.trees and picked.speculate
     assert "'one-graph' differs by 0.25 at chain T=2" in picked.reason
     assert choose([ProbeResult(one, (ProbeCheck("chain T=2", 0.0), ProbeCheck("tree", 0.0)), 1.0)], 16).trees
+
+
+def test_choose_takes_the_padded_plan_only_at_a_plain_step_cost():
+    one, two, pad = Candidate("one-graph", False, 1), Candidate("two-rows", False, 2), Candidate("padded-16", False, 16)
+    exact = (ProbeCheck("chain T=2", 0.0), ProbeCheck("tree", 1e-3))
+    cheap = choose([_failing(one), _failing(two), ProbeResult(pad, exact, 1.2)], 16)  # a GPU: 16 rows ~ 1 row
+    assert cheap.candidate == pad and cheap.exact and cheap.speculate and not cheap.trees and cheap.min_rows == 16
+    dear = choose([_failing(one), _failing(two), ProbeResult(pad, exact, 3.5)], 16)  # a CPU: 16 rows ~ 3.5 rows
+    assert not dear.speculate and "plain decoding only" in dear.reason
+    assert "'padded-16' is exact but its plain step costs 3.5x the fastest" in dear.reason
+    assert choose([ProbeResult(one, exact, 1.0), ProbeResult(pad, exact, 1.0)], 16).candidate == one
+
+
+class RowCountSkew(OneRowSkew):
+    """Logits one ulp off in every step of fewer than ``rows`` rows, as kernels chosen by row count are:
+    only a plan whose steps all run the same rows keeps speculative rows equal to plain rows."""
+
+    rows = 16
+
+    def step(self, inputs, cache):
+        out = self.inner.step(inputs, cache)
+        n = inputs.input_ids.shape[1]
+        if n < self.rows:
+            bump = np.float32(np.inf) if n % 2 else np.float32(-np.inf)
+            return StepOutputs(np.nextafter(out.logits, bump), out.hidden_states)
+        return out
+
+
+def test_padded_plan_is_exact_where_kernels_change_with_the_row_count(tiny_bundle):
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
+    with load(tiny_bundle) as engine:
+        skew = RowCountSkew(engine.backend)
+        chosen = resolve_plan(skew, engine.manifest, use_cache=False)
+        names = [r.candidate.name for r in chosen.probes]
+        assert names[:2] == ["one-graph", "two-rows"] and not any(r.chains_exact for r in chosen.probes[:2])
+        pad = chosen.probes[-1]
+        assert pad.candidate.name == "padded-16" and pad.chains_exact
+        # the tiny model on the CPU: 16 rows cost more than PADDED_MAX_COST plain steps or not; either way
+        # the plan says which, and greedy speculation on the padded plan equals plain decoding on it
+        assert chosen.candidate == pad.candidate or "'padded-16' is exact but" in chosen.reason
+        forced = plan.StepPlan(pad.candidate, True, True, False, 16, "forced")
+        plain = Decoder(skew, engine.manifest, None, plan=forced)
+        spec = Decoder(skew, engine.manifest, PromptLookupDrafter(), plan=forced)
+        for text in PROMPTS:
+            ids = engine.encode(text)
+            stats = DecodeStats()
+            assert list(spec.generate(ids, GenerationConfig(32), stats)) == list(plain.generate(ids, GenerationConfig(32)))
+            assert stats.steps < 31  # it did speculate
+
+
+class LongContextSkew(OneRowSkew):
+    """A 1-row step is one ulp off only past ``past`` committed slots, as a kernel that switches with the
+    key length is: the short context alone would pass it."""
+
+    past = 100
+
+    def step(self, inputs, cache):
+        out = self.inner.step(inputs, cache)
+        if inputs.input_ids.shape[1] == 1 and cache.length > self.past:
+            return StepOutputs(np.nextafter(out.logits, np.float32(np.inf)), out.hidden_states)
+        return out
+
+
+def test_probe_checks_a_second_longer_context(tiny_bundle):
+    with load(tiny_bundle) as engine:
+        assert engine.manifest.limits.max_context >= plan.PROBE_LONG + 18
+        res = probe(LongContextSkew(engine.backend), engine.manifest, Candidate("one-graph", False, 1), depth=6)
+        last = res.checks[-1]
+        assert not res.chains_exact and last.what == f"chain T=2 @{plan.PROBE_LONG}" and 0 < last.max_abs < 1e-3
+        assert [c.what for c in res.checks][:6] == [f"chain T={t}" for t in range(2, 7)] + ["tree"]
+
+
+def test_a_tree_padded_to_the_plan_keeps_its_parents(tiny_bundle):
+    """A padded plan adds dummy nodes under the last node: a branching tree keeps its own mask."""
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.tree import DraftTree
+
+    with load(tiny_bundle) as engine:
+        dec = Decoder(engine.backend, engine.manifest, None,
+                      plan=plan.StepPlan(Candidate("padded-8", False, 8), True, True, True, 8, "forced"))
+        state, _ = dec.prefill(engine.encode(PROMPTS[1]))
+        masks = []
+        step = engine.backend.step
+        engine.backend.step = lambda inputs, cache: masks.append(inputs.attention_mask) or step(inputs, cache)
+        try:
+            out = dec.verify(state, DraftTree(np.array([5, 6, 7]), np.array([-1, 0, 0])),
+                             DraftTree(np.array([5, 6, 7]), np.array([-1, 0, 0])).buffers())
+        finally:
+            engine.backend.step = step
+        [m] = masks
+        p = state.cache.length
+        seen = m[0, 0, :, p : p + 8] == 0
+        assert seen.shape == (8, 8) and out.logits.shape[1] == 3
+        assert seen[2].tolist() == [True, False, True] + [False] * 5  # node 2's parent is the root, not node 1
+        assert seen[3].tolist() == [True, False, True, True] + [False] * 4  # the dummies hang under node 2

@@ -210,7 +210,7 @@ def test_steps_follow_each_plan(quant_bundles, tiny_bundle, precision):
     with load(bundle) as engine:
         backend, manifest = engine.backend, engine.manifest
         prompt = [int(t) for t in engine.encode(PROMPTS[1])]
-        for cand in candidates(backend):
+        for cand in candidates(backend, 8):
             exact = probe(backend, manifest, cand, 8).chains_exact
             forced = StepPlan(cand, speculate=True, exact=exact, trees=False, max_rows=8, reason="forced")
             outputs = []

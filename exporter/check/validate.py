@@ -206,7 +206,7 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
     progress(f"probing step plans bit for bit on this machine ({machine_id()}), chains of 2..{depth} rows ...")
     with make_backend("ort-cpu", bundle_dir, manifest) as backend:
-        results = [probe(backend, manifest, cand, depth) for cand in candidates(backend)]
+        results = [probe(backend, manifest, cand, depth) for cand in candidates(backend, depth)]
     for r in results:
         worst = r.worst()
         chains = "exact" if r.chains_exact else f"DIFFER ({worst.max_abs:.2g} at {worst.what})"
