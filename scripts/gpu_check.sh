@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared, offline run on a lent GPU that returns figures within ~8 minutes.
+# The GPU check: one prepared, offline run on a lent GPU (about 3 minutes on an H200; each stage's limit
+# below, 9 minutes at the very most). It exits 0 only if every stage passed.
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine; results in $OUT (default ./gpu_check_out)
 #   bash scripts/gpu_check.sh --dry-run   # the same stages on CPU torch with a tiny shape (CI runs this)
 #
-# The device has no network and receives at most 64 MiB per call (this repository included), so:
-# - no model travels: the bench times the real SmolLM2-135M architecture with random weights generated
-#   on the device (step times depend on shapes, not values), and predicts each draft's end-to-end speed
-#   from tau measured on the CPU with the real weights (docs/results/s10_32_fp32.json) over the device's
-#   step and draft costs (the shipped Chimera runs in torch on the device); see exporter/bench/gpu.py;
-# - nothing is installed from an index: specdeploy is imported from this checkout through a folder of
-#   links (no pip, no build backend), and the tests' extra packages come from the wheels in ./.whl/ when
-#   they are missing there (carry ".whl"; the list and sizes are in scripts/gpu_wheels.txt);
-# - JSON is written before anything slow and after every stage: $OUT/gpu_check.json (summary: stages,
-#   environment, bench, tests), $OUT/bench.json, and the logs.
-# Stages and limits (7 minutes at the very most): env (<= 30 s), setup (<= 45 s), bench (<= 270 s),
-# tests (<= 90 s).
+# The device has no network and receives at most 64 MiB per call, this repository's tracked tree included:
+# - the base runs with random weights of the real SmolLM2-135M shape, generated on the device (step times
+#   depend on shapes, not values; exporter/bench/gpu.py); each draft's speed-up is predicted from tau
+#   measured on the CPU with the real weights (docs/results/s10_32_fp32.json);
+# - a larger file (the GGUF) can follow in parts over consecutive calls (exporter/bench/gpu_transfer.py):
+#   each call carries one part and runs `gpu_transfer stash`; with SPECDEPLOY_GPU_STORE set to the folder
+#   the parts were stashed in, the weights stage reassembles the file and checks its sha256; the dry run
+#   sends a generated file in parts through the same commands;
+# - nothing is installed: specdeploy is imported from this checkout through a folder of links, and the
+#   tests stage uses the image's pytest and click (a missing one fails that stage, saying so).
+# Files in $OUT (4, under the 8 that come back): gpu_check.json (stages with their reasons, environment,
+# bench, tests), bench.json (rewritten after every bench stage), stages.log (every stage's output),
+# tests.xml. Stages and limits: env 60 s, setup 30 s, weights 90 s, bench 360 s, tests 120 s, summary 30 s.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -28,105 +30,139 @@ if [ -z "${PYTHON:-}" ] && [ "$DRY" = 1 ] && [ -x .venv/bin/python ]; then PYTHO
 PY="${PYTHON:-python3}"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/specdeploy_gpu_check.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1 PYTHONUNBUFFERED=1
 export SPECDEPLOY_THREADS="${SPECDEPLOY_THREADS:-8}"
 START=$(date +%s)
-: >"$OUT/stages.txt"
+: >"$OUT/stages.log"
+: >"$WORK/stages.txt"
 
-summary() {  # gpu_check.json from what the stages left (stdlib only: it must work when nothing else does)
-  "$PY" - "$OUT" "$START" "$DRY" <<'PYEOF'
-import json, platform, subprocess, sys, time
+stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, record rc and seconds
+  local name="$1" limit="$2" t0 rc
+  shift 2
+  t0=$(date +%s)
+  echo "[gpu-check] $name (limit ${limit}s) ..." >&2
+  echo "=== $name (limit ${limit}s)" >>"$OUT/stages.log"
+  timeout "$limit" "$@" >>"$OUT/stages.log" 2>&1
+  rc=$?
+  echo "$name:$rc:$(( $(date +%s) - t0 ))" >>"$WORK/stages.txt"
+  echo "[gpu-check] $name: rc $rc" >&2
+}
+
+# --- env: what the machine has, read once (the summary imports nothing heavy) --------------------------
+env_json() {
+  "$PY" - "$WORK/env.json" <<'PYEOF'
+import json, platform, subprocess, sys
+env = {"python": platform.python_version(), "machine": platform.machine()}
+for mod in ("torch", "numpy", "onnxruntime", "tensorrt", "pytest", "click"):
+    try:
+        env[mod] = __import__(mod).__version__
+    except ImportError:
+        env[mod] = None
+if env["torch"]:
+    import torch
+    env["cuda"] = torch.version.cuda
+    env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+try:
+    env["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm",
+                                        "--format=csv,noheader"], capture_output=True, text=True,
+                                       timeout=10).stdout.strip()
+except (OSError, subprocess.TimeoutExpired):
+    env["nvidia_smi"] = None
+open(sys.argv[1], "w").write(json.dumps(env))
+print(env)
+PYEOF
+}
+export -f env_json
+export ROOT WORK PY DRY
+stage env 60 bash -c env_json
+
+# --- setup: specdeploy importable from this checkout, offline ------------------------------------------
+setup() {
+  mkdir -p "$WORK/site/specdeploy"
+  for pkg in exporter runtime graphs; do ln -s "$ROOT/$pkg" "$WORK/site/specdeploy/$pkg"; done
+  PYTHONPATH="$WORK/site" "$PY" -c "import specdeploy.exporter.bench.gpu; print('specdeploy importable')"
+}
+export -f setup
+stage setup 30 bash -c setup
+export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+
+# --- weights: the parts sent over earlier calls, reassembled and checked --------------------------------
+weights() {
+  local t="$PY -m specdeploy.exporter.bench.gpu_transfer"
+  if [ "$DRY" = 1 ]; then  # a generated 3 MiB file in 1 MiB parts, carried by two "calls"
+    head -c $((3 << 20)) /dev/urandom >"$WORK/model.bin"
+    $t split "$WORK/model.bin" "$WORK/parts" --part-mib 1 || return 1
+    mkdir -p "$WORK/call1" "$WORK/call2"
+    mv "$WORK/parts/parts.json" "$WORK/parts/part-000" "$WORK/call1/" && mv "$WORK/parts/"part-* "$WORK/call2/"
+    $t stash "$WORK/call1" "$WORK/store" && $t stash "$WORK/call2" "$WORK/store" || return 1
+    $t join "$WORK/store" "$WORK/joined.bin" && cmp "$WORK/model.bin" "$WORK/joined.bin" && echo "identical"
+  elif [ -n "${SPECDEPLOY_GPU_STORE:-}" ]; then
+    $t join "$SPECDEPLOY_GPU_STORE" "$WORK/model.gguf"
+  else
+    echo "no parts sent (SPECDEPLOY_GPU_STORE unset): random weights only"
+  fi
+}
+export -f weights
+stage weights 90 bash -c weights
+
+# --- bench: before the tests, so that a slow test costs no figure ---------------------------------------
+BENCH_ARGS=(--cpu-results docs/results/s10_32_fp32.json)
+if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
+stage bench 360 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
+
+# --- tests: every test marked gpu (on a GPU, a run in which every test skipped is a failure) --------------
+stage tests 120 "$PY" -m pytest -m gpu tests/test_gpu_path.py tests/test_gpu_check.py -q -rA -p no:cacheprovider \
+  --junitxml="$OUT/tests.xml"
+
+# --- summary: once, stdlib only, under a limit; its verdict is the exit code ----------------------------
+timeout 30 "$PY" - "$OUT" "$WORK" "$START" "$DRY" <<'PYEOF'
+import json, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-out, start, dry = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-stages = {}
-for line in (out / "stages.txt").read_text().split():
+out, work, start, dry = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+stages, failures = {}, []
+for line in (work / "stages.txt").read_text().split():
     name, rc, secs = line.split(":")
     stages[name] = {"rc": int(rc), "seconds": int(secs)}
-summary = {"schema": 1, "dry_run": dry, "stages": stages, "wall_s": int(time.time()) - start,
-           "env": {"python": platform.python_version(), "machine": platform.machine()}}
-for mod in ("torch", "onnxruntime", "tensorrt", "pytest"):
-    try:
-        summary["env"][mod] = __import__(mod).__version__
-    except ImportError:
-        summary["env"][mod] = None
+    if int(rc):
+        why = "timed out" if int(rc) in (124, 137) else f"exit code {rc}"
+        failures.append(f"stage {name}: {why} (stages.log)")
+summary = {"schema": 2, "dry_run": dry, "stages": stages, "wall_s": int(time.time()) - start}
 try:
-    import torch
-    summary["env"]["cuda"] = torch.version.cuda
-    summary["env"]["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-except ImportError:
-    pass
-try:
-    summary["env"]["nvidia_smi"] = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-        capture_output=True, text=True, timeout=10).stdout.strip()
-except (OSError, subprocess.TimeoutExpired):
-    summary["env"]["nvidia_smi"] = None
+    summary["env"] = json.loads((work / "env.json").read_text())
+except (OSError, ValueError):
+    summary["env"] = None
 if (out / "bench.json").is_file():
-    summary["bench"] = json.loads((out / "bench.json").read_text())
+    bench = summary["bench"] = json.loads((out / "bench.json").read_text())
+    failures += [f"bench {name}: {bench['errors'].get(name, st['status'])[-300:]}"
+                 for name, st in bench["stages"].items() if st["status"] != "ok"]
+else:
+    failures.append("bench: no bench.json")
 xml = out / "tests.xml"
 if xml.is_file():
     suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    summary["tests"]["cases"] = {
-        c.get("name"): ("failed" if c.find("failure") is not None or c.find("error") is not None
-                        else "skipped" if c.find("skipped") is not None else "passed")
-        for c in suite.iter("testcase")}
+    t = summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    t["cases"] = {c.get("name"): ("failed" if c.find("failure") is not None or c.find("error") is not None
+                                  else "skipped" if c.find("skipped") is not None else "passed")
+                  for c in suite.iter("testcase")}
+    if t["failures"] or t["errors"]:
+        failures.append(f"tests: {t['failures']} failed, {t['errors']} errors")
+    if t["tests"] == t["skipped"]:
+        if dry:
+            t["note"] = "every test skipped: a dry run has no CUDA"
+        else:
+            failures.append(f"tests: all {t['tests']} skipped")
+else:
+    failures.append("tests: no tests.xml")
+summary["passed"], summary["failures"] = not failures, failures
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+for f in failures:
+    print(f"[gpu-check] FAILED {f}", file=sys.stderr)
+sys.exit(1 if failures else 0)
 PYEOF
-}
-stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, record rc and seconds, summarise
-  local name="$1" limit="$2" t0 rc
-  shift 2
-  t0=$(date +%s)
-  echo "[gpu-check] $name ..." >&2
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  rc=$?
-  echo "$name:$rc:$(( $(date +%s) - t0 ))" >>"$OUT/stages.txt"
-  echo "[gpu-check] $name: rc $rc" >&2
-  summary
-}
-
-# --- env: the summary exists before anything slow ---------------------------------------------------
-stage env 30 "$PY" -c "import sys; print(sys.version)"
-
-# --- setup: specdeploy importable from this checkout, offline --------------------------------------
-setup() {
-  mkdir -p "$WORK/site/specdeploy"
-  for pkg in exporter runtime graphs; do ln -s "$ROOT/$pkg" "$WORK/site/specdeploy/$pkg"; done
-  "$PY" -c "import torch, numpy; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" || return 1
-  local missing=()
-  for pair in pytest:pytest click:click; do
-    "$PY" -c "import ${pair%%:*}" 2>/dev/null || missing+=("${pair##*:}")
-  done
-  if [ ${#missing[@]} -gt 0 ]; then
-    if [ -d .whl ]; then
-      "$PY" -m pip install -q --no-index --no-deps --find-links .whl -r scripts/gpu_wheels.txt \
-        || echo "could not install the tests' wheels from .whl/; the tests stage may not run"
-    else
-      echo "missing ${missing[*]} and no .whl/ folder: the tests stage will not run (the bench needs neither)"
-    fi
-  fi
-  PYTHONPATH="$WORK/site" "$PY" -c "import specdeploy.exporter.bench.gpu; print('specdeploy importable')"
-}
-export -f setup
-export ROOT WORK PY
-stage setup 45 bash -c setup
-export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-
-# --- bench: before the tests, so that a slow test costs no figure -----------------------------------
-BENCH_ARGS=(--cpu-results docs/results/s10_32_fp32.json)
-if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
-stage bench 270 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
-
-# --- tests: every test marked gpu (skipped without CUDA) ------------------------------------------------
-if "$PY" -c "import pytest" 2>/dev/null; then
-  stage tests 90 "$PY" -m pytest -m gpu tests/test_gpu_path.py tests/test_gpu_check.py -q -rA -p no:cacheprovider \
-    --junitxml="$OUT/tests.xml"
-else
-  echo "tests:127:0" >>"$OUT/stages.txt"
-  summary
-fi
-echo "wrote $OUT/gpu_check.json ($(( $(date +%s) - START )) s)" >&2
+rc=$?
+[ "$rc" = 124 ] && echo "[gpu-check] the summary timed out" >&2
+echo "wrote $OUT/gpu_check.json ($(( $(date +%s) - START )) s): $([ "$rc" = 0 ] && echo passed || echo FAILED)" >&2
+exit "$rc"

@@ -32,24 +32,84 @@ def test_dry_run_writes_every_stage_and_the_bench_schema(tmp_path):
     run = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], check=False, cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "gpu_check.json", "stages.log", "tests.xml"]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert summary["dry_run"] is True
-    assert {k: v["rc"] for k, v in summary["stages"].items()} == {"env": 0, "setup": 0, "bench": 0, "tests": 0}
+    assert summary["dry_run"] is True and summary["passed"] is True and summary["failures"] == []
+    assert {k: v["rc"] for k, v in summary["stages"].items()} == dict.fromkeys(
+        ("env", "setup", "weights", "bench", "tests"), 0)
+    assert summary["env"]["torch"] == torch.__version__
+    log = (tmp_path / "stages.log").read_text()
+    assert "3 parts in" in log and "reassembled" in log and "identical" in log  # the chunked transfer's round trip
     bench = summary["bench"]
     assert bench["errors"] == {}, bench["errors"]
     assert {k: v["status"] for k, v in bench["stages"].items()} == dict.fromkeys(
         ("steps", "decode", "drafts", "identity", "predicted"), "ok")
-    assert set(bench["steps"]["fp32-eager"]["ms"]) == {"1", "16", "64"}
+    assert set(bench["steps"]["fp32-eager"]["ms"]) == {"1", "16", "64"} and bench["steps"]["fp32-eager"]["repeats"] == 5
     assert all(ms > 0 for ms in bench["steps"]["fp32-eager"]["ms"].values())
     assert all(ms > 0 for ms in bench["steps"]["fp32-roofline"]["ms"].values())
     dec = bench["decode"]["fp32"]
     assert dec["ar_tok_s"] > 0 and dec["plan"] and all(dec["speculative_identical_to_plain"])
+    assert dec["prompt_lookup_tok_s"] > 0 and dec["speedup_vs_fastest_plain"] > 0
+    verdicts = dec["verdicts"]  # every candidate probed until the exact one, each with its verdict
+    assert next(iter(verdicts)) == "one-graph" and all({"chains_exact", "trees_exact", "worst"} <= set(v)
+                                                     for v in verdicts.values())
+    assert dec["lossy"] is (not any(v["chains_exact"] for v in verdicts.values()))
     drafts = bench["drafts"]["fp32"]
     assert drafts["chimera"]["draft_call_ms"] > 0 and all(drafts["hybrid"]["identical_to_plain"])
     pred = bench["predicted"]["fp32"]
     assert pred["ar"]["speedup_vs_plain"] == 1.0 and pred["prompt-lookup"]["tau_cpu"] > 1.0
     assert pred["chimera"]["draft_ms_from"] == "device" and pred["medusa"]["draft_ms_from"] == "cpu"
     assert summary["tests"]["failures"] == 0 and summary["tests"]["errors"] == 0
+
+
+def test_a_failing_stage_fails_the_check_and_says_why(tmp_path):
+    """The bench dies: the script exits non-zero and gpu_check.json names the stage and the reason."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/usr/bin/env bash\ncase \"$*\" in *\"exporter.bench.gpu \"*) echo 'bench broke' >&2; exit 3;; "
+                    f"esac\nexec {sys.executable} \"$@\"\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(fake)}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], check=False, cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 1, run.stderr[-2000:]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["passed"] is False and summary["stages"]["bench"]["rc"] == 3
+    assert "stage bench: exit code 3 (stages.log)" in summary["failures"] and "bench: no bench.json" in summary["failures"]
+    assert "bench broke" in (out / "stages.log").read_text() and "FAILED" in run.stderr
+
+
+def test_a_stage_that_raises_skips_what_builds_on_it_and_exits_1(tmp_path, monkeypatch, capsys):
+    from specdeploy.exporter.bench import gpu
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the probe broke")
+
+    monkeypatch.setattr(gpu, "resolve_plan", broken)
+    with pytest.raises(SystemExit) as exc:
+        gpu.main([str(tmp_path / "b.json"), "--dry-run", "--max-new-tokens", "4", "--num-prompts", "1"])
+    assert exc.value.code == 1
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert {k: v["status"] for k, v in saved["stages"].items()} == {
+        "steps": "ok", "decode": "error", "drafts": "skipped", "identity": "skipped", "predicted": "ok"}
+    assert "the probe broke" in saved["errors"]["decode"] and "decode" in saved["errors"]["drafts"]
+    err = capsys.readouterr().err
+    assert "decode, drafts, identity did not pass" in err and "Traceback" not in err
+
+
+def test_an_exact_plan_whose_output_leaves_plain_fails_the_stage():
+    from specdeploy.exporter.bench.gpu import _lossless
+    from specdeploy.runtime.plan import Candidate, StepPlan
+
+    exact = StepPlan(Candidate("one-graph", False, 1), True, True, True, 16, "exact")
+    entry: dict = {}
+    _lossless(entry, exact, [True, True], "fp32 lookup")
+    assert entry["lossy"] is False
+    with pytest.raises(AssertionError, match="left plain decoding on 1 of 2 prompts"):
+        _lossless(entry, exact, [True, False], "bf16 lookup")
+    lossy = StepPlan(Candidate("one-graph", False, 1), True, False, True, 16, "LOSSY")
+    _lossless(entry, lossy, [True, False], "bf16 lookup")  # labelled lossy: recorded, not a failure
+    assert entry["lossy"] is True
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU message")
@@ -244,3 +304,17 @@ def test_torch_drafts_on_the_device_keep_plain_output(precision):
         plain = _decode(check, backend, plan, None, ids, 32)
         for _, drafter in check.drafters(precision):
             assert _decode(check, backend, plan, drafter, ids, 32)["tokens"] == plain["tokens"]
+
+
+def test_the_padded_probe_experiment_runs_its_dry_run(tmp_path):
+    """scripts/experiments/gpu_padded_probe.py (docs/benchmarks.md cites its H200 figures) on CPU torch."""
+    out = tmp_path / "p.json"
+    run = subprocess.run([sys.executable, "scripts/experiments/gpu_padded_probe.py", str(out), "--dry-run",
+                          "--num-prompts=2"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    mode = json.loads(out.read_text())["modes"]["fp32-eager"]
+    assert list(mode["probe"]) == ["one-graph", "two-rows", "padded-16"]
+    pad = mode["padded16"]
+    if pad["exact"]:
+        assert all(pad["identical_to_padded_plain"])
+    assert pad["prompt_lookup_tok_s"] > 0 and pad["ar_tok_s"] > 0

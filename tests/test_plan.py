@@ -79,19 +79,27 @@ def test_runtime_runs_the_plan_the_probe_allows(tiny_bundle):
 def test_chosen_plan_gives_speculative_equal_plain(tiny_bundle, skewed):
     """Whatever the plan, greedy speculation on it equals plain decoding on it; on the skewed backend
     the 1-row plan is refused, and the plan the probe picks instead keeps the identity."""
-    from specdeploy.runtime.decode import Decoder
-    from specdeploy.runtime.drafters import PromptLookupDrafter
 
     with load(tiny_bundle) as engine:
         backend = OneRowSkew(engine.backend) if skewed else engine.backend
         chosen = resolve_plan(backend, engine.manifest, use_cache=False)
-        plain = Decoder(backend, engine.manifest, None, plan=chosen)
-        spec = Decoder(backend, engine.manifest, PromptLookupDrafter(), plan=chosen)
-        for text in PROMPTS:
-            ids = engine.encode(text)
-            stats = DecodeStats()
-            assert list(spec.generate(ids, GenerationConfig(32), stats)) == list(plain.generate(ids, GenerationConfig(32)))
+        for stats in _speculative_equals_plain(engine, backend, chosen):
             assert not stats.lossy
+
+
+def _speculative_equals_plain(engine, backend, step_plan) -> list[DecodeStats]:
+    """Greedy prompt lookup against plain decoding on ``step_plan``, per prompt; returns the stats."""
+    from specdeploy.runtime.decode import Decoder
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
+    plain = Decoder(backend, engine.manifest, None, plan=step_plan)
+    spec = Decoder(backend, engine.manifest, PromptLookupDrafter(), plan=step_plan)
+    out = []
+    for text in PROMPTS:
+        ids = engine.encode(text)
+        out.append(DecodeStats())
+        assert list(spec.generate(ids, GenerationConfig(32), out[-1])) == list(plain.generate(ids, GenerationConfig(32)))
+    return out
 
 
 def _failing(cand: Candidate) -> ProbeResult:
@@ -201,9 +209,6 @@ class RowCountSkew(OneRowSkew):
 
 
 def test_padded_plan_is_exact_where_kernels_change_with_the_row_count(tiny_bundle):
-    from specdeploy.runtime.decode import Decoder
-    from specdeploy.runtime.drafters import PromptLookupDrafter
-
     with load(tiny_bundle) as engine:
         skew = RowCountSkew(engine.backend)
         chosen = resolve_plan(skew, engine.manifest, use_cache=False)
@@ -215,12 +220,7 @@ def test_padded_plan_is_exact_where_kernels_change_with_the_row_count(tiny_bundl
         # the plan says which, and greedy speculation on the padded plan equals plain decoding on it
         assert chosen.candidate == pad.candidate or "'padded-16' is exact but" in chosen.reason
         forced = plan.StepPlan(pad.candidate, True, True, False, 16, "forced")
-        plain = Decoder(skew, engine.manifest, None, plan=forced)
-        spec = Decoder(skew, engine.manifest, PromptLookupDrafter(), plan=forced)
-        for text in PROMPTS:
-            ids = engine.encode(text)
-            stats = DecodeStats()
-            assert list(spec.generate(ids, GenerationConfig(32), stats)) == list(plain.generate(ids, GenerationConfig(32)))
+        for stats in _speculative_equals_plain(engine, skew, forced):
             assert stats.steps < 31  # it did speculate
 
 

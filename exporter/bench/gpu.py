@@ -2,16 +2,21 @@
 
 Step times depend on shapes, not weight values, so the real SmolLM2-135M architecture runs with random
 weights generated on the device from its shape (:data:`SMOLLM2_135M`): nothing but this repository has
-to travel. Stages, each saved to the JSON before the next one starts (a hang or a crash keeps the rest):
+to travel. Stages, each saved to the JSON before the next one starts (a hang or a crash keeps the rest);
+a stage that fails records why, the stages built on it are skipped, and the exit code is 1:
 
-1. ``steps``: eager against CUDA-graph step time at T = 1, 16 and 64 (CUDA events), per precision, with a
-   roofline column (the bytes a step reads / the device's bandwidth);
-2. ``decode``: plain against prompt-lookup speculative decoding, tok/s, tau and the step plan the
-   exactness probe chose, with the drafter planning on the cost curve measured on this device; random
-   weights repeat themselves, so their tau is not the real model's;
-3. ``identity``: greedy tokens of fp16/bf16 against fp32 (TF32 off), per prompt the first divergence and
-   the fp32 logit margin there; and speculative against plain in each precision;
-4. ``predicted``: end-to-end tok/s for each draft as tau measured on the CPU with the real weights (a
+0. ``clock`` (GPU only): matrix products for a few seconds, so that no timed stage meets an idle clock,
+   then the device-to-device copy bandwidth the roofline divides by;
+1. ``steps``: eager against CUDA-graph step time at T = 1, 16 and 64 (CUDA events, the median of 5
+   repeats), per precision, with a roofline column and the attention kernels one eager step launches;
+2. ``decode``: plain against prompt-lookup speculative decoding, tok/s, tau, the step plan the exactness
+   probe chose and every candidate's verdict. Where no plan is exact, speculation runs on the fastest
+   plan labelled lossy (``--allow-inexact``); on an exact plan an output that leaves plain decoding fails
+   the stage. Random weights repeat themselves, so their tau is not the real model's;
+3. ``drafts``: Chimera and the hybrid over it, in torch on the device, on the same plan;
+4. ``identity``: greedy tokens of fp16/bf16 against fp32 (TF32 off), per prompt the first divergence and
+   the fp32 logit margin there;
+5. ``predicted``: end-to-end tok/s for each draft as tau measured on the CPU with the real weights (a
    ``specdeploy bench`` JSON; fp32 tau does not depend on the hardware) over this device's step cost.
 
 ``--dry-run`` runs the same stages on CPU torch with a tiny shape and writes the same schema, so CI
@@ -51,7 +56,7 @@ from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, me
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.drafters.hybrid import HybridDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
-from specdeploy.runtime.plan import StepPlan
+from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, choose
 from specdeploy.runtime.probe import resolve_plan
 
 SCHEMA = 1
@@ -110,7 +115,8 @@ def _sig(x: float) -> float:
 
 
 class Report:
-    """The JSON written after every stage; a stage's exception is recorded and the next stage goes on."""
+    """The JSON written after every stage; a stage's exception is recorded with its traceback and the next
+    stage goes on, unless it builds on the failed one (:meth:`ready`). :attr:`failed` decides the exit code."""
 
     def __init__(self, path: Path, meta: dict[str, Any]):
         self.path = path
@@ -121,6 +127,21 @@ class Report:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1, default=float))
         tmp.replace(self.path)
+
+    def ready(self, name: str, needs: tuple[str, ...]) -> bool:
+        """Whether the stages ``name`` builds on all passed; if not, ``name`` is recorded as skipped, with why."""
+        missing = [n for n in needs if self.data["stages"].get(n, {}).get("status") != "ok"]
+        if missing:
+            self.data["stages"][name] = {"status": "skipped", "seconds": 0.0}
+            self.data["errors"][name] = f"skipped: the {', '.join(missing)} stage did not pass"
+            self.save()
+            print(f"[gpu-check] {name}: skipped ({', '.join(missing)} did not pass)", flush=True)
+        return not missing
+
+    @property
+    def failed(self) -> list[str]:
+        """The stages that did not pass (an error, or skipped because one they build on failed)."""
+        return [n for n, st in self.data["stages"].items() if st["status"] != "ok"]
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[dict[str, Any]]:
@@ -175,8 +196,9 @@ class Check:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def step_ms(self, backend: TorchBackend, t: int, past: int, iters: int) -> float:
-        """Mean time of a T-row chain step after ``past`` committed slots (CUDA events on a GPU)."""
+    def step_ms(self, backend: TorchBackend, t: int, past: int, iters: int, repeats: int = 1) -> float:
+        """Time of a T-row chain step after ``past`` committed slots (CUDA events on a GPU): the median over
+        ``repeats`` runs of the mean of ``iters`` steps."""
         cache = backend.new_cache(1, backend.cap_buckets[0])
         cache.ensure_capacity(past + t, backend.cap_buckets)
         cache.length = past
@@ -184,18 +206,64 @@ class Check:
         for _ in range(3):
             backend.step(feed, cache)  # warm-up; the step is idempotent
         self.sync()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                backend.step(feed, cache)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / iters
-        t0 = time.perf_counter()
-        for _ in range(iters):
+        runs = []
+        for _ in range(repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    backend.step(feed, cache)
+                end.record()
+                end.synchronize()
+                runs.append(start.elapsed_time(end) / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    backend.step(feed, cache)
+                runs.append((time.perf_counter() - t0) / iters * 1e3)
+        return float(np.median(runs))
+
+    def attention_kernels(self, precision: str) -> list[str]:
+        """The device kernels one eager 16-row step launches for attention (softmax, flash, fmha, sdpa)."""
+        if not self.cuda:
+            return []
+        with self.backend(precision, False) as backend:
+            cache = backend.new_cache(1, backend.cap_buckets[0])
+            cache.ensure_capacity(48, backend.cap_buckets)
+            cache.length = 16
+            feed = chain_feed(np.zeros(16, np.int64), 16, cache.capacity, np.arange(16))
             backend.step(feed, cache)
-        return (time.perf_counter() - t0) / iters * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], acc_events=True) as prof:
+                backend.step(feed, cache)
+                torch.cuda.synchronize()
+        keys = ("attn", "attention", "fmha", "flash", "softmax", "sdpa")
+        return sorted({e.name[:160] for e in prof.events() if any(k in e.name.lower() for k in keys)})
+
+
+def warm_clock(seconds: float) -> dict[str, Any]:
+    """Matrix products for ``seconds`` so that the first timed stage does not meet an idle clock, then the
+    device-to-device copy bandwidth (bytes read and written per second) the roofline uses."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+        n += 1
+    torch.cuda.synchronize()
+    x = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(5):
+        t1 = time.perf_counter()
+        for _ in range(5):
+            y.copy_(x)
+        torch.cuda.synchronize()
+        runs.append(2 * x.numel() * 5 / (time.perf_counter() - t1))
+    del a, x, y
+    torch.cuda.empty_cache()
+    return {"matmuls": n, "seconds": round(time.perf_counter() - t0, 2), "copy_bytes_per_s": float(np.median(runs))}
 
 
 def _decode(check: Check, backend: TorchBackend, plan: StepPlan, drafter, ids: list[list[int]],
@@ -242,7 +310,26 @@ def first_divergence(check: Check, ref: list[int], other: list[int], prompt: lis
     return {"token": i, "fp32": int(ref[i]), "other": int(other[i]), "margin": float(top2[1] - top2[0])}
 
 
-def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_prompts: int) -> dict[str, Any]:
+def _verdicts(plan: StepPlan) -> dict[str, Any]:
+    """Each probed candidate's verdict: chains and trees exact, the worst check, its plain step time."""
+    return {r.candidate.name: {"chains_exact": r.chains_exact, "trees_exact": r.trees_exact,
+                               "worst": [r.worst().what, r.worst().max_abs] if r.checks else None,
+                               "plain_ms": round(r.plain_ms, 3)} for r in plan.probes}
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> list[bool]:
+    return [x == y for x, y in zip(a, b, strict=True)]
+
+
+def _lossless(entry: dict[str, Any], plan: StepPlan, same: list[bool], what: str) -> None:
+    """On an exact plan every output must equal plain decoding's: a difference fails the stage."""
+    entry["lossy"] = plan.lossy
+    if plan.exact and not all(same):
+        raise AssertionError(f"{what} on the exact plan left plain decoding on {same.count(False)} of {len(same)} "
+                             f"prompts: the probe passed a plan that is not exact here")
+
+
+def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_prompts: int) -> Report:
     if not dry_run and not torch.cuda.is_available():
         raise BackendUnavailableError("The GPU check needs a CUDA GPU and PyTorch sees none; pass --dry-run to run "
                                       "its stages on the CPU.")
@@ -250,7 +337,7 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
     device = "cuda" if cuda else "cpu"
     shape = TINY if dry_run else SMOLLM2_135M
     name = torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine()
-    bandwidth = next((bw for key, bw in BANDWIDTH.items() if key in name), BANDWIDTH["H200"])
+    nominal = next((bw for key, bw in BANDWIDTH.items() if key in name), BANDWIDTH["H200"])
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the identity reference
         torch.backends.cudnn.allow_tf32 = False
@@ -258,10 +345,16 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
     rep = Report(out, {"dry_run": dry_run, "device": device, "device_name": name, "torch": torch.__version__,
                        "shape": dataclasses.asdict(shape),
                        "weights": f"random, seed {SEED} (step times depend on shapes, not values)",
-                       "bandwidth_bytes_per_s": bandwidth})
+                       "bandwidth_bytes_per_s": nominal, "bandwidth_from": "nominal (datasheet)"})
+    if cuda:  # a warm clock before the first timed stage, and the bandwidth the roofline divides by
+        with rep.stage("clock") as res:
+            res.update(warm_clock(3.0))
+            rep.data["bandwidth_bytes_per_s"] = res["copy_bytes_per_s"]
+            rep.data["bandwidth_from"] = "measured device-to-device copy (clock stage)"
+    bandwidth = rep.data["bandwidth_bytes_per_s"]
     precisions = ("fp32", "fp16", "bf16") if cuda else ("fp32",)
     graph_modes = (False, True) if cuda else (False,)
-    iters, past = (50, 256) if cuda else (3, 32)
+    iters, past = (20, 256) if cuda else (2, 32)
     with rep.stage("steps") as res:
         for prec in precisions:
             size = 4 if prec == "fp32" else 2
@@ -272,53 +365,83 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                     for t in STEP_SIZES:  # one untimed pass: lazy initialisation, allocator growth
                         check.step_ms(backend, t, past, 2)
                     key = f"{prec}-{'graphs' if graphs else 'eager'}"
-                    res[key] = {"captured": captured, "capture_s": round(time.time() - t0, 2), "ms": {
-                        str(t): _sig(check.step_ms(backend, t, past, iters)) for t in STEP_SIZES}}
+                    res[key] = {"captured": captured, "capture_s": round(time.time() - t0, 2), "repeats": 5,
+                                "ms": {str(t): _sig(check.step_ms(backend, t, past, iters, repeats=5))
+                                       for t in STEP_SIZES}}
                 rep.save()
             res[f"{prec}-roofline"] = {"ms": {str(t): _sig(roofline_ms(shape, size, t, past, bandwidth))
                                               for t in STEP_SIZES}}
+            res[f"{prec}-attention-kernels"] = check.attention_kernels(prec)
             if cuda:
                 e, g = res[f"{prec}-eager"]["ms"], res[f"{prec}-graphs"]["ms"]
                 res[f"{prec}-graph-speedup"] = {t: round(e[t] / g[t], 2) for t in e}
     ids = prompts(shape, num_prompts, 64 if not dry_run else 24)
     plain: dict[str, list[list[int]]] = {}
     res_plain: dict[str, float] = {}
+    plans: dict[str, StepPlan] = {}
+    depth = max(2, min(PROBE_DEPTH, check.manifest.limits.max_tree))
+    problems: list[str] = []
     with rep.stage("decode") as res:
         for prec in precisions:
             with check.backend(prec, cuda) as backend:
                 backend.capture_all()
                 plan = resolve_plan(backend, check.manifest, use_cache=False)
+                # no exact plan: speculation still measured, on the fastest plan, labelled lossy
+                spec_plan = plan if plan.speculate else choose(list(plan.probes), depth, allow_inexact=True)
+                fastest = dataclasses.replace(spec_plan, candidate=plan.probes[0].candidate, speculate=False)
                 ar = _decode(check, backend, plan, None, ids, max_new)
-                pl = _decode(check, backend, plan, PromptLookupDrafter(), ids, max_new)
-            plain[prec], res_plain[prec] = ar["tokens"], ar["tok_s"]
-            res[prec] = {"ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"],
-                         "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
-                         "tau_random_weights": pl["tau"], "plan": pl["plan"],
-                         "speculative_identical_to_plain": [a == b for a, b in zip(ar["tokens"], pl["tokens"],
-                                                                                   strict=True)]}
+                ar_fast = ar if fastest.candidate == plan.candidate else _decode(check, backend, fastest, None, ids,
+                                                                                 max_new)
+                pl = _decode(check, backend, spec_plan, PromptLookupDrafter(), ids, max_new)
+            plain[prec], res_plain[prec], plans[prec] = ar["tokens"], ar["tok_s"], spec_plan
+            same = _same(ar["tokens"], pl["tokens"])
+            res[prec] = entry = {
+                "plan": plan.reason, "speculation_plan": spec_plan.reason, "verdicts": _verdicts(plan),
+                "ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"],
+                "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
+                "fastest_plain_plan": fastest.candidate.name, "ar_fastest_plain_tok_s": ar_fast["tok_s"],
+                "speedup_vs_fastest_plain": round(pl["tok_s"] / ar_fast["tok_s"], 2) if ar_fast["tok_s"] else None,
+                "plan_plain_identical_to_fastest_plain": _same(ar["tokens"], ar_fast["tokens"]),
+                "tau_random_weights": pl["tau"], "speculative_identical_to_plain": same}
             rep.save()
-    with rep.stage("drafts") as res:  # model drafts in torch on the device: their cost, the figure τ multiplies
-        for prec in precisions:
-            with check.backend(prec, cuda) as backend:
-                backend.capture_all()
-                plan = resolve_plan(backend, check.manifest, use_cache=False)
-                for name, drafter in check.drafters(prec):
-                    run = _decode(check, backend, plan, drafter, ids, max_new)
-                    entry = res.setdefault(prec, {})[name] = {
-                        "tok_s": run["tok_s"], "vs_plain": round(run["tok_s"] / res_plain[prec], 2),
-                        "plan": run["plan"], "tau_random_weights": run["tau"],
-                        "identical_to_plain": [a == b for a, b in zip(plain[prec], run["tokens"], strict=True)]}
-                    if name == "chimera":  # the draft's own cost, whether or not the plan lets it speculate
-                        entry["draft_call_ms"] = _sig(draft_call_ms(drafter, check.shape, ids[0], iters))
-                    rep.save()
-    with rep.stage("identity") as res:
-        for prec in precisions[1:]:
-            res[prec] = [first_divergence(check, ref, other, p) for ref, other, p in
-                         zip(plain["fp32"], plain[prec], ids, strict=True)]
-        res["fp32_reference"] = "torch fp32, TF32 off" if cuda else "torch fp32 on the CPU"
-    with rep.stage("predicted") as res:
-        res.update(predict(rep.data.get("steps", {}), rep.data.get("drafts", {}), precisions, cpu_results))
-    return rep.data
+            try:
+                _lossless(entry, spec_plan, same, f"{prec} prompt lookup")
+            except AssertionError as exc:
+                problems.append(str(exc))
+        if problems:  # raised once every precision has been measured
+            raise AssertionError("; ".join(problems))
+    # the drafts need each precision's plan, which a lossless violation in the decode stage still leaves
+    if len(plans) == len(precisions) or rep.ready("drafts", ("decode",)):
+        problems = []
+        with rep.stage("drafts") as res:  # model drafts in torch on the device: their cost, what tau multiplies
+            for prec in precisions:
+                with check.backend(prec, cuda) as backend:
+                    backend.capture_all()
+                    for name, drafter in check.drafters(prec):
+                        run = _decode(check, backend, plans[prec], drafter, ids, max_new)
+                        same = _same(plain[prec], run["tokens"])
+                        entry = res.setdefault(prec, {})[name] = {
+                            "tok_s": run["tok_s"], "vs_plain": round(run["tok_s"] / res_plain[prec], 2),
+                            "plan": run["plan"], "tau_random_weights": run["tau"], "identical_to_plain": same}
+                        if name == "chimera":  # the draft's own cost, whatever the plan
+                            entry["draft_call_ms"] = _sig(draft_call_ms(drafter, check.shape, ids[0], iters))
+                        rep.save()
+                        try:
+                            _lossless(entry, plans[prec], same, f"{prec} {name}")
+                        except AssertionError as exc:
+                            problems.append(str(exc))
+            if problems:
+                raise AssertionError("; ".join(problems))
+    if len(plain) == len(precisions) or rep.ready("identity", ("decode",)):
+        with rep.stage("identity") as res:
+            for prec in precisions[1:]:
+                res[prec] = [first_divergence(check, ref, other, p) for ref, other, p in
+                             zip(plain["fp32"], plain[prec], ids, strict=True)]
+            res["fp32_reference"] = "torch fp32, TF32 off" if cuda else "torch fp32 on the CPU"
+    if rep.ready("predicted", ("steps",)):
+        with rep.stage("predicted") as res:
+            res.update(predict(rep.data.get("steps", {}), rep.data.get("drafts", {}), precisions, cpu_results))
+    return rep
 
 
 def predict(steps: dict[str, Any], drafts: dict[str, Any], precisions: tuple[str, ...],
@@ -358,13 +481,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU torch, a tiny shape: the same stages and schema")
     ap.add_argument("--cpu-results", type=Path, default=None, help="a specdeploy bench JSON for the prediction")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=8)
     args = ap.parse_args(argv)
     try:
-        run(args.out, args.dry_run, args.cpu_results, args.max_new_tokens, args.num_prompts)
+        rep = run(args.out, args.dry_run, args.cpu_results, args.max_new_tokens, args.num_prompts)
     except SpecDeployError as exc:  # one sentence, no traceback
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if rep.failed:  # each stage's reason is in the JSON's "errors"
+        print(f"error: the GPU check's stage(s) {', '.join(rep.failed)} did not pass; {args.out} says why.",
+              file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""The chunked route for a file too large for one call to the GPU machine (exporter/bench/gpu_transfer.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from specdeploy.exporter.bench.gpu_transfer import (
+    CALL_LIMIT,
+    MIB,
+    TransferError,
+    join,
+    plan,
+    split,
+    stash,
+    tree_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _send(tmp_path: Path, data: bytes, part: int) -> tuple[Path, list[Path]]:
+    src = tmp_path / "model.gguf"
+    src.write_bytes(data)
+    parts = split(src, tmp_path / "parts", part)
+    return src, parts
+
+
+def test_parts_travel_over_calls_and_join_to_the_same_bytes(tmp_path):
+    data = bytes(range(256)) * 4099  # not a multiple of the part size
+    _, parts = _send(tmp_path, data, 100_000)
+    assert len(parts) == 11 and all(p.stat().st_size <= 100_000 for p in parts)
+    store = tmp_path / "store"
+    for i, part in enumerate(parts):  # one part per call, the manifest with the first
+        call = tmp_path / f"call{i}"
+        call.mkdir()
+        part.rename(call / part.name)
+        if i == 0:
+            (tmp_path / "parts" / "parts.json").rename(call / "parts.json")
+        assert stash(call, store) == sorted([part.name] + (["parts.json"] if i == 0 else []))
+    assert join(store, tmp_path / "joined.gguf").read_bytes() == data
+
+
+def test_a_missing_or_corrupt_part_is_one_sentence_and_leaves_no_file(tmp_path):
+    _, parts = _send(tmp_path, b"x" * 1000 + b"y" * 1000, 700)
+    store = tmp_path / "parts"
+    parts[1].unlink()
+    with pytest.raises(TransferError, match=r"1 of 3 parts never arrived \(part-001\)"):
+        join(store, tmp_path / "out.gguf")
+    parts[1].write_bytes(b"z" * 700)
+    with pytest.raises(TransferError, match="Part part-001 is corrupt"):
+        join(store, tmp_path / "out.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "parts"]  # nothing half-written
+    with pytest.raises(TransferError, match="no readable parts.json"):
+        join(tmp_path / "nowhere", tmp_path / "out.gguf")
+
+
+def test_the_tree_and_one_part_fit_in_a_call():
+    tree = tree_bytes(ROOT)
+    tp = plan(94 * MIB, tree)
+    assert tp.tree_bytes == tree and tree + tp.part_bytes <= CALL_LIMIT
+    assert tp.fits() == (tp.part_bytes >= 4 * MIB)
+    assert plan(94 * MIB, 20 * MIB).calls == 3 and plan(94 * MIB, 20 * MIB).fits()
+
+
+def test_the_cli_refuses_a_transfer_the_tree_leaves_no_room_for(tmp_path):
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"0" * 1024)
+    cmd = [sys.executable, "-m", "specdeploy.exporter.bench.gpu_transfer"]
+    run = subprocess.run([*cmd, "split", str(src), str(tmp_path / "p")], check=False, capture_output=True, text=True, timeout=120)
+    if plan(1024, tree_bytes(ROOT)).fits():
+        assert run.returncode == 0 and json.loads((tmp_path / "p" / "parts.json").read_text())["bytes"] == 1024
+    else:
+        assert run.returncode == 2 and "slim the tree first" in run.stderr and "Traceback" not in run.stderr
+    run = subprocess.run([*cmd, "join", str(tmp_path / "none"), str(tmp_path / "o")], check=False, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and "Traceback" not in run.stderr
