@@ -23,7 +23,7 @@ DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--draft", default="none", show_default=True,
-              help="none, prompt-lookup, ngram, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
+              help="none, prompt-lookup, ngram, suffix, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name (tree8/16/32/64, chain4...) or JSON choices; default auto.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -135,7 +135,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--draft", default="none", show_default=True,
-              help="none, prompt-lookup, ngram, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
+              help="none, prompt-lookup, ngram, suffix, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
@@ -154,6 +154,10 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
 @click.option("--allow-inexact", is_flag=True,
               help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
+@click.option("--suffix-cache-tokens", default=None, type=click.IntRange(min=0),
+              help="With --draft suffix: output tokens its cache shared across requests holds (default 16384; 0: off).")
+@click.option("--cache-per-user", is_flag=True,
+              help="With --draft suffix: keep the shared cache apart per request 'user' field.")
 @click.option("--max-batch", default=None, type=click.IntRange(min=1),
               help=f"Requests decoded together in every step (continuous batching on the bundle's standard-op graph; "
                    f"draft none, prompt-lookup or ngram). 1: one at a time, on the bundle's fastest graph. Default: "
@@ -174,7 +178,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
           max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool,
-          max_batch: int | None, use_ray: bool, replicas: int | None, max_replicas: int | None,
+          suffix_cache_tokens: int | None, cache_per_user: bool, max_batch: int | None, use_ray: bool, replicas: int | None, max_replicas: int | None,
           target_ongoing: int | None,
           cpus_per_replica: int | None, ray_address: str | None) -> None:
     """Serve a bundle over an OpenAI-compatible HTTP API (needs: pip install 'specdeploy[serve]').
@@ -209,14 +213,16 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
             click.echo(f"[plan] one request at a time: {refusal}", err=True)
     config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
-                          max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout)
+                          max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout,
+                          cache_per_user=cache_per_user)
     if use_ray:
         _serve_ray(bundle, config, {"backend": backend, "draft": draft, "threads": threads, "tree": tree,
-                                    "allow_inexact": allow_inexact, "max_batch": max_batch},
+                                    "allow_inexact": allow_inexact, "max_batch": max_batch,
+                                    "suffix_cache_tokens": suffix_cache_tokens},
                    replicas, max_replicas, target_ongoing, cpus_per_replica, ray_address)
         return
     with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
-                     allow_inexact=allow_inexact, max_batch=max_batch) as engine:
+                     allow_inexact=allow_inexact, max_batch=max_batch, suffix_cache_tokens=suffix_cache_tokens) as engine:
         run_server(engine, config)
 
 

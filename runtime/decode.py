@@ -260,23 +260,30 @@ class Decoder:
         stats.prompt_tokens = len(prompt)
         stats.lossy = (sampling.typical and not sampling.greedy) or (self.drafter is not None and self.plan.lossy)
         rng = np.random.default_rng(sampling.seed)
-        limit = self.manifest.limits.max_context
         if self.drafter is not None:
             self.drafter.reset()
 
         t0 = time.perf_counter()
         state, out = self.prefill(prompt)
-        root_tree = DraftTree.root(prompt[-1])
-        first = self.accept(root_tree, root_tree.buffers(), out, sampling, rng)
-        token = int(first.tokens[-1])
-        state.tokens.append(token)
-        stats.prefill_s = time.perf_counter() - t0
-        stats.new_tokens = 1
-        yield token
-        if token in self.eos:
-            stats.finish_reason = "stop"
-            return
+        try:
+            root_tree = DraftTree.root(prompt[-1])
+            first = self.accept(root_tree, root_tree.buffers(), out, sampling, rng)
+            token = int(first.tokens[-1])
+            state.tokens.append(token)
+            stats.prefill_s = time.perf_counter() - t0
+            stats.new_tokens = 1
+            yield token
+            if token in self.eos:
+                stats.finish_reason = "stop"
+                return
+            yield from self._decode_loop(state, config, stats, rng)
+        finally:
+            if self.drafter is not None:  # however the generation ended (a consumer may stop early)
+                self.drafter.finished(state.tokens[: len(prompt) + stats.new_tokens], len(prompt))
 
+    def _decode_loop(self, state: DecodeState, config: GenerationConfig, stats: DecodeStats,
+                     rng: np.random.Generator) -> Iterator[int]:
+        sampling, limit = config.sampling, self.manifest.limits.max_context
         t_dec = time.perf_counter()
         remaining = config.max_new_tokens - 1
         while remaining > 0:

@@ -211,7 +211,8 @@ class TextStream:
 class Engine:
     def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
                  threads: int | None = None, tree: str | None = None, max_tree: int | None = None,
-                 allow_inexact: bool = False, progress: Callable[[str], None] | None = None, max_batch: int = 1):
+                 allow_inexact: bool = False, progress: Callable[[str], None] | None = None, max_batch: int = 1,
+                 suffix_cache_tokens: int | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecDeployError(f"max_batch must be a whole number of at least 1; got {max_batch!r}.")
         self.bundle_dir = Path(bundle)
@@ -240,7 +241,7 @@ class Engine:
         self.max_batch = self._batch.max_batch if self._batch else 1  # 1 where the batch probe turned it off
         drafter = None if self._batch else make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree,
                                                         threads=threads, chains=not self.plan.trees,
-                                                        backend=self.backend)
+                                                        backend=self.backend, suffix_cache_tokens=suffix_cache_tokens)
         self.decoder = self._batch.decoder if self._batch else Decoder(self.backend, self.manifest, drafter,
                                                                         max_tree=max_tree, plan=self.plan)
         self.backend.release_unused()
@@ -302,8 +303,10 @@ class Engine:
     def stream(self, prompt: str | None = None, messages: Sequence[dict] | None = None, *,
                max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] = (), seed: int | None = None, chat: bool = False,
-               typical: bool = False) -> TextStream:
-        """Stream text deltas. Validation happens here; the stream queues for the engine at its first ``next()``."""
+               typical: bool = False, cache_namespace: str = "") -> TextStream:
+        """Stream text deltas. Validation happens here; the stream queues for the engine at its first ``next()``.
+        ``cache_namespace``: the part of a cross-request draft cache (the suffix draft's) this generation reads
+        and adds to; "" shares it with every generation that passes "" (the default)."""
         if self._closed:
             raise SpecDeployError("This engine is closed.")
         if isinstance(stop, str):
@@ -313,13 +316,13 @@ class Engine:
         self.decoder.check_prompt(ids, config)
         stops = tuple(s for s in stop if s)
         stream = TextStream(len(ids))
-        stream._deltas = self._run(ids, config, stops, stream)
+        stream._deltas = self._run(ids, config, stops, stream, cache_namespace)
         with self._mutex:
             self._streams.add(stream)
         return stream
 
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
-             stream: TextStream) -> Iterator[str]:
+             stream: TextStream, cache_namespace: str = "") -> Iterator[str]:
         stats = stream.stats
         gen: Iterator[int] | None = None
         release: Callable[[], None] = _no_op
@@ -331,6 +334,8 @@ class Engine:
                     raise  # closed before it queued: cancelled, like a closed slot below
         elif self._slot.acquire(stream._cancel.is_set):
             release = self._slot.release
+            if hasattr(self.decoder.drafter, "namespace"):  # set while this stream holds the slot
+                self.decoder.drafter.namespace = cache_namespace
             gen = self.decoder.generate(ids, config, stats)
         if gen is None:
             stats.finish_reason = "cancelled"
@@ -462,7 +467,8 @@ def _no_op() -> None:
 
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None, threads: int | None = None,
          tree: str | None = None, max_tree: int | None = None, allow_inexact: bool = False,
-         progress: Callable[[str], None] | None = None, max_batch: int = 1) -> Engine:
+         progress: Callable[[str], None] | None = None, max_batch: int = 1,
+         suffix_cache_tokens: int | None = None) -> Engine:
     """Open a bundle for decoding. ``draft``: None, "prompt-lookup", "ngram", or a draft kind stored in the bundle.
 
     Greedy speculative output is identical to plain output: at load a probe measures, bit for bit on this
@@ -474,6 +480,11 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
     bundle with a standard-op graph; drafts: prompt lookup, ngram or none). It runs that graph for every
     step, so its outputs are that graph's; a batched greedy request equals the same request alone on
     the engine, bit for bit, where the batch probe says so (else batching is off, with a warning).
+
+    ``draft="suffix"`` drafts from the prompt and from earlier generations' outputs, kept in a cache that
+    every generation of this engine shares: ``suffix_cache_tokens`` bounds it (default 16,384; 0 turns it
+    off), and ``stream(..., cache_namespace=...)`` keeps groups of requests apart.
     """
     return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
-                  allow_inexact=allow_inexact, progress=progress, max_batch=max_batch)
+                  allow_inexact=allow_inexact, progress=progress, max_batch=max_batch,
+                  suffix_cache_tokens=suffix_cache_tokens)

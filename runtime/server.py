@@ -72,6 +72,7 @@ class ServerConfig:
     max_body_bytes: int = 1_000_000
     max_queue: int = 64  # admitted generation requests (running + queued); more get a 503
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM/SIGINT
+    cache_per_user: bool = False  # the suffix draft's shared cache kept apart per request "user" field
 
 
 # --- response shapes -----------------------------------------------------------------------------
@@ -221,7 +222,8 @@ class _Server:
                 stream = await run_in_threadpool(
                     self.engine.stream, prompt, messages, max_new_tokens=max_tokens, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stop=[req.stop] if isinstance(req.stop, str) else req.stop or (),
-                    seed=None if req.seed is None else req.seed % (1 << 64))
+                    seed=None if req.seed is None else req.seed % (1 << 64),
+                    cache_namespace=(req.user or "") if self.config.cache_per_user else "")
             except SpecDeployError as exc:
                 if self.engine.closed:
                     raise ApiError(503, "The server is shutting down.", code="shutting_down") from None

@@ -34,6 +34,8 @@ OWN_VARIANTS = (
                 draft="prompt-lookup", options=(("allow_inexact", True),), requires=("onnxruntime",)),
     VariantSpec("ngram", "ours", "specdeploy ORT CPU, prompt lookup or the model's own n-gram table, per step",
                 draft="ngram", requires=("onnxruntime",), bundle_draft=True),
+    VariantSpec("suffix", "ours", "specdeploy ORT CPU, suffix drafts from this prompt and earlier outputs (a cache "
+                "shared across the run's requests)", draft="suffix", requires=("onnxruntime",)),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("hybrid", "ours", "specdeploy ORT CPU, prompt lookup + the Chimera draft in one tree",

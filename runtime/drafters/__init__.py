@@ -9,7 +9,7 @@ from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
 from ..tree import TreeSpec, tree_choice
 from .base import DraftContext, Drafter
-from .kinds import DRAFTS, HEADS_KINDS, HYBRID, NGRAM, TRAINED_KINDS
+from .kinds import DRAFTS, HEADS_KINDS, HYBRID, NGRAM, SUFFIX, TRAINED_KINDS
 from .prompt_lookup import PromptLookupDrafter
 
 MAX_LOOKUP_DEPTH = 16
@@ -23,9 +23,11 @@ def tree_spec(tree: str | None, manifest: BundleManifest, max_depth: int) -> Tre
 
 
 def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, tree: str | None = None,
-                 threads: int | None = None, chains: bool = False, backend: Backend | None = None) -> Drafter | None:
+                 threads: int | None = None, chains: bool = False, backend: Backend | None = None,
+                 suffix_cache_tokens: int | None = None) -> Drafter | None:
     """The drafter ``name``; ``chains``: the step plan verifies chains only, so take the calibrated chain.
-    A trained draft runs on ``backend``'s device where the backend offers it (``Backend.make_drafter``)."""
+    A trained draft runs on ``backend``'s device where the backend offers it (``Backend.make_drafter``).
+    ``suffix_cache_tokens`` sizes the suffix draft's cross-request cache (None: its default; 0: off)."""
     if name in (None, "", "none"):
         return None
     if name in (*TRAINED_KINDS, "cerberus-nogate") and backend is not None:
@@ -39,6 +41,13 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         # A static tree bounds the lookup: branches at depth 1, tokens per branch, total nodes.
         branches = max(1, sum(1 for c in spec.choices if len(c) == 1))
         return PromptLookupDrafter(num_tokens=max(1, spec.depth), branches=branches, max_nodes=spec.num_nodes)
+    if name == SUFFIX:
+        from .suffix import CACHE_TOKENS, SuffixCache, SuffixDrafter
+
+        size = CACHE_TOKENS if suffix_cache_tokens is None else suffix_cache_tokens
+        if not isinstance(size, int) or size < 0:
+            raise DraftMismatchError(f"The suffix cache's size must be 0 (off) or more tokens; got {size!r}.")
+        return SuffixDrafter(SuffixCache(size), chains=chains)
     if name == NGRAM:
         from .ngram import load_ngram_drafter
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,3 +58,7 @@ class Drafter(ABC):
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         """Told which nodes of the last proposal were accepted (for drafters with their own KV)."""
+
+    def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
+        """Told a generation's whole sequence (prompt, then output) when it ends, however it ends
+        (drafters that learn across requests)."""

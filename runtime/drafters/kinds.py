@@ -6,4 +6,5 @@ HEADS_KINDS = ("medusa", "cerberus")  # Medusa-style heads over the base's last 
 TRAINED_KINDS = ("chimera", *HEADS_KINDS)  # drafts with trained weights, stored in a bundle
 NGRAM = "ngram"  # prompt lookup + the base model's own n-gram table (no weights: a table from its replies)
 HYBRID = "hybrid"  # prompt lookup + a trained draft in one tree; "hybrid:<kind>" picks the model (chimera)
-DRAFTS = ("none", "prompt-lookup", NGRAM, *TRAINED_KINDS, "cerberus-nogate", HYBRID)  # what --draft accepts
+SUFFIX = "suffix"  # this request's context and earlier requests' outputs (a cache shared across requests)
+DRAFTS = ("none", "prompt-lookup", NGRAM, SUFFIX, *TRAINED_KINDS, "cerberus-nogate", HYBRID)  # what --draft accepts

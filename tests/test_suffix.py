@@ -1,0 +1,177 @@
+"""The suffix drafter (``runtime/drafters/suffix.py``): its count trie against a brute-force reference, the
+shared cache's bound and isolation, and greedy identity with plain decoding, on the tiny and the real model."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+from specdeploy.runtime.drafters.base import DraftContext
+from specdeploy.runtime.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie
+
+seqs = st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=5)
+
+
+def _brute(sequences: list[list[int]], context: list[int], depth: int) -> tuple[int, Counter]:
+    """The longest suffix of ``context`` (< depth tokens) that some sequence continues, and what follows it."""
+    for m in range(min(len(context), depth - 1), 0, -1):
+        pat = context[len(context) - m :]
+        nxt = Counter(s[i + m] for s in sequences for i in range(len(s) - m) if s[i : i + m] == pat)
+        if nxt:
+            return m, nxt
+    return 0, Counter()
+
+
+def _dump(node, prefix=()) -> dict:
+    out = {}
+    for tok, kid in node.kids.items():
+        out[(*prefix, tok)] = kid.count
+        out.update(_dump(kid, (*prefix, tok)))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(seqs, st.lists(st.integers(0, 4), min_size=1, max_size=8), st.integers(2, 6))
+def test_the_trie_finds_what_brute_force_finds(sequences, context, depth):
+    trie = SuffixTrie(depth)
+    for s in sequences:
+        trie.add(s)
+    m, node = trie.find(context)
+    want_m, want = _brute(sequences, context, depth)
+    assert m == want_m
+    if m:
+        # counts of the continuations within the depth: a substring of m + 1 tokens, m + 1 <= depth
+        assert {tok: kid.count for tok, kid in node.kids.items()} == dict(want)
+    assert trie.nodes == len(_dump(trie.root))
+
+
+@settings(max_examples=200, deadline=None)
+@given(seqs, seqs, st.integers(2, 6))
+def test_removing_a_sequence_leaves_the_trie_of_the_others(keep, drop, depth):
+    trie, ref = SuffixTrie(depth), SuffixTrie(depth)
+    for s in keep + drop:
+        trie.add(s)
+    for s in keep:
+        ref.add(s)
+    for s in drop:
+        trie.remove(s)
+    assert _dump(trie.root) == _dump(ref.root) and trie.nodes == ref.nodes
+
+
+def test_growing_token_by_token_equals_adding_the_whole_sequence():
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 6, size=200).tolist()
+    grown, whole = SuffixTrie(5), SuffixTrie(5)
+    for tok in seq:
+        grown.extend(tok)
+    whole.add(seq)
+    assert _dump(grown.root) == _dump(whole.root)
+
+
+def test_the_cache_holds_memory_flat_over_10000_requests():
+    rng = np.random.default_rng(1)
+    cache = SuffixCache(max_tokens=2_000, depth=8)
+    peak = []
+    for i in range(10_000):
+        cache.add(rng.integers(0, 50, size=int(rng.integers(2, 120))).tolist(), namespace=f"key{i % 7}")
+        assert cache.tokens <= 2_000
+        if i % 1000 == 999:
+            peak.append(cache.nodes)
+    assert max(peak) <= 2_000 * 8  # at most depth nodes per cached token
+    assert max(peak) < 1.2 * min(peak)  # flat: the last thousand requests hold what the first did
+    while cache._order:  # evicting everything frees every node: nothing leaks
+        cache.add(list(range(1, 2_001)), namespace="flush")
+        cache.add([0, 0], namespace="other")
+        if all(ns in ("flush", "other") for ns, _ in cache._order):
+            break
+    assert set(cache._tries) <= {"flush", "other"} and cache.tokens <= 2_000
+
+
+def test_namespaces_keep_requests_apart_and_zero_turns_the_cache_off():
+    cache = SuffixCache(max_tokens=100)
+    cache.add([1, 2, 3, 4, 5], namespace="alice")
+    assert cache.trie("alice").find([9, 2, 3])[0] == 2 and cache.trie("bob") is None
+    off = SuffixCache(max_tokens=0)
+    off.add([1, 2, 3])
+    assert off.tokens == 0 and off.trie() is None
+    with pytest.raises(ValueError, match="0 \\(off\\) or more"):
+        SuffixCache(max_tokens=-1)
+
+
+def _ctx(tokens: list[int], budget: int = 17) -> DraftContext:
+    return DraftContext(np.asarray(tokens, dtype=np.int64), np.zeros((1, 4), np.float32), None, budget)
+
+
+def test_the_drafter_drafts_from_the_cache_and_its_own_context():
+    drafter = SuffixDrafter(SuffixCache(), chains=False, cost_curve={1: 1.0, 16: 1.05})
+    template = [7, 8, 9, 10, 11, 12, 13, 14]
+    drafter.finished([100, 101, *template], prompt_len=2)  # an earlier request's output
+    tree = drafter.propose(_ctx([50, 51, 7, 8]))
+    assert tree.tokens[0] == 8 and tree.tokens[1:].tolist() == template[2:]  # its continuation, as a chain
+    drafter.reset()
+    tree = drafter.propose(_ctx([1, 2, 3, 1, 2, 4, 9, 1, 2]))  # its own context: 1 2 -> 3 and 1 2 -> 4
+    assert tree.tokens[0] == 2 and sorted(tree.tokens[tree.parents == 0].tolist()) == [3, 4]  # two branches
+    chains = SuffixDrafter(SuffixCache(), chains=True, cost_curve={1: 1.0, 16: 1.05})
+    tree = chains.propose(_ctx([1, 2, 3, 1, 2, 4, 9, 1, 2]))
+    assert (tree.parents == np.arange(-1, len(tree.tokens) - 1)).all()  # chains only: one branch
+    dear = SuffixDrafter(SuffixCache(), cost_curve={1: 1.0, 2: 3.0, 16: 30.0})  # drafting never pays
+    assert dear.propose(_ctx([1, 2, 3, 1, 2, 4, 9, 1, 2])).num_nodes == 1
+
+
+PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON with keys name, age, city.",
+           "Fill in the form: name Bob, age 42, city Rome. Reply as JSON with keys name, age, city.",
+           "one two three four one two three four one two"]
+
+
+def _identity(bundle, tokens: int) -> list[DecodeStats]:
+    with load(bundle) as plain, load(bundle, draft="suffix") as spec:
+        assert spec.draft_name == "suffix" or not spec.plan.speculate
+        out = []
+        for text in PROMPTS + PROMPTS[:2]:  # the repeats find the first answers in the shared cache
+            ids = plain.encode(text, chat=True)
+            stats = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(tokens), stats) == plain.generate_ids(
+                ids, GenerationConfig(tokens))
+            out.append(stats)
+        if spec.plan.speculate:
+            assert spec.decoder.drafter.cache.tokens > 0  # the outputs went into the shared cache
+        return out
+
+
+def test_suffix_drafts_equal_plain_decoding_on_the_tiny_model(tiny_bundle):
+    _identity(tiny_bundle, 32)
+
+
+@pytest.mark.slow
+def test_suffix_drafts_equal_plain_decoding_on_the_real_model(real_quant_bundle):
+    stats = _identity(real_quant_bundle("q4_1"), 48)
+    if all(s.steps for s in stats):
+        repeat, first = stats[3], stats[0]  # the same request again: its answer is in the cache
+        assert repeat.steps < first.steps
+
+
+def test_the_engine_shares_one_cache_and_keeps_namespaces_apart(tiny_bundle):
+    from specdeploy.runtime.errors import DraftMismatchError
+
+    with load(tiny_bundle, draft="suffix", suffix_cache_tokens=500) as engine:
+        if not engine.plan.speculate:
+            pytest.skip(f"no exact plan on this machine: {engine.plan.reason}")
+        cache = engine.decoder.drafter.cache
+        assert cache.max_tokens == 500
+        engine.generate(PROMPTS[0], max_new_tokens=12, cache_namespace="alice")
+        engine.generate(PROMPTS[1], max_new_tokens=12)
+        assert set(cache._tries) == {"alice", ""} and cache.tokens == 2 * 12  # the two outputs
+        stream = engine.stream(PROMPTS[2], max_new_tokens=12, cache_namespace="bob")
+        for i, _ in enumerate(stream):
+            if i == 4:
+                break
+        stream.close()  # stopped early: what it had generated is still learned
+        assert stream.completion.finish_reason == "cancelled"
+        assert "bob" in cache._tries
+    with pytest.raises(DraftMismatchError, match="0 \\(off\\) or more tokens; got -1"):
+        load(tiny_bundle, draft="suffix", suffix_cache_tokens=-1)
