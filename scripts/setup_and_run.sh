@@ -37,7 +37,11 @@ echo "[main] n-gram speculative decoding (prompt lookup or the model's own n-gra
 run ngram --draft ngram
 echo "[main] prompt-lookup speculative decoding (no trained draft):" >&2
 run prompt-lookup --draft prompt-lookup
-for name in chimera ngram prompt-lookup; do
+echo "[main] suffix speculative decoding (this prompt's context; a cache of earlier outputs when serving):" >&2
+run suffix --draft suffix
+echo "[main] auto: per step, lookup, n-grams, suffix, the Chimera draft or a plain step, whichever pays most:" >&2
+run auto --draft auto
+for name in chimera ngram prompt-lookup suffix auto; do
   if cmp -s "$OUT_DIR/plain.txt" "$OUT_DIR/$name.txt"; then
     echo "[main] $name output is identical to plain greedy decoding" >&2
   else

@@ -9,10 +9,11 @@ from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
 from ..tree import TreeSpec, tree_choice
 from .base import DraftContext, Drafter
-from .kinds import DRAFTS, HEADS_KINDS, HYBRID, NGRAM, SUFFIX, TRAINED_KINDS
+from .kinds import AUTO, DRAFTS, HEADS_KINDS, HYBRID, NGRAM, SUFFIX, TRAINED_KINDS
 from .prompt_lookup import PromptLookupDrafter
 
 MAX_LOOKUP_DEPTH = 16
+AUTO_MODELS = ("chimera", "medusa", "cerberus")  # the trained draft ``auto`` adds, the first the bundle has
 
 
 def tree_spec(tree: str | None, manifest: BundleManifest, max_depth: int) -> TreeSpec | None:
@@ -41,13 +42,25 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         # A static tree bounds the lookup: branches at depth 1, tokens per branch, total nodes.
         branches = max(1, sum(1 for c in spec.choices if len(c) == 1))
         return PromptLookupDrafter(num_tokens=max(1, spec.depth), branches=branches, max_nodes=spec.num_nodes)
-    if name == SUFFIX:
+    if name in (SUFFIX, AUTO):
         from .suffix import CACHE_TOKENS, SuffixCache, SuffixDrafter
 
         size = CACHE_TOKENS if suffix_cache_tokens is None else suffix_cache_tokens
         if not isinstance(size, int) or size < 0:
             raise DraftMismatchError(f"The suffix cache's size must be 0 (off) or more tokens; got {size!r}.")
-        return SuffixDrafter(SuffixCache(size), chains=chains)
+        suffix = SuffixDrafter(SuffixCache(size), chains=chains)
+        if name == SUFFIX:
+            return suffix
+        from .auto import AutoDrafter, FreeSources
+
+        has = {d.kind for d in manifest.drafts}
+        lookup = make_drafter(NGRAM, bundle_dir, manifest) if NGRAM in has else PromptLookupDrafter()
+        free = FreeSources(lookup, suffix)
+        model = next((k for k in AUTO_MODELS if k in has), None)
+        if model is None:
+            return free
+        return AutoDrafter(make_drafter(model, bundle_dir, manifest, tree=tree, threads=threads, chains=chains,
+                                        backend=backend), free, chains=chains)
     if name == NGRAM:
         from .ngram import load_ngram_drafter
 

@@ -11,10 +11,11 @@ may answer from the table instead), then decides from what each source has earne
 * each step's cost comes from the backend's measured cost curve (rows verified), plus, for the model,
   its own call, timed here relative to a whole step.
 
-Where the step plan verifies chains only, the step drafts one chain: lookup's, the model's, or none,
-whichever gives the most expected tokens per unit of cost. With trees, a lookup match that pays is
-the main path and the model's nodes are merged in under the node budget (a node whose token a lookup
-node already holds at the same place is shared).
+The model is called only on steps where what it drafts is worth more expected tokens per unit of cost
+than lookup's proposal (a plain step's 1.0 when lookup found nothing), so it never drags the free
+source down. Where the step plan verifies chains only, the step drafts one chain: lookup's, the
+model's, or none. With trees, a lookup match stays the main path and the model's nodes are merged in
+under the node budget (a node whose token a lookup node already holds at the same place is shared).
 
 The model does not run on the steps it does not draft: the base states of the tokens accepted
 meanwhile are kept and handed to it with the next step it drafts, so a model with its own cache
@@ -92,11 +93,10 @@ class HybridDrafter(Drafter):
         self.timer.start()
         found = self.lookup.propose(ctx)
         matched = found.num_nodes > 1
-        if self.chains:  # one chain runs: lookup's, the model's or none, whichever is worth most
-            use_model = self._model_value() > self.lookup.proposal_value(found)
-        else:  # a lookup match with room left takes the model's nodes too; otherwise as above
-            use_model = (matched and found.num_nodes < ctx.max_nodes) or (
-                not matched and self._model_value() > self.lookup.proposal_value(found))
+        # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
+        # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
+        use_model = self._model_value() > self.lookup.proposal_value(found) and (
+            self.chains or not matched or found.num_nodes < ctx.max_nodes)
         if not use_model:
             self._pending.append((ctx.hidden, ctx.layers))
             self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
@@ -112,6 +112,10 @@ class HybridDrafter(Drafter):
         self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
+
+    def finished(self, tokens, prompt_len: int) -> None:
+        self.lookup.finished(tokens, prompt_len)
+        self.model.finished(tokens, prompt_len)
 
     def profile(self) -> dict:
         out = {**self.timer.profile(), "steps_by_source": dict(self.sources)}

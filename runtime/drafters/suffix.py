@@ -189,6 +189,7 @@ class SuffixDrafter(Drafter):
         self._seen: list[int] = []
         self._prompt_len: int | None = None
         self._expected = 0.0  # what the frequencies expected of the last draft
+        self.last_value = 1.0  # expected tokens per unit of step cost of the last proposal (1.0: plain)
 
     def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
         self.cache.add(list(tokens)[prompt_len:], self.namespace)
@@ -251,7 +252,7 @@ class SuffixDrafter(Drafter):
         root = int(tokens[-1])
         seen = self._follow(tokens)
         budget = min(ctx.max_nodes - 1, self.max_draft)
-        self._expected = 0.0
+        self._expected, self.last_value = 0.0, 1.0 / self._cost[0]
         if budget < 1:
             return DraftTree.root(root)
         context = [*seen[-(self.depth - 1) :], root]
@@ -265,7 +266,7 @@ class SuffixDrafter(Drafter):
                     cand = self._best(node, budget)
                     if cand[0] > best[0]:
                         best = cand
-        _, toks, parents, shares = best
+        self.last_value, toks, parents, shares = best
         if not toks:
             return DraftTree.root(root)
         self._expected = float(sum(shares))

@@ -1,0 +1,138 @@
+"""``--draft auto``: each step, the draft source worth the most expected tokens per unit of cost, or a plain step.
+
+The free sources are prompt lookup (the model's own n-gram table with it, where the bundle has one:
+:class:`~.ngram.NgramDrafter`) and the suffix drafter (this request's context with frequencies, and the
+outputs of earlier requests in the engine's shared cache: :class:`~.suffix.SuffixDrafter`). Each sizes
+its proposal on the backend's cost curve from the acceptance it has earned, so each knows what its
+proposal is worth: expected tokens over the step's cost. :class:`FreeSources` asks both and keeps the
+one worth more; a proposal worth no more than a plain step's 1.0 is a plain step.
+
+Where the bundle has a trained draft, :class:`~.hybrid.HybridDrafter` sits on top with the same rule:
+the model is called only when its expected tokens per unit of cost, its own call's measured time
+included, beat the free sources' proposal; with trees, a free match that pays takes the model's nodes
+under its own. A source that stopped paying keeps its low estimate and is not called; so that it can
+recover, the model is tried on one step in :data:`RETRY_EVERY` where nothing else pays.
+
+Verification is the same whatever is drafted, so greedy output equals plain decoding and sampling
+stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..tree import DraftTree
+from .base import DraftContext, Drafter
+from .hybrid import HybridDrafter
+from .prompt_lookup import PromptLookupDrafter
+from .suffix import SuffixDrafter
+
+RETRY_EVERY = 64  # plain steps between two tries of a model draft that stopped paying
+
+
+class FreeSources(Drafter):
+    """Prompt lookup (or n-grams) and the suffix drafter: the better proposal each step."""
+
+    kind = "auto"
+
+    def __init__(self, lookup: PromptLookupDrafter, suffix: SuffixDrafter):
+        self.lookup, self.suffix = lookup, suffix
+        self.sources = {"lookup": 0, "suffix": 0, "plain": 0}
+        self._used: Drafter | None = None
+        self._value = 1.0
+
+    @property
+    def needs_cost_curve(self) -> bool:
+        return True
+
+    def use_cost_curve(self, cost_curve) -> None:
+        self.lookup.use_cost_curve(cost_curve)
+        self.suffix.use_cost_curve(cost_curve)
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.suffix.reset()
+        self._used = None
+
+    def step_cost(self, rows: int) -> float:
+        return self.lookup.step_cost(rows)
+
+    def proposal_value(self, found: DraftTree) -> float:
+        """What the last proposal (``found``) is worth: expected tokens per unit of step cost."""
+        return self._value if found.num_nodes > 1 else self.lookup.worth(None, 0, 1)
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        by_lookup = self.lookup.propose(ctx)
+        v_lookup = self.lookup.proposal_value(by_lookup)
+        by_suffix = self.suffix.propose(ctx)
+        v_suffix = self.suffix.last_value
+        plain = self.lookup.worth(None, 0, 1)
+        best, value, used = max(((by_lookup, v_lookup, "lookup"), (by_suffix, v_suffix, "suffix")),
+                                key=lambda c: c[1])
+        if best.num_nodes == 1 or value <= plain:
+            self._used, self._value = None, plain
+            self.sources["plain"] += 1
+            return DraftTree.root(int(ctx.tokens[-1]))
+        self._used = self.lookup if used == "lookup" else self.suffix
+        self._value = value
+        self.sources[used] += 1
+        return best
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
+        if self._used is not None:  # only the source that drafted learns from this step
+            self._used.accepted(nodes, tree)
+
+    def finished(self, tokens, prompt_len: int) -> None:
+        self.suffix.finished(tokens, prompt_len)
+        self.lookup.finished(tokens, prompt_len)
+
+    @property
+    def namespace(self) -> str:
+        return self.suffix.namespace
+
+    @namespace.setter
+    def namespace(self, value: str) -> None:
+        self.suffix.namespace = value
+
+    @property
+    def cache(self):
+        return self.suffix.cache
+
+    def profile(self) -> dict:
+        return {"steps_by_source": dict(self.sources), **self.suffix.profile()}
+
+
+class AutoDrafter(HybridDrafter):
+    """The free sources, and a trained draft where one pays (the hybrid's rule), retried now and then."""
+
+    def __init__(self, model: Drafter, free: FreeSources, chains: bool = False):
+        super().__init__(model, lookup=free, chains=chains)
+        self.kind = f"auto:{model.kind}"
+        self._plain_run = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._plain_run = 0
+
+    def _model_value(self) -> float:
+        if self._plain_run >= RETRY_EVERY:  # nothing has paid for a while: give the model one more try
+            self._plain_run = 0
+            return float("inf")
+        return super()._model_value()
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        tree = super().propose(ctx)
+        self._plain_run = self._plain_run + 1 if tree.num_nodes == 1 else 0
+        return tree
+
+    @property
+    def namespace(self) -> str:
+        return self.lookup.namespace
+
+    @namespace.setter
+    def namespace(self, value: str) -> None:
+        self.lookup.namespace = value
+
+    @property
+    def cache(self):
+        return self.lookup.cache

@@ -1,0 +1,117 @@
+"""``--draft auto`` (``runtime/drafters/auto.py``): the per-step choice between the free sources, a trained
+draft and a plain step; greedy identity with plain decoding; sampling stays exact (chi-square, N = 5000)."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import chisquare
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig, SamplingParams
+from specdeploy.runtime.drafters import make_drafter
+from specdeploy.runtime.drafters.auto import RETRY_EVERY, AutoDrafter, FreeSources
+from specdeploy.runtime.drafters.base import DraftContext, Drafter
+from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from specdeploy.runtime.drafters.suffix import SuffixCache, SuffixDrafter
+from specdeploy.runtime.tree import DraftTree
+from specdeploy.runtime.verify import warp_logits
+
+FLAT = {1: 1.0, 16: 1.05}  # a GPU-like cost curve: drafting is nearly free
+
+
+def _ctx(tokens: list[int]) -> DraftContext:
+    return DraftContext(np.asarray(tokens, dtype=np.int64), np.zeros((1, 4), np.float32), None, 17)
+
+
+class CountingModel(Drafter):
+    """A trained draft stand-in: always proposes two tokens, and counts its calls."""
+
+    kind = "chimera"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, ctx):
+        self.calls += 1
+        return DraftTree.chain([int(ctx.tokens[-1]), 1, 2])
+
+
+def _free(curve) -> FreeSources:
+    return FreeSources(PromptLookupDrafter(cost_curve=curve), SuffixDrafter(SuffixCache(), cost_curve=curve))
+
+
+def test_free_sources_take_the_proposal_worth_more():
+    free = _free(FLAT)
+    free.suffix.finished([0, 0, 40, 41, 42, 43, 44, 45, 46, 47], prompt_len=2)  # an earlier answer
+    tree = free.propose(_ctx([9, 8, 40, 41]))  # only the suffix cache has seen "40 41"
+    assert tree.tokens[1:4].tolist() == [42, 43, 44] and free.sources["suffix"] == 1
+    free.accepted(np.array([0, 1, 2]), tree)  # told to the suffix drafter, which drafted it
+    assert free.suffix._calib[0] == 2 + 2
+    tree = free.propose(_ctx([5, 6, 7, 1, 5, 6]))  # lookup and suffix both see "5 6 -> 7"
+    assert tree.num_nodes > 1 and free.sources["lookup"] + free.sources["suffix"] == 2
+    dear = _free({1: 1.0, 2: 5.0, 16: 50.0})  # nothing pays on this curve: a plain step
+    assert dear.propose(_ctx([5, 6, 7, 1, 5, 6])).num_nodes == 1 and dear.sources["plain"] == 1
+
+
+def test_the_model_runs_only_where_it_pays_and_is_retried_now_and_then():
+    model = CountingModel()
+    auto = AutoDrafter(model, _free(FLAT), chains=True)
+    auto.model_acceptance.first = [1.0, 1000.0]  # the model has stopped paying
+    for i in range(RETRY_EVERY):
+        assert auto.propose(_ctx([100 + i, 200 + i])).num_nodes == 1  # no match anywhere: plain steps
+        auto.accepted(np.array([0]), DraftTree.root(0))
+    assert model.calls == 0
+    tree = auto.propose(_ctx([7, 8]))  # a run of plain steps: the model gets one more try
+    assert model.calls == 1 and tree.tokens.tolist() == [8, 1, 2]
+    auto.model_acceptance.first = [1000.0, 1.0]  # now it pays: it drafts where nothing free matches
+    auto.propose(_ctx([17, 18]))
+    assert model.calls == 2
+
+
+def test_make_drafter_builds_auto_from_what_the_bundle_has(tiny_bundle):
+    from specdeploy.runtime.bundle import read_manifest
+
+    drafter = make_drafter("auto", tiny_bundle, read_manifest(tiny_bundle), suffix_cache_tokens=100)
+    assert isinstance(drafter, FreeSources) and drafter.cache.max_tokens == 100  # no trained draft here
+
+
+PROMPTS = ["one two three four one two three four one two", "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+           "one two three four one two three four one two"]
+
+
+def test_auto_equals_plain_decoding_on_the_tiny_model(tiny_bundle):
+    with load(tiny_bundle) as plain, load(tiny_bundle, draft="auto") as spec:
+        for text in PROMPTS:
+            ids = plain.encode(text)
+            stats = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(32), stats) == plain.generate_ids(ids, GenerationConfig(32))
+        if spec.plan.speculate:
+            assert spec.decoder.drafter.cache.tokens > 0 and stats.steps < 31
+
+
+def test_auto_sampling_is_exact(tiny_bundle):
+    """The token after a repeated context, sampled through auto's draft and tree verification 5,000 times,
+    against the warped base distribution: chi-square."""
+    with load(tiny_bundle) as engine:
+        ids = engine.encode("one two three four one two three four one two three")
+        sampling = SamplingParams(temperature=1.5, top_k=8)
+        drafter = FreeSources(PromptLookupDrafter(cost_curve=FLAT), SuffixDrafter(SuffixCache(), cost_curve=FLAT))
+        dec = Decoder(engine.backend, engine.manifest, drafter, plan=engine.plan)
+        state, _ = dec.prefill(ids[:-1])
+        state.tokens.append(ids[-1])  # the root repeats an earlier token: both free sources match
+        root = DraftTree.root(ids[-1])
+        p = warp_logits(dec.verify(state, root, root.buffers()).logits[0, 0], 1.5, 8, 1.0)
+        support = np.flatnonzero(p)
+        n, counts, rng = 5000, np.zeros(len(p)), np.random.default_rng(0)
+        tree = None
+        for _ in range(n):
+            drafter.reset()
+            st, _ = dec.prefill(ids[:-1])
+            st.tokens.append(ids[-1])
+            tree = dec.propose(st, 8)
+            bufs = tree.buffers()
+            acc = dec.accept(tree, bufs, dec.verify(st, tree, bufs), sampling, rng)
+            counts[acc.tokens[0]] += 1
+        assert tree.num_nodes > 1  # it drafted, so the draft's rows were verified
+        assert counts[np.setdiff1d(np.arange(len(p)), support)].sum() == 0
+        stat = chisquare(counts[support], p[support] * n)
+        assert stat.pvalue > 1e-3, (stat, counts[support], p[support] * n)
