@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import chisquare
 from specdeploy.runtime import load
-from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig, SamplingParams
+from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
 from specdeploy.runtime.drafters import make_drafter
 from specdeploy.runtime.drafters.auto import RETRY_EVERY, AutoDrafter, FreeSources
 from specdeploy.runtime.drafters.base import DraftContext, Drafter
