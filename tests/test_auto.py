@@ -115,3 +115,12 @@ def test_auto_sampling_is_exact(tiny_bundle):
         assert counts[np.setdiff1d(np.arange(len(p)), support)].sum() == 0
         stat = chisquare(counts[support], p[support] * n)
         assert stat.pvalue > 1e-3, (stat, counts[support], p[support] * n)
+
+
+def test_what_the_model_earned_outlives_a_generation():
+    auto = AutoDrafter(CountingModel(), _free(FLAT), chains=True)
+    auto.model_acceptance.first = [1.0, 1000.0]
+    auto.reset()  # a new request: the model is still known not to pay
+    assert auto.model_acceptance.first == [1.0, 1000.0]
+    auto.propose(_ctx([3, 4]))
+    assert auto.model.calls == 0

@@ -111,7 +111,12 @@ class AutoDrafter(HybridDrafter):
         self._plain_run = 0
 
     def reset(self) -> None:
+        """A new generation: the model's acceptance and call cost are kept (the hybrid starts them afresh),
+        so a draft that does not pay on this model and machine is not tried again at every request."""
+        acceptance, timer = getattr(self, "model_acceptance", None), getattr(self, "timer", None)
         super().reset()
+        if acceptance is not None:
+            self.model_acceptance, self.timer = acceptance, timer
         self._plain_run = 0
 
     def _model_value(self) -> float:
