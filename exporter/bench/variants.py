@@ -36,6 +36,8 @@ OWN_VARIANTS = (
                 draft="ngram", requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("suffix", "ours", "specdeploy ORT CPU, suffix drafts from this prompt and earlier outputs (a cache "
                 "shared across the run's requests)", draft="suffix", requires=("onnxruntime",)),
+    VariantSpec("auto", "ours", "specdeploy ORT CPU, per step: lookup/n-grams, suffix, the bundle's trained draft "
+                "or a plain step, whichever is worth most per unit of cost", draft="auto", requires=("onnxruntime",)),
     VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
                 requires=("onnxruntime",), bundle_draft=True),
     VariantSpec("hybrid", "ours", "specdeploy ORT CPU, prompt lookup + the Chimera draft in one tree",
