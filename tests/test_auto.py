@@ -124,3 +124,13 @@ def test_what_the_model_earned_outlives_a_generation():
     assert auto.model_acceptance.first == [1.0, 1000.0]
     auto.propose(_ctx([3, 4]))
     assert auto.model.calls == 0
+
+
+def test_the_json_template_workload_is_one_template_with_its_own_records(tmp_path):
+    from specdeploy.exporter.bench.run import read_prompts
+    from specdeploy.exporter.bench.workloads import TEMPLATE, json_template, write
+
+    prompts = read_prompts(write("json-template", tmp_path / "w.jsonl", 64))
+    assert prompts == json_template(64) and len(set(prompts)) > 48  # deterministic, mostly distinct records
+    head = TEMPLATE.split("{")[0]
+    assert all(p.startswith(head) for p in prompts)
