@@ -45,7 +45,7 @@ def test_free_sources_take_the_proposal_worth_more():
     tree = free.propose(_ctx([9, 8, 40, 41]))  # only the suffix cache has seen "40 41"
     assert tree.tokens[1:4].tolist() == [42, 43, 44] and free.sources["suffix"] == 1
     free.accepted(np.array([0, 1, 2]), tree)  # told to the suffix drafter, which drafted it
-    assert free.suffix._calib[0] == 2 + 2
+    assert free.suffix._calib[(1, 1)][0] == 2 + 2  # the cache's trie, a 2-token match
     tree = free.propose(_ctx([5, 6, 7, 1, 5, 6]))  # lookup and suffix both see "5 6 -> 7"
     assert tree.num_nodes > 1 and free.sources["lookup"] + free.sources["suffix"] == 2
     dear = _free({1: 1.0, 2: 5.0, 16: 50.0})  # nothing pays on this curve: a plain step

@@ -10,8 +10,9 @@ flat however many requests pass), and may isolate its contents per namespace (an
 
 At each step the drafter matches the context's longest suffix in each trie and expands the matched
 node's continuations best first, each node weighted by its path's empirical frequency (the share of
-the occurrences that continued that way) times a calibration learned online from what its drafts
-earned. It keeps the number of nodes (0 included: a plain step) with the most expected tokens per
+the occurrences that continued that way, one unseen continuation counted in at the match) times a calibration
+learned online from what its drafts earned, per trie and match length (1, 2, 3, 4-7, 8+ tokens); the
+evidence of a bucket that is not drafting fades towards its prior, so it is tried again later. It keeps the number of nodes (0 included: a plain step) with the most expected tokens per
 unit of step cost on the backend's cost curve, so the draft's size follows the curve. Where the step
 plan verifies trees it drafts several branches; elsewhere the best chain. Verification keeps greedy
 output identical to plain decoding whatever is drafted.
@@ -34,6 +35,10 @@ DEPTH = 16  # longest substring a trie holds: the longest match plus its drafted
 MAX_DRAFT = 16  # nodes a draft may add to the root
 MIN_SHARE = 0.02  # a branch whose path frequency falls below this is not expanded
 CACHE_TOKENS = 16_384  # the shared cache's default size, in output tokens (about 64 long answers)
+BUCKET_LOWS = (1, 2, 3, 4, 8)  # match lengths calibrated apart: 1, 2, 3, 4-7, 8+ tokens
+BUCKETS = ("1", "2", "3", "4-7", "8+")
+PRIOR = (2.0, 3.0)  # a bucket's calibration before evidence: 2 of 3 expected tokens accepted
+FORGET = 0.99  # per step a match does not draft, its bucket's evidence fades by this much towards the prior
 
 
 class _Node:
@@ -173,7 +178,9 @@ class SuffixDrafter(Drafter):
         self.cache = cache if cache is not None else SuffixCache(depth=depth)
         self.depth, self.max_draft, self.chains = depth, max_draft, chains
         self.namespace = ""  # the cache's namespace for the next generations (an API key, or "" for all)
-        self._calib = [2.0, 3.0]  # tokens accepted, tokens expected by the frequencies (prior 2/3)
+        # per (trie, match-length bucket): tokens accepted, tokens the frequencies expected (prior 2/3)
+        self._calib = {(t, b): [*PRIOR] for t in range(2) for b in range(len(BUCKETS))}
+        self._drafted: tuple[int, int] | None = None  # the (trie, bucket) the last draft came from
         self.use_cost_curve(cost_curve)
         self.reset()
 
@@ -220,8 +227,9 @@ class SuffixDrafter(Drafter):
             kids = nd.kids.items()
             if self.chains and nd.kids:  # a chain: only the most frequent continuation
                 kids = [max(kids, key=lambda kv: kv[1].count)]
+            unseen = 1 if parent < 0 else 0  # at the match, one unseen continuation: one occurrence is weak evidence
             for tok, kid in kids:
-                p = share * kid.count / total
+                p = share * kid.count / (total + unseen)
                 if p >= MIN_SHARE:
                     heapq.heappush(heap, (-p, order, parent, tok, kid))
                     order += 1
@@ -235,10 +243,11 @@ class SuffixDrafter(Drafter):
             push(len(toks) - 1, kid, -neg)
         return toks, parents, shares
 
-    def _best(self, node, budget: int) -> tuple[float, list[int], list[int], list[float]]:
+    def _best(self, node, budget: int, key: tuple[int, int]) -> tuple[float, list[int], list[int], list[float]]:
         """The prefix of the best-first expansion with the most expected tokens per unit of step cost."""
         toks, parents, shares = self._expand(node, budget)
-        rate = min(1.0, self._calib[0] / self._calib[1])
+        acc, exp = self._calib[key]
+        rate = min(1.0, acc / exp)
         best_n, best_v, expected = 0, 1.0 / self._cost[0], 1.0
         for n, s in enumerate(shares, start=1):
             expected += rate * s
@@ -256,27 +265,42 @@ class SuffixDrafter(Drafter):
         if budget < 1:
             return DraftTree.root(root)
         context = [*seen[-(self.depth - 1) :], root]
-        best = (1.0 / self._cost[0], [], [], [])
+        best, used, matched = (1.0 / self._cost[0], [], [], []), None, []
         with self.cache.lock:
-            for trie in (self._local, self.cache.trie(self.namespace)):
+            for t, trie in enumerate((self._local, self.cache.trie(self.namespace))):
                 if trie is None:
                     continue
-                _, node = trie.find(context)
+                m, node = trie.find(context)
                 if node is not None:
-                    cand = self._best(node, budget)
+                    key = (t, _bucket(m))
+                    matched.append(key)
+                    cand = self._best(node, budget, key)
                     if cand[0] > best[0]:
-                        best = cand
+                        best, used = cand, key
         self.last_value, toks, parents, shares = best
+        self._drafted = used if toks else None
+        for key in matched:  # evidence that kept a match from drafting fades, so it is tried again later
+            if key != self._drafted:
+                acc, exp = self._calib[key]
+                self._calib[key] = [PRIOR[0] + (acc - PRIOR[0]) * FORGET, PRIOR[1] + (exp - PRIOR[1]) * FORGET]
         if not toks:
             return DraftTree.root(root)
         self._expected = float(sum(shares))
         return DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]))
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
-        if self._expected > 0:  # what the frequencies promised against what verification kept
-            self._calib[0] += len(nodes) - 1
-            self._calib[1] += self._expected
+        if self._drafted is not None:  # what the frequencies promised against what verification kept
+            calib = self._calib[self._drafted]
+            calib[0] += len(nodes) - 1
+            calib[1] += self._expected
 
     def profile(self) -> dict:
+        rates = {f"{'local' if t == 0 else 'cache'}:{BUCKETS[b]}": round(a / e, 3)
+                 for (t, b), (a, e) in self._calib.items()}
         return {"suffix_cache_tokens": self.cache.tokens, "suffix_cache_nodes": self.cache.nodes,
-                "suffix_calibration": round(self._calib[0] / self._calib[1], 3)}
+                "suffix_calibration": rates}
+
+
+def _bucket(match: int) -> int:
+    """The calibration bucket of a match of ``match`` tokens (:data:`BUCKETS`)."""
+    return next(i for i, low in reversed(list(enumerate(BUCKET_LOWS))) if match >= low)
