@@ -48,9 +48,9 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         size = CACHE_TOKENS if suffix_cache_tokens is None else suffix_cache_tokens
         if not isinstance(size, int) or size < 0:
             raise DraftMismatchError(f"The suffix cache's size must be 0 (off) or more tokens; got {size!r}.")
-        suffix = SuffixDrafter(SuffixCache(size), chains=chains)
         if name == SUFFIX:
-            return suffix
+            return SuffixDrafter(SuffixCache(size), chains=chains)
+        suffix = SuffixDrafter(SuffixCache(size), chains=chains, local=False)  # lookup covers the context
         from .auto import AutoDrafter, FreeSources
 
         has = {d.kind for d in manifest.drafts}

@@ -35,6 +35,8 @@ DEPTH = 16  # longest substring a trie holds: the longest match plus its drafted
 MAX_DRAFT = 16  # nodes a draft may add to the root
 MIN_SHARE = 0.02  # a branch whose path frequency falls below this is not expanded
 CACHE_TOKENS = 16_384  # the shared cache's default size, in output tokens (about 64 long answers)
+MIN_MATCH = (1, 2)  # the shortest match drafted from, in this request's trie and in the shared cache (whose
+# 1-token matches fan out to hundreds of continuations and seldom pay)
 BUCKET_LOWS = (1, 2, 3, 4, 8)  # match lengths calibrated apart: 1, 2, 3, 4-7, 8+ tokens
 BUCKETS = ("1", "2", "3", "4-7", "8+")
 PRIOR = (2.0, 3.0)  # a bucket's calibration before evidence: 2 of 3 expected tokens accepted
@@ -174,9 +176,10 @@ class SuffixDrafter(Drafter):
     kind = SUFFIX
 
     def __init__(self, cache: SuffixCache | None = None, depth: int = DEPTH, max_draft: int = MAX_DRAFT,
-                 chains: bool = False, cost_curve: Mapping[int, float] = CPU_COST_CURVE):
+                 chains: bool = False, cost_curve: Mapping[int, float] = CPU_COST_CURVE, local: bool = True):
         self.cache = cache if cache is not None else SuffixCache(depth=depth)
         self.depth, self.max_draft, self.chains = depth, max_draft, chains
+        self.local = local  # False: the shared cache alone (``auto``, whose prompt lookup covers the context)
         self.namespace = ""  # the cache's namespace for the next generations (an API key, or "" for all)
         # per (trie, match-length bucket): tokens accepted, tokens the frequencies expected (prior 2/3)
         self._calib = {(t, b): [*PRIOR] for t in range(2) for b in range(len(BUCKETS))}
@@ -259,7 +262,7 @@ class SuffixDrafter(Drafter):
     def propose(self, ctx: DraftContext) -> DraftTree:
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
         root = int(tokens[-1])
-        seen = self._follow(tokens)
+        seen = self._follow(tokens) if self.local else tokens[-self.depth : -1].tolist()
         budget = min(ctx.max_nodes - 1, self.max_draft)
         self._expected, self.last_value = 0.0, 1.0 / self._cost[0]
         if budget < 1:
@@ -267,11 +270,11 @@ class SuffixDrafter(Drafter):
         context = [*seen[-(self.depth - 1) :], root]
         best, used, matched = (1.0 / self._cost[0], [], [], []), None, []
         with self.cache.lock:
-            for t, trie in enumerate((self._local, self.cache.trie(self.namespace))):
+            for t, trie in enumerate((self._local if self.local else None, self.cache.trie(self.namespace))):
                 if trie is None:
                     continue
                 m, node = trie.find(context)
-                if node is not None:
+                if node is not None and m >= MIN_MATCH[t]:
                     key = (t, _bucket(m))
                     matched.append(key)
                     cand = self._best(node, budget, key)
