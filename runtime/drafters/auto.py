@@ -30,7 +30,27 @@ from .suffix import SuffixDrafter
 RETRY_EVERY = 64  # plain steps between two tries of a model draft that stopped paying
 
 
-class FreeSources(Drafter):
+class _SuffixCacheView:
+    """The suffix drafter's shared cache and namespace, as the drafter holding it exposes them (the engine
+    sets ``namespace`` per generation; tests read ``cache``)."""
+
+    def _suffix(self) -> SuffixDrafter:
+        raise NotImplementedError
+
+    @property
+    def namespace(self) -> str:
+        return self._suffix().namespace
+
+    @namespace.setter
+    def namespace(self, value: str) -> None:
+        self._suffix().namespace = value
+
+    @property
+    def cache(self):
+        return self._suffix().cache
+
+
+class FreeSources(_SuffixCacheView, Drafter):
     """Prompt lookup (or n-grams) and the suffix drafter: the better proposal each step."""
 
     kind = "auto"
@@ -86,23 +106,14 @@ class FreeSources(Drafter):
         self.suffix.finished(tokens, prompt_len)
         self.lookup.finished(tokens, prompt_len)
 
-    @property
-    def namespace(self) -> str:
-        return self.suffix.namespace
-
-    @namespace.setter
-    def namespace(self, value: str) -> None:
-        self.suffix.namespace = value
-
-    @property
-    def cache(self):
-        return self.suffix.cache
+    def _suffix(self) -> SuffixDrafter:
+        return self.suffix
 
     def profile(self) -> dict:
         return {"steps_by_source": dict(self.sources), **self.suffix.profile()}
 
 
-class AutoDrafter(HybridDrafter):
+class AutoDrafter(_SuffixCacheView, HybridDrafter):
     """The free sources, and a trained draft where one pays (the hybrid's rule), retried now and then."""
 
     def __init__(self, model: Drafter, free: FreeSources, chains: bool = False):
@@ -130,14 +141,5 @@ class AutoDrafter(HybridDrafter):
         self._plain_run = self._plain_run + 1 if tree.num_nodes == 1 else 0
         return tree
 
-    @property
-    def namespace(self) -> str:
-        return self.lookup.namespace
-
-    @namespace.setter
-    def namespace(self, value: str) -> None:
-        self.lookup.namespace = value
-
-    @property
-    def cache(self):
-        return self.lookup.cache
+    def _suffix(self) -> SuffixDrafter:
+        return self.lookup.suffix
