@@ -116,18 +116,14 @@ class FreeSources(_SuffixCacheView, Drafter):
 class AutoDrafter(_SuffixCacheView, HybridDrafter):
     """The free sources, and a trained draft where one pays (the hybrid's rule), retried now and then."""
 
+    keep_estimates = True  # a draft that does not pay on this model and machine is not retried at every request
+
     def __init__(self, model: Drafter, free: FreeSources, chains: bool = False):
         super().__init__(model, lookup=free, chains=chains)
         self.kind = f"auto:{model.kind}"
-        self._plain_run = 0
 
     def reset(self) -> None:
-        """A new generation: the model's acceptance and call cost are kept (the hybrid starts them afresh),
-        so a draft that does not pay on this model and machine is not tried again at every request."""
-        acceptance, timer = getattr(self, "model_acceptance", None), getattr(self, "timer", None)
         super().reset()
-        if acceptance is not None:
-            self.model_acceptance, self.timer = acceptance, timer
         self._plain_run = 0
 
     def _model_value(self) -> float:

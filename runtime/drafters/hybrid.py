@@ -35,13 +35,20 @@ from .prompt_lookup import ChainAcceptance, PromptLookupDrafter
 
 
 class HybridDrafter(Drafter):
+    keep_estimates = False  # True: what the model earned (acceptance, call cost) outlives a generation
+
     def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, chains: bool = False):
         self.model = model
         self.lookup = lookup or PromptLookupDrafter()
         self.chains = chains
         self.kind = f"hybrid:{model.kind}"
         self.sources = {"lookup": 0, "model": 0, "plain": 0}  # steps by the source of their main path, all sequences
+        self._fresh_estimates()
         self.reset()
+
+    def _fresh_estimates(self) -> None:
+        self.model_acceptance = ChainAcceptance()
+        self.timer = CallTimer()  # the model's call (a whole proposal) against the rest of a step
 
     def reset(self) -> None:
         self.model.reset()
@@ -51,8 +58,8 @@ class HybridDrafter(Drafter):
         self._model_depth = 1  # depth of the model's main path, as its last proposal had it
         # (hidden, layer states) accepted at each step since the model last ran
         self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
-        self.model_acceptance = ChainAcceptance()
-        self.timer = CallTimer()  # the model's call (a whole proposal) against the rest of a step
+        if not self.keep_estimates:
+            self._fresh_estimates()
 
     def check(self, manifest) -> None:
         self.model.check(manifest)
