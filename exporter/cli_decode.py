@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import click
+from specdeploy.exporter.bench.promptsets import SETS
 from specdeploy.runtime.backends import backend_names
 
 BACKEND_CHOICE = click.Choice(list(backend_names()))
@@ -22,8 +23,10 @@ DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--draft", default="none", show_default=True,
-              help="none, prompt-lookup, ngram, suffix, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
+@click.option("--draft", default="auto", show_default=True,
+              help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, whichever "
+                   "pays most here), none (plain), prompt-lookup, ngram, suffix, a draft kind in the bundle, or "
+                   "hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name (tree8/16/32/64, chain4...) or JSON choices; default auto.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
@@ -94,6 +97,9 @@ def load_engine(bundle: Path, **options):
               help="Comma-separated variant names (ar, prompt-lookup, hf, hf-prompt-lookup, ...).")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL of {'prompt': ...} or MT-bench records (default: MT-bench question.jsonl).")
+@click.option("--prompt-set", default=None, type=click.Choice(SETS),
+              help="A named prompt set instead of --prompts: Spec-Bench's categories from public data in PyPI packages "
+                   "(spec-bench: --num-prompts of each); see docs/benchmarks.md for the packages.")
 @click.option("--num-prompts", default=20, show_default=True, type=int)
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--threads", default=2, show_default=True, type=int)
@@ -102,16 +108,19 @@ def load_engine(bundle: Path, **options):
 @click.option("--emulate-cpu", default=None, metavar="QEMU_CPU",
               help="Run our variants under QEMU emulating this CPU model (e.g. EPYC-Rome: AVX2 only) to see the "
                    "step plan and identity there; tok/s are then the emulator's. Needs qemu-user.")
-def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: int, max_new_tokens: int,
-          threads: int, tree: str | None, json_out: Path, emulate_cpu: str | None) -> None:
+def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: str | None, num_prompts: int,
+          max_new_tokens: int, threads: int, tree: str | None, json_out: Path, emulate_cpu: str | None) -> None:
     """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
 
     Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
-    and identity columns), prompt-lookup, ngram, chimera, hybrid, cerberus, medusa (drafts or tables stored in
-    the bundle),
-    hf (transformers generate, greedy fp32) and hf-prompt-lookup. A variant whose package or draft
-    is missing is skipped with a note. Prompts are first turns rendered with the chat template;
-    all variants decode the same token ids greedily.
+    and identity columns), auto, suffix, prompt-lookup, ngram, chimera, hybrid, cerberus, medusa (drafts or
+    tables stored in the bundle), hf (transformers generate, greedy fp32) and hf-prompt-lookup; the peers
+    llama.cpp, llama.cpp-lookup, ort-genai-int4, ort-genai-int4-ngram, ort-genai-fp32, ort-genai-fp32-ngram
+    (a peer's speculative variant brings its plain one, and says on how many prompts it kept that output).
+    Every variant's quality class (top-1 agreement and perplexity against fp32, teacher-forced on held-in
+    text) is measured after the timing. A variant whose package or draft is missing is skipped with a note.
+    Prompts are rendered with the chat template; all variants decode the same token ids greedily, and each
+    prompt category is also reported on its own.
 
     Writes JSON (--json), a Markdown table (same stem, .md, also printed), a tokens/s plot
     (<stem>.png) and acceptance histograms (<stem>_acceptance.png).
@@ -119,13 +128,14 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
     \b
     Example:
       specdeploy bench bundles/smollm2 --variants ar,hf,prompt-lookup --num-prompts 20 --json out/bench.json
+      specdeploy bench bundles/smollm2-q4_1 --variants auto,ngram,llama.cpp-lookup --prompt-set spec-bench --num-prompts 8
       specdeploy bench bundles/smollm2-q4_1 --variants ar,ngram --num-prompts 4 --max-new-tokens 32 --emulate-cpu EPYC-Rome
     """
     from specdeploy.exporter.bench.run import run_bench
 
     t0 = time.time()
     run_bench(bundle, [v.strip() for v in variants.split(",") if v.strip()], prompts_file, num_prompts,
-              max_new_tokens, threads, tree, json_out, emulate_cpu=emulate_cpu)
+              max_new_tokens, threads, tree, json_out, emulate_cpu=emulate_cpu, prompt_set=prompt_set)
     click.echo(f"bench finished in {time.time() - t0:.0f}s; wrote {json_out}")
 
 
@@ -134,8 +144,10 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, num_prompts: i
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--draft", default="none", show_default=True,
-              help="none, prompt-lookup, ngram, suffix, a draft kind in the bundle, or hybrid[:KIND] (lookup + that draft; chimera).")
+@click.option("--draft", default="auto", show_default=True,
+              help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, whichever "
+                   "pays most here), none (plain), prompt-lookup, ngram, suffix, a draft kind in the bundle, or "
+                   "hybrid[:KIND] (lookup + that draft; chimera).")
 @click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
 @click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
 @click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
@@ -193,7 +205,7 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
     """
-    from specdeploy.runtime.batch import batch_refusal
+    from specdeploy.runtime.batch import batch_draft, batch_refusal
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.server import ServerConfig, run_server
 
@@ -207,7 +219,8 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
         raise click.UsageError(f"--max-replicas ({max_replicas}) is below --replicas ({replicas}).")
 
     if max_batch is None:
-        refusal = batch_refusal(read_manifest(bundle), backend, draft)
+        manifest = read_manifest(bundle)
+        refusal = batch_refusal(manifest, backend, batch_draft(draft, manifest))
         max_batch = DEFAULT_SERVE_BATCH if refusal is None else 1
         if refusal is not None:
             click.echo(f"[plan] one request at a time: {refusal}", err=True)

@@ -34,6 +34,7 @@ import numpy as np
 
 from .backends.base import StepInputs
 from .decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
+from .drafters.kinds import AUTO, NGRAM
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import BackendUnavailableError, BundleError, DraftMismatchError, SpecDeployError
 from .kvcache import KVCache, bucket_for
@@ -52,7 +53,15 @@ _HEADROOM = 64  # spare columns after a repack, so the shared cache is not repac
 MAX_DRAFT = 10  # longest lookup chain per row
 
 
-BATCH_DRAFTS = (None, "", "none", "prompt-lookup", "ngram")
+BATCH_DRAFTS = (None, "", "none", "prompt-lookup", NGRAM)
+
+
+def batch_draft(draft: str | None, manifest: BundleManifest) -> str | None:
+    """The draft batched rows use for ``draft``: ``auto`` (per-step sources for one sequence) becomes the free
+    source batching has, the bundle's n-gram table where it has one, else prompt lookup."""
+    if draft != AUTO:
+        return draft
+    return NGRAM if any(d.kind == NGRAM for d in manifest.drafts) else "prompt-lookup"
 
 
 def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> SpecDeployError | None:

@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Self
 
 from .backends import make_backend
-from .batch import BatchScheduler, batch_backend, batch_drafter, batch_refusal
+from .batch import BatchScheduler, batch_backend, batch_draft, batch_drafter, batch_refusal
 from .batch_probe import probe_batch
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
 from .drafters import make_drafter
+from .drafters.kinds import AUTO
 from .errors import ExactnessWarning, PromptError, SpecDeployError
 from .plan import StepPlan
 from .probe import resolve_plan
@@ -209,7 +210,7 @@ class TextStream:
 
 
 class Engine:
-    def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None,
+    def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO,
                  threads: int | None = None, tree: str | None = None, max_tree: int | None = None,
                  allow_inexact: bool = False, progress: Callable[[str], None] | None = None, max_batch: int = 1,
                  suffix_cache_tokens: int | None = None):
@@ -219,6 +220,7 @@ class Engine:
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
         if max_batch > 1:
+            draft = batch_draft(draft, self.manifest)
             refusal = batch_refusal(self.manifest, backend, draft)
             if refusal is not None:
                 raise refusal
@@ -230,7 +232,9 @@ class Engine:
         self.plan: StepPlan = resolve_plan(self.backend, self.manifest, allow_inexact=allow_inexact,
                                            progress=progress)
         self.draft_name = draft or "none"
-        if self.draft_name != "none" and not self.plan.speculate:
+        if self.draft_name == AUTO and not self.plan.speculate:
+            self.draft_name = "none"  # the default declines quietly: engine.plan says why
+        elif self.draft_name != "none" and not self.plan.speculate:
             warnings.warn(f"The '{self.draft_name}' draft is not used: {self.plan.reason}", ExactnessWarning,
                           stacklevel=3)
             self.draft_name = "none"
@@ -465,11 +469,17 @@ def _no_op() -> None:
     pass
 
 
-def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = None, threads: int | None = None,
+def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO, threads: int | None = None,
          tree: str | None = None, max_tree: int | None = None, allow_inexact: bool = False,
          progress: Callable[[str], None] | None = None, max_batch: int = 1,
          suffix_cache_tokens: int | None = None) -> Engine:
-    """Open a bundle for decoding. ``draft``: None, "prompt-lookup", "ngram", or a draft kind stored in the bundle.
+    """Open a bundle for decoding. ``draft``: "auto" (the default), None or "none" (plain), "prompt-lookup",
+    "ngram", "suffix", a draft kind stored in the bundle, or "hybrid[:KIND]".
+
+    ``auto`` picks per step whichever source is worth most per unit of measured cost: prompt lookup or the
+    bundle's n-gram table, the suffix cache, the bundle's trained draft, or a plain step. Where this machine
+    has no exact step plan it decodes plainly, quietly (``engine.plan.reason`` says why); batched
+    (``max_batch`` > 1) it drafts with the free source batching has (the n-gram table, else prompt lookup).
 
     Greedy speculative output is identical to plain output: at load a probe measures, bit for bit on this
     machine, which step plan keeps it so (``engine.plan``, cached; see ``runtime/plan.py``). Where none

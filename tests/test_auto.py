@@ -79,7 +79,7 @@ PROMPTS = ["one two three four one two three four one two", "def add(a, b):\n   
 
 
 def test_auto_equals_plain_decoding_on_the_tiny_model(tiny_bundle):
-    with load(tiny_bundle) as plain, load(tiny_bundle, draft="auto") as spec:
+    with load(tiny_bundle, draft=None) as plain, load(tiny_bundle, draft="auto") as spec:
         for text in PROMPTS:
             ids = plain.encode(text)
             stats = DecodeStats()
@@ -91,7 +91,7 @@ def test_auto_equals_plain_decoding_on_the_tiny_model(tiny_bundle):
 def test_auto_sampling_is_exact(tiny_bundle):
     """The token after a repeated context, sampled through auto's draft and tree verification 5,000 times,
     against the warped base distribution: chi-square."""
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         ids = engine.encode("one two three four one two three four one two three")
         sampling = SamplingParams(temperature=1.5, top_k=8)
         drafter = FreeSources(PromptLookupDrafter(cost_curve=FLAT), SuffixDrafter(SuffixCache(), cost_curve=FLAT))
@@ -134,3 +134,23 @@ def test_the_json_template_workload_is_one_template_with_its_own_records(tmp_pat
     assert prompts == json_template(64) and len(set(prompts)) > 48  # deterministic, mostly distinct records
     head = TEMPLATE.split("{")[0]
     assert all(p.startswith(head) for p in prompts)
+
+
+def test_auto_is_the_default_and_declines_quietly(tiny_bundle, recwarn):
+    """``load(bundle)`` drafts with auto (plain, without a warning, where the plan allows no speculation);
+    batched, it drafts with the free source batching has (no n-gram table here: prompt lookup)."""
+    import inspect
+
+    from specdeploy.exporter.cli_decode import generate, serve
+    from specdeploy.runtime.errors import ExactnessWarning
+
+    assert inspect.signature(load).parameters["draft"].default == "auto"
+    assert {p.name: p.default for p in generate.params}["draft"] == "auto"
+    assert {p.name: p.default for p in serve.params}["draft"] == "auto"
+    with load(tiny_bundle) as engine, load(tiny_bundle, draft=None) as plain:
+        assert engine.draft_name == ("auto" if engine.plan.speculate else "none")
+        prompt = "one two three four one two three four one two"
+        assert engine.generate(prompt=prompt, max_new_tokens=24).text == plain.generate(prompt=prompt, max_new_tokens=24).text
+    assert not [w for w in recwarn if issubclass(w.category, ExactnessWarning)]
+    with load(tiny_bundle, max_batch=2) as batched:
+        assert batched.draft_name == ("prompt-lookup" if batched.plan.speculate else "none")

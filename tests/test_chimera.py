@@ -262,7 +262,7 @@ def test_the_draft_stores_no_base_weight_again(chimera_bundle, tiny_weights, tin
     added = sum(f.stat().st_size for f in ort_only.iterdir()) - before
     embed_bytes = 4 * manifest.model.vocab_size * manifest.model.hidden_size
     assert added < embed_bytes  # the table was not written again
-    with load(ort_only) as plain, load(ort_only, draft="chimera") as spec:
+    with load(ort_only, draft=None) as plain, load(ort_only, draft="chimera") as spec:
         ids = plain.encode("The quick brown fox")
         assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
     export_draft(ort_only, "chimera", tiny_weights, progress=lambda m: None, precision="fp32")  # replace it
@@ -287,7 +287,7 @@ def test_an_int8_chimera_graph_on_request(chimera_bundle, tiny_weights, tiny_set
     assert Path(make_chimera_drafter(bundle, manifest).session._model_path).name == "chimera-int8.onnx"
     with pytest.raises(DraftMismatchError, match="no int4 graph"):
         make_chimera_drafter(bundle, manifest, precision="int4")
-    with load(bundle) as plain, load(bundle, draft="chimera") as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="chimera") as spec:
         ids = plain.encode("The quick brown fox")
         assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
     loaded, _ = tiny_setup
@@ -321,7 +321,7 @@ def test_chimera_drafter_matches_plain_greedy(chimera_bundle, tree):
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
     with pytest.raises(TreeSpecError, match="5 deep but the drafter proposes at most 4"):
         load(chimera_bundle, draft="chimera", tree="[[0],[0,0],[0,0,0],[0,0,0,0],[0,0,0,0,0]]")
-    with load(chimera_bundle) as plain, load(chimera_bundle, draft="chimera", tree=tree) as spec:
+    with load(chimera_bundle, draft=None) as plain, load(chimera_bundle, draft="chimera", tree=tree) as spec:
         for p in prompts:
             ids = plain.encode(p)
             ref = plain.generate_ids(ids, GenerationConfig(40))
@@ -372,7 +372,7 @@ def test_adaptive_chains_follow_the_costs_and_stay_lossless(chimera_bundle, monk
     monkeypatch.setattr(CallTimer, "call_cost", property(lambda self: 0.0))
     curve = {1: 1.0, 64: 1.0} if regime == "free" else {1: 1.0, 2: 2.0, 64: 64.0}
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8"]
-    with load(chimera_bundle) as plain, load(chimera_bundle, draft="chimera", tree="chain4") as spec:
+    with load(chimera_bundle, draft=None) as plain, load(chimera_bundle, draft="chimera", tree="chain4") as spec:
         drafter = spec.decoder.drafter
         assert drafter.policy is not None and drafter.needs_cost_curve
         drafter.use_cost_curve(curve)
@@ -392,7 +392,7 @@ def test_drafter_state_matches_a_fresh_catch_up(chimera_bundle):
     from specdeploy.runtime.drafters.chimera import make_chimera_drafter
 
     manifest = read_manifest(chimera_bundle)
-    with load(chimera_bundle) as plain:
+    with load(chimera_bundle, draft=None) as plain:
         ids = plain.encode("The quick brown fox jumps over the lazy dog and")
         out = plain.generate_ids(ids, GenerationConfig(12))
         full = ids + out
@@ -562,7 +562,7 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     checks = validate_bundle(bundle, progress=lambda m: None)
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int4"}
     prompts = _mtbench(3)
-    with load(bundle) as plain:
+    with load(bundle, draft=None) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
                 for ids in (plain.encode(p, chat=True) for p in prompts)]
     for tree in (None, "tree16", "dynamic:16"):
@@ -598,7 +598,7 @@ def test_hybrid_matches_plain_greedy_and_uses_both_sources(chimera_bundle, plan_
 
     prompts = ["The cat sat on the mat. The cat sat on the mat. The cat", "Tell me about the weather in Paris",
                "1 2 3 4 5 6 7 8 1 2 3 4"]
-    with load(chimera_bundle) as plain:
+    with load(chimera_bundle, draft=None) as plain:
         plan = dataclasses.replace(plain.plan, trees=plan_trees)
         hybrid = make_drafter("hybrid", chimera_bundle, plain.manifest, chains=not plan_trees)
         assert hybrid.kind == "hybrid:chimera"
@@ -800,7 +800,7 @@ def test_a_fusing_draft_exports_to_a_tapped_bundle_only_and_stays_lossless(fused
     assert checks and all(c.passed for c in checks), checks
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
     for draft in ("chimera", "hybrid"):
-        with load(bundle) as base, load(bundle, draft=draft, tree="chain4") as spec:
+        with load(bundle, draft=None) as base, load(bundle, draft=draft, tree="chain4") as spec:
             for p in prompts:
                 ids = base.encode(p)
                 st = DecodeStats()

@@ -71,7 +71,7 @@ def test_bad_settings_are_refused():
 
 def test_the_engine_feeds_the_loops_curve_to_the_drafter(tiny_bundle):
     text = "one two three four one two three four one two three four one two"
-    with load(tiny_bundle, draft="prompt-lookup") as spec, load(tiny_bundle) as plain:
+    with load(tiny_bundle, draft="prompt-lookup") as spec, load(tiny_bundle, draft=None) as plain:
         assert plain.decoder.cost_meter is None  # plain decoding sizes nothing by cost
         with pytest.raises(ValueError, match="drafter"):
             plain.decoder.track_costs(PRIOR)

@@ -59,7 +59,7 @@ def _plain(engine, ids, n):
 
 
 def test_speculative_greedy_matches_plain_with_random_trees(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         for seed, text in enumerate(["Hello there, how are you today?", "1 2 3 4 5", "a"]):
             ids = engine.encode(text)
             ref = _plain(engine, ids, 40)
@@ -74,7 +74,7 @@ def test_speculative_greedy_matches_plain_with_random_trees(tiny_bundle):
 
 def test_prompt_lookup_matches_plain_on_repetitive_text(tiny_bundle):
     text = "one two three four one two three four one two three four one two"
-    with load(tiny_bundle) as plain, load(tiny_bundle, draft="prompt-lookup") as spec:
+    with load(tiny_bundle, draft=None) as plain, load(tiny_bundle, draft="prompt-lookup") as spec:
         ids = plain.encode(text)
         for tree in (None, "chain4"):
             eng = spec if tree is None else load(tiny_bundle, draft="prompt-lookup", tree=tree)
@@ -161,7 +161,7 @@ def test_lookup_expected_tokens_are_the_beta_chain_formula():
 
 
 def test_eos_inside_accepted_path_stops_there(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         ids = engine.encode("The end is near")
         ref = _plain(engine, ids, 30)
         eos_at = 7
@@ -177,7 +177,7 @@ def test_eos_inside_accepted_path_stops_there(tiny_bundle):
 
 
 def test_max_tokens_reached_mid_path(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         ids = engine.encode("Counting: 1, 2, 3")
         ref = _plain(engine, ids, 40)
 
@@ -194,7 +194,7 @@ def test_max_tokens_reached_mid_path(tiny_bundle):
 
 def test_cache_bucket_boundary(tiny_bundle):
     """Generation that crosses the 256-slot bucket reallocates the cache without changing tokens."""
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         ids = engine.encode("word " * 120)[:240]
         ref = _plain(engine, ids, 40)
         drafter = OracleDrafter(len(ids), ref, max_nodes=16, seed=5)
@@ -203,7 +203,7 @@ def test_cache_bucket_boundary(tiny_bundle):
 
 
 def test_one_token_prompt_and_context_limit(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         assert len(_plain(engine, [5], 8)) == 8
         limit = engine.manifest.limits.max_context
         stats = DecodeStats()
@@ -227,7 +227,7 @@ def test_speculative_stops_at_the_context_limit_like_plain(tiny_bundle, min_rows
             done = len(ctx.tokens) - len(ids)
             return _chain(ctx.tokens[-1], ref[done : done + ctx.max_nodes - 1])
 
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         plan = StepPlan(Candidate("forced", False, min_rows), True, True, False, 16, "forced")
         limit = engine.manifest.limits.max_context
         ids = [5, 6, 7, 8] * ((limit - 10) // 4)
@@ -247,7 +247,7 @@ def test_drafter_that_breaks_the_contract_is_refused(tiny_bundle):
         def propose(self, ctx):
             return _chain(ctx.tokens[-1], [1] * (ctx.max_nodes + 3))
 
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         dec = Decoder(engine.backend, engine.manifest, TooBig(), plan=engine.plan)
         with pytest.raises(TreeSpecError):
             list(dec.generate(engine.encode("hi there"), GenerationConfig(8)))
@@ -263,7 +263,7 @@ def test_invalid_tree_argument_is_one_sentence(tiny_bundle):
 @pytest.mark.parametrize("drafted", ["likely", "unlikely"])
 def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
     """First sampled token via the full loop (prefill + tree step) vs the base softmax: chi-square."""
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         ids = engine.encode("Once upon a time")
         sampling = SamplingParams(temperature=1.5, top_k=8)
         dec0 = Decoder(engine.backend, engine.manifest, plan=engine.plan)

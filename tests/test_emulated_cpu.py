@@ -109,7 +109,7 @@ from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.plan import cpu_isa
 bundle, tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-with load(bundle, threads=2) as eng:
+with load(bundle, threads=2, draft=None) as eng:
     out = {"isa": cpu_isa(), "plan": eng.plan.reason, "speculate": eng.plan.speculate,
            "candidate": eng.plan.candidate.name, "same": [], "accepted": 0}
     spec = Decoder(eng.backend, eng.manifest, PromptLookupDrafter(num_tokens=6, adaptive=False), plan=eng.plan)

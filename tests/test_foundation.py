@@ -54,7 +54,7 @@ def test_greedy_matches_transformers(arch, tiny_bundle_factory, tiny_model_facto
 
     bundle = tiny_bundle_factory(arch)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_factory(arch), dtype=torch.float32).eval()
-    with load(bundle) as engine:
+    with load(bundle, draft=None) as engine:
         ids = engine.encode("The weather today is")
         ours = engine.generate_ids(ids, __import__("specdeploy.runtime.decode", fromlist=["x"]).GenerationConfig(16))
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_corrupt_bundles_are_refused(tiny_bundle, tmp_path):
     missing = _copy_bundle(tiny_bundle, tmp_path / "missing")
     (missing / "base.onnx").unlink()
     with pytest.raises(BundleError, match="missing"):
-        load(missing)
+        load(missing, draft=None)
 
     changed = _copy_bundle(tiny_bundle, tmp_path / "changed")
     data = changed / "base.onnx.data"
@@ -89,22 +89,22 @@ def test_corrupt_bundles_are_refused(tiny_bundle, tmp_path):
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
     with pytest.raises(BundleError, match="do not match the hash"):
-        load(changed)
+        load(changed, draft=None)
 
     newer = _copy_bundle(tiny_bundle, tmp_path / "newer")
     m = json.loads((newer / "manifest.json").read_text())
     m["schema_version"] = SCHEMA_VERSION + 1
     (newer / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(BundleError, match="newer"):
-        load(newer)
+        load(newer, draft=None)
 
     garbage = _copy_bundle(tiny_bundle, tmp_path / "garbage")
     (garbage / "manifest.json").write_text("{not json")
     with pytest.raises(BundleError, match="not valid JSON"):
-        load(garbage)
+        load(garbage, draft=None)
 
     with pytest.raises(BundleError, match="No bundle directory"):
-        load(tmp_path / "nope")
+        load(tmp_path / "nope", draft=None)
 
 
 def test_bad_model_sources(tmp_path):
@@ -169,7 +169,7 @@ def test_full_disk_is_one_sentence_and_leaves_nothing(tiny_bundle, tiny_model_fa
 
 
 def test_prompt_errors(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         with pytest.raises(PromptError, match="empty"):
             engine.generate("   ")
         with pytest.raises(PromptError, match="maximum context"):

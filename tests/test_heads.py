@@ -257,7 +257,7 @@ def test_an_int8_heads_graph_on_request(heads_bundle, tiny_weights, tiny_setup, 
     assert cpu_graph_role(entry) == "medusa-int8" == cpu_graph_role(entry, "int8")
     with pytest.raises(DraftMismatchError, match="no int4 graph; re-export it with --precision int4"):
         cpu_graph_role(entry, "int4")
-    with load(bundle) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
         assert Path(spec.decoder.drafter.session._model_path).name == "medusa-int8.onnx"
         ids = plain.encode("The quick brown fox")
         assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
@@ -277,7 +277,7 @@ def test_an_ort_only_bundle_gets_only_the_int4_heads(tiny_model_factory, tiny_we
     export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
     assert [g.role for g in read_manifest(bundle).draft("medusa").graphs] == ["medusa-int4"]
     assert not (bundle / "medusa.onnx").exists() and not list(bundle.glob(".medusa*"))
-    with load(bundle) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
         ids = plain.encode("The quick brown fox")
         assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
 
@@ -289,7 +289,7 @@ def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
     from specdeploy.runtime.drafters.heads import GateSpec
 
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
-    with load(heads_bundle) as plain, load(heads_bundle, draft=draft, tree=tree) as spec:
+    with load(heads_bundle, draft=None) as plain, load(heads_bundle, draft=draft, tree=tree) as spec:
         drafter = spec.decoder.drafter
         if draft == "cerberus":  # a signal that alternates between a band that pays and one that never does
             drafter.gate = GateSpec("learned")
@@ -441,7 +441,7 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int4", "cerberus",
                                                                           "cerberus-int4", "cerberus-gate"}
     prompts = _mtbench(3)
-    with load(bundle) as plain:
+    with load(bundle, draft=None) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
                 for ids in (plain.encode(p, chat=True) for p in prompts)]
     # The calibrated defaults (tree, vocabulary, gate) and a 16-node tree, whose tau shows the heads learned.

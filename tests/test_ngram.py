@@ -127,7 +127,7 @@ def test_the_table_learns_from_what_it_earns():
 
 def _tiny_replies(bundle: Path, path: Path, prompts: list[str]) -> None:
     """The tiny model's own greedy replies, saved as the data engine saves them."""
-    with load(bundle) as engine:
+    with load(bundle, draft=None) as engine:
         replies = [engine.generate_ids(engine.encode(p), GenerationConfig(40)) for p in prompts]
         sha = engine.manifest.source.weight_sha
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in replies])])
@@ -147,7 +147,7 @@ def test_ngram_speculation_is_identical_to_plain_decoding(tiny_bundle, tmp_path)
         load(bundle, draft="ngram")
     entry = export_ngram(bundle, tmp_path / "replies.npz", progress=lambda m: None)
     assert entry.kind == "ngram" and entry.graphs == () and (bundle / TABLE_FILE).is_file()
-    with load(bundle) as plain, load(bundle, draft="ngram") as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="ngram") as spec:
         assert spec.decoder.drafter.kind == "ngram"
         taus = []
         for text in [*PROMPTS, "A prompt the table has never seen", "1 2 3"]:

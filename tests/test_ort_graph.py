@@ -134,7 +134,7 @@ def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
     assert any(n.op_type == "GroupQueryAttention" for n in fused.graph.node)
     assert bases["ort"].inputs == bases["trt"].inputs  # one contract, two graphs
     assert [s.name for s in bases["ort"].outputs] == [s.name for s in bases["trt"].outputs]
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         assert engine.backend.graph.file == "base-ort.onnx"
 
 
@@ -145,7 +145,7 @@ def test_greedy_and_speculative_identity_on_ort_graph(tiny_bundle):
     from specdeploy.runtime.probe import resolve_plan
 
     manifest = read_manifest(tiny_bundle)
-    with load(tiny_bundle) as fused, load(tiny_bundle, draft="prompt-lookup") as spec, \
+    with load(tiny_bundle, draft=None) as fused, load(tiny_bundle, draft="prompt-lookup") as spec, \
             OrtBackend(tiny_bundle, manifest, graph=manifest.graph("base", "trt")) as traced_backend:
         traced = Decoder(traced_backend, manifest, plan=resolve_plan(traced_backend, manifest, use_cache=False))
         for prompt in PROMPTS:
@@ -168,7 +168,7 @@ def test_ort_only_bundle(tiny_model_factory, tmp_path):
     with pytest.raises(BundleError, match="no 'base' graph for target 'trt'.*--target all"):
         manifest.graph("base", "trt")
     assert all(r.skipped for r in lint_bundle(out))
-    with load(out) as engine:
+    with load(out, draft=None) as engine:
         assert len(engine.generate_ids(engine.encode(PROMPTS[0]), GenerationConfig(8))) == 8
 
 
@@ -319,7 +319,7 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path):
     q4 = graph_entry(bundle, "base", "base-q4.onnx", target="ort", precision=GGUF_Q4_1_BLOCKS)
     write_manifest(bundle, manifest.replace(graphs=(*manifest.graphs, q4)))
     cfg = GenerationConfig(max_new_tokens=16)
-    with load(tiny_bundle) as one, load(bundle) as two, load(bundle, draft="prompt-lookup") as spec:
+    with load(tiny_bundle, draft=None) as one, load(bundle, draft=None) as two, load(bundle, draft="prompt-lookup") as spec:
         # The same arithmetic under two names: the probe finds the split plan exact, so it is taken.
         assert two.plan.split and two.plan.exact and spec.plan.split
         assert (two.backend.one_row_graph.file, two.backend.graph.file) == ("base-q4.onnx", "base-ort.onnx")
@@ -346,7 +346,7 @@ def test_prompt_lookup_uses_the_measured_cost_curve(tiny_bundle):
     from specdeploy.runtime.decode import measure_cost_curve
     from specdeploy.runtime.tree import step_cost
 
-    with load(tiny_bundle, draft="prompt-lookup") as spec, load(tiny_bundle) as plain:
+    with load(tiny_bundle, draft="prompt-lookup") as spec, load(tiny_bundle, draft=None) as plain:
         curve = spec.cost_curve
         sizes = {t for t in (1, 2, 4, 8, 16, 32) if t <= spec.decoder.max_tree}  # exact plans: <= 16 rows
         assert curve is not None and curve[1] == 1.0 and set(curve) == sizes

@@ -48,7 +48,7 @@ class OneRowSkew(Backend):
 
 
 def test_probe_catches_a_one_ulp_row_difference(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         skew = OneRowSkew(engine.backend)
         res = probe(skew, engine.manifest, Candidate("one-graph", False, 1), depth=6)
         assert not res.chains_exact and 0 < res.worst().max_abs < 1e-3
@@ -80,7 +80,7 @@ def test_chosen_plan_gives_speculative_equal_plain(tiny_bundle, skewed):
     """Whatever the plan, greedy speculation on it equals plain decoding on it; on the skewed backend
     the 1-row plan is refused, and the plan the probe picks instead keeps the identity."""
 
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         backend = OneRowSkew(engine.backend) if skewed else engine.backend
         chosen = resolve_plan(backend, engine.manifest, use_cache=False)
         for stats in _speculative_equals_plain(engine, backend, chosen):
@@ -109,7 +109,7 @@ def _failing(cand: Candidate) -> ProbeResult:
 def test_no_exact_plan_falls_back_to_plain_with_one_sentence(tiny_bundle, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))  # no verdict cached by other tests
     monkeypatch.setattr(probe_mod, "probe", lambda backend, manifest, cand, depth: _failing(cand))
-    with load(tiny_bundle) as ref_engine:
+    with load(tiny_bundle, draft=None) as ref_engine:
         ids = ref_engine.encode(PROMPTS[1])
         ref = ref_engine.generate_ids(ids, GenerationConfig(24))
         assert not ref_engine.plan.speculate
@@ -157,7 +157,7 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(probe_mod, "probe", counting)
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         first = engine.plan
         assert calls and (tmp_path / "exactness.json").is_file()
         n = len(calls)
@@ -169,7 +169,7 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         resolve_plan(engine.backend, engine.manifest)
         assert len(calls) == 2 * n  # another machine: probed again
     (tmp_path / "exactness.json").write_text("{not json")  # a corrupt cache is ignored
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         assert engine.plan.candidate == first.candidate
 
 
@@ -209,7 +209,7 @@ class RowCountSkew(OneRowSkew):
 
 
 def test_padded_plan_is_exact_where_kernels_change_with_the_row_count(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         skew = RowCountSkew(engine.backend)
         chosen = resolve_plan(skew, engine.manifest, use_cache=False)
         names = [r.candidate.name for r in chosen.probes]
@@ -238,7 +238,7 @@ class LongContextSkew(OneRowSkew):
 
 
 def test_probe_checks_a_second_longer_context(tiny_bundle):
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         assert engine.manifest.limits.max_context >= plan.PROBE_LONG + 18
         res = probe(LongContextSkew(engine.backend), engine.manifest, Candidate("one-graph", False, 1), depth=6)
         last = res.checks[-1]
@@ -251,7 +251,7 @@ def test_a_tree_padded_to_the_plan_keeps_its_parents(tiny_bundle):
     from specdeploy.runtime.decode import Decoder
     from specdeploy.runtime.tree import DraftTree
 
-    with load(tiny_bundle) as engine:
+    with load(tiny_bundle, draft=None) as engine:
         dec = Decoder(engine.backend, engine.manifest, None,
                       plan=plan.StepPlan(Candidate("padded-8", False, 8), True, True, True, 8, "forced"))
         state, _ = dec.prefill(engine.encode(PROMPTS[1]))

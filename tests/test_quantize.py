@@ -186,7 +186,7 @@ def test_validate_cli_prints_quality_section(quant_bundles):
 def test_prompt_lookup_greedy_identical_on_quantized(quant_bundles, precision, tree):
     bundle = quant_bundles[precision]
     accepted = []
-    with load(bundle) as plain, load(bundle, draft="prompt-lookup", tree=tree) as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="prompt-lookup", tree=tree) as spec:
         for text in PROMPTS:
             ids = plain.encode(text)
             ref = plain.generate_ids(ids, GenerationConfig(48))
@@ -207,7 +207,7 @@ def test_steps_follow_each_plan(quant_bundles, tiny_bundle, precision):
     from specdeploy.runtime.probe import probe
 
     bundle = tiny_bundle if precision == "fp32" else quant_bundles[precision]
-    with load(bundle) as engine:
+    with load(bundle, draft=None) as engine:
         backend, manifest = engine.backend, engine.manifest
         prompt = [int(t) for t in engine.encode(PROMPTS[1])]
         for cand in candidates(backend, 8):
@@ -247,7 +247,7 @@ def test_edges_on_int4(quant_bundles):
 
     bundle = quant_bundles["int4"]
     limit = read_manifest(bundle).limits.max_context
-    with load(bundle) as plain, load(bundle, draft="prompt-lookup") as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="prompt-lookup") as spec:
         for ids in ([300], [5, 6, 7, 8] * ((limit - 12) // 4)):
             ref_stats, stats = DecodeStats(), DecodeStats()
             ref = plain.generate_ids(ids, GenerationConfig(40), ref_stats)
@@ -302,7 +302,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     from specdeploy.exporter.bench.run import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
-    with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
+    with load(out, draft=None) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
         _check_plan(plain, spec, text)
         for p in prompts:
             ids = plain.encode(p, chat=True)
@@ -318,7 +318,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     assert files == ["base-ort.onnx", "chimera-int4.onnx"]  # only what the CPU runtime runs
     assert stored_twice(out, files) == []  # the draft reads the base's embedding table
     assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
-    with load(out) as plain, load(out, draft="hybrid") as hybrid:
+    with load(out, draft=None) as plain, load(out, draft="hybrid") as hybrid:
         for p in prompts:
             ids = plain.encode(p, chat=True)
             assert hybrid.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
@@ -326,7 +326,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     from specdeploy.exporter.export.ngram import export_ngram
 
     export_ngram(out, weights.parent / "self-replies.npz", progress=lambda m: None)
-    with load(out) as plain, load(out, draft="ngram") as ngram, load(out, draft="hybrid") as hybrid:
+    with load(out, draft=None) as plain, load(out, draft="ngram") as ngram, load(out, draft="hybrid") as hybrid:
         assert hybrid.decoder.drafter.lookup.kind == "ngram"
         for p in prompts:
             ids = plain.encode(p, chat=True)
@@ -353,7 +353,7 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_quant_bundle):
 
     replies = Path(__file__).resolve().parents[1] / "graphs" / "weights" / "self-replies.npz"
     export_ngram(out, replies, progress=lambda m: None)
-    with load(out) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec, load(out, draft="ngram") as ngram:
+    with load(out, draft=None) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec, load(out, draft="ngram") as ngram:
         _check_plan(plain, spec, text)
         ids_all = [plain.encode(p, chat=True) for p in prompts]
         refs = [plain.generate_ids(ids, GenerationConfig(48)) for ids in ids_all]
@@ -369,7 +369,7 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_quant_bundle):
         from specdeploy.runtime.plan import StepPlan
 
         forced = StepPlan(refused[0].candidate, True, False, True, 64, "forced inexact")
-        with load(out) as eng:
+        with load(out, draft=None) as eng:
             bare = Decoder(eng.backend, eng.manifest, None, plan=forced)
             lossy = Decoder(eng.backend, eng.manifest, PromptLookupDrafter(), plan=forced)
             differ = sum(list(bare.generate(ids, GenerationConfig(48))) != list(lossy.generate(ids, GenerationConfig(48)))

@@ -52,7 +52,7 @@ def test_32_greedy_tokens_match_transformers(real_bundle):
     import torch
     from specdeploy.exporter.source import load_model
 
-    with load(real_bundle) as engine:
+    with load(real_bundle, draft=None) as engine:
         assert engine.backend.graph.file == "base-ort.onnx"  # the prefill: the fused fp32 graph
         # 1-token steps run the GGUF-block graph only where the probe found that exact on this machine
         assert engine.plan.split == (engine.backend.one_row_session is not None)
@@ -69,7 +69,7 @@ def test_32_greedy_tokens_match_transformers(real_bundle):
 def test_prompt_lookup_identical_on_real_prompts(real_bundle, tree):
     prompts = _mtbench_prompts(10)
     taus = []
-    with load(real_bundle) as plain, load(real_bundle, draft="prompt-lookup", tree=tree) as spec:
+    with load(real_bundle, draft=None) as plain, load(real_bundle, draft="prompt-lookup", tree=tree) as spec:
         for p in prompts:
             ids = plain.encode(p, chat=True)
             ref = plain.generate_ids(ids, GenerationConfig(64))
@@ -93,7 +93,7 @@ def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, tmp
     replies = Path(__file__).resolve().parents[1] / "graphs" / "weights" / "self-replies.npz"
     export_ngram(bundle, replies, progress=lambda m: None)
     taus = []
-    with load(real_bundle) as plain, load(bundle, draft="ngram") as spec:
+    with load(real_bundle, draft=None) as plain, load(bundle, draft="ngram") as spec:
         for p in _mtbench_prompts(8):
             ids = plain.encode(p, chat=True)
             stats = DecodeStats()
@@ -112,7 +112,7 @@ def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
 
     spec = STATIC_TREES[tree]
     rng = np.random.default_rng(1)
-    with load(real_bundle) as engine:
+    with load(real_bundle, draft=None) as engine:
         for p in _mtbench_prompts(3):
             ids = engine.encode(p, chat=True)
             ref = engine.generate_ids(ids, GenerationConfig(48))

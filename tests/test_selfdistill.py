@@ -31,7 +31,7 @@ def _prompts(engine) -> list[np.ndarray]:
 def test_one_batched_pass_gives_plain_greedy_replies_their_hidden_states_and_labels(setup):
     _, bundle = setup
     gen = RuntimeGenerator(bundle, threads=2)
-    with load(bundle) as plain:
+    with load(bundle, draft=None) as plain:
         prompts = _prompts(plain)
         seqs = gen.generate(prompts, max_new_tokens=10)
         for p, q in zip(prompts, seqs):
@@ -54,7 +54,7 @@ def test_one_batched_pass_gives_plain_greedy_replies_their_hidden_states_and_lab
 def test_finished_rows_leave_the_batch_and_the_others_go_on(setup):
     _, bundle = setup
     gen = RuntimeGenerator(bundle, threads=2)
-    with load(bundle) as plain:
+    with load(bundle, draft=None) as plain:
         prompts = _prompts(plain)
     gen.eos = frozenset()
     full = gen.generate(prompts, max_new_tokens=8)

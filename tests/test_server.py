@@ -104,7 +104,7 @@ def model_id(server) -> str:
 
 @pytest.fixture(scope="module")
 def engine(tiny_bundle):
-    with load(tiny_bundle) as eng:
+    with load(tiny_bundle, draft=None) as eng:
         yield eng
 
 

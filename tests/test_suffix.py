@@ -129,7 +129,7 @@ PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON with ke
 
 
 def _identity(bundle, tokens: int) -> list[DecodeStats]:
-    with load(bundle) as plain, load(bundle, draft="suffix") as spec:
+    with load(bundle, draft=None) as plain, load(bundle, draft="suffix") as spec:
         assert spec.draft_name == "suffix" or not spec.plan.speculate
         out = []
         for text in PROMPTS + PROMPTS[:2]:  # the repeats find the first answers in the shared cache

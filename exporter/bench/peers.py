@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdeploy.exporter.bench.spec import Runner, RunResult, VariantSpec
+import numpy as np
+
+from specdeploy.exporter.bench.spec import Runner, RunResult, Score, VariantSpec, score_logits
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.errors import SpecDeployError
 
@@ -123,22 +125,44 @@ class OrtGenaiRunner(Runner):
         og = self.og
         params = og.GeneratorParams(self.model)
         params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens, batch_size=1)
+        speculative = dict(dict(self.spec.options).get("speculative", ()))
+        if speculative:
+            params.set_speculative_options(**speculative)
         t0 = time.perf_counter()
         gen = og.Generator(self.model, params)
         gen.append_tokens(ids)  # the prefill runs here
         tokens: list[int] = []
         t_first = None
         while not gen.is_done() and len(tokens) < max_new_tokens:
-            gen.generate_next_token()
+            gen.generate_next_token()  # speculating, it verifies drafts inside and hands out one token per call
             tokens.append(int(gen.get_next_tokens()[0]))
             if t_first is None:
                 t_first = time.perf_counter()
             if tokens[-1] in self.eos:
                 break
         t1 = time.perf_counter()
+        stats = gen.get_speculative_stats() if speculative else None
         del gen
         finish = "stop" if tokens and tokens[-1] in self.eos else "length"
-        return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1), [1] * max(0, len(tokens) - 1), None, finish)
+        # Speculating, genai emits verified tokens one per call, so per-step counts come from its own telemetry.
+        profile = ({k: stats.get(k) for k in ("rounds", "draft_tokens_proposed", "draft_tokens_accepted",
+                                              "acceptance_rate", "effective_k", "standard_fallback_steps",
+                                              "target_forward_passes")} if stats else None)
+        return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1),
+                         None if speculative else [1] * max(0, len(tokens) - 1), None, finish, profile=profile)
+
+    def score(self, ids: list[int]) -> Score:
+        """Teacher-forced logits, one appended token at a time (the generator keeps the last position's)."""
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + 1, batch_size=1)
+        gen = og.Generator(self.model, params)
+        rows = []
+        for t in ids:
+            gen.append_tokens([t])
+            rows.append(np.asarray(gen.get_logits(), dtype=np.float32).reshape(-1))
+        del gen
+        return score_logits(np.stack(rows), ids)
 
 
 # --- llama.cpp -------------------------------------------------------------------------------------
@@ -160,6 +184,9 @@ for n, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0)):
     if n >= 1:
         break
 """
+# llama.cpp-lookup's draft length: the shortest, since longer drafts lost more on these CPUs (10 tokens ran 0.55x
+# its plain decoding, 3 tokens 0.77x; AMD EPYC, AVX-512, 16 prompts x 128 tokens).
+LLAMA_LOOKUP_TOKENS = 2
 LLAMA_MODES = ("extra", "plain")  # extra: llama.cpp's extra CPU buffer types (AMX, repacked weights)
 
 
@@ -228,10 +255,19 @@ class LlamaCppRunner(Runner):
 
             llama_cpp.llama.llama_cpp.llama_model_default_params = params
         self.mode = mode
+        lookup = int(dict(self.spec.options).get("lookup_tokens", 0))
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+        self.gguf, self.llama_cpp = gguf, llama_cpp
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=self.manifest.limits.max_context, n_batch=512,
-                                   n_threads=self.threads, n_threads_batch=self.threads, verbose=False)
+                                   n_threads=self.threads, n_threads_batch=self.threads, verbose=False,
+                                   draft_model=draft, logits_all=draft is not None)  # its draft verify reads them all
         self.eos = {int(e) for e in self.manifest.model.eos_token_ids} | {int(self.llm.token_eos())}
-        print(f"[llama.cpp] {gguf.name}, mode {mode}, {self.threads} threads", file=sys.stderr, flush=True)
+        how = f"prompt lookup, {lookup} tokens" if lookup else "plain"
+        print(f"[llama.cpp] {gguf.name}, mode {mode}, {how}, {self.threads} threads", file=sys.stderr, flush=True)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         self.llm.reset()  # no KV prefix reuse from the previous prompt: every prompt pays its prefill
@@ -246,9 +282,24 @@ class LlamaCppRunner(Runner):
                 break
         t1 = time.perf_counter()
         finish = "stop" if tokens and tokens[-1] in self.eos else "length"
-        return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1), [1] * max(0, len(tokens) - 1), None, finish)
+        # llama-cpp-python reports no per-step counts for its draft model: no tau for the lookup variant
+        accepted = None if self.llm.draft_model is not None else [1] * max(0, len(tokens) - 1)
+        return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1), accepted, None, finish)
+
+    def score(self, ids: list[int]) -> Score:
+        """The GGUF's logits at every position (a second context that keeps them all)."""
+        if getattr(self, "_scorer", None) is None:
+            self._scorer = self.llama_cpp.Llama(model_path=str(self.gguf), n_ctx=512, n_batch=512, logits_all=True,
+                                                n_threads=self.threads, n_threads_batch=self.threads,
+                                                verbose=False)
+        self._scorer.reset()
+        self._scorer.eval(ids)
+        return score_logits(self._scorer.scores[:len(ids)], ids)
 
 
+# onnxruntime-genai's n-gram speculation on its adaptive setting: drafts of up to 5 tokens from 3-grams of the
+# context, the draft length adapted between min_adaptive_k and 5 by its own throughput estimate.
+GENAI_NGRAM = (("ngram_size", 3), ("max_draft_tokens", 5), ("min_adaptive_k", 1))
 _NUMERICS = "; other numerics than ours, so outputs may differ from ar"
 PEER_VARIANTS = (
     VariantSpec("ort-genai-fp32", "ort-genai", "onnxruntime-genai fp32 (model builder on the fp32 source)" + _NUMERICS,
@@ -257,7 +308,19 @@ PEER_VARIANTS = (
     VariantSpec("ort-genai-int4", "ort-genai", "onnxruntime-genai int4 (model builder, CPU defaults)" + _NUMERICS,
                 options=(("precision", "int4"),), requires=("onnxruntime_genai", "transformers", "torch"),
                 install=PEERS_INSTALL),
+    VariantSpec("ort-genai-fp32-ngram", "ort-genai", "onnxruntime-genai fp32 with its n-gram speculative decoding "
+                "(adaptive draft length)" + _NUMERICS,
+                options=(("precision", "fp32"), ("speculative", GENAI_NGRAM)), plain="ort-genai-fp32",
+                requires=("onnxruntime_genai", "transformers", "torch"), install=PEERS_INSTALL),
+    VariantSpec("ort-genai-int4-ngram", "ort-genai", "onnxruntime-genai int4 with its n-gram speculative decoding "
+                "(adaptive draft length)" + _NUMERICS,
+                options=(("precision", "int4"), ("speculative", GENAI_NGRAM)), plain="ort-genai-int4",
+                requires=("onnxruntime_genai", "transformers", "torch"), install=PEERS_INSTALL),
     VariantSpec("llama.cpp", "llama.cpp", "llama.cpp (llama-cpp-python) greedy on the source GGUF" + _NUMERICS,
                 requires=("llama_cpp",), install=PEERS_INSTALL),
+    VariantSpec("llama.cpp-lookup", "llama.cpp", f"llama.cpp (llama-cpp-python) with its prompt-lookup decoding "
+                f"(LlamaPromptLookupDecoding, {LLAMA_LOOKUP_TOKENS} tokens)" + _NUMERICS,
+                options=(("lookup_tokens", LLAMA_LOOKUP_TOKENS),), requires=("llama_cpp",), install=PEERS_INSTALL,
+                plain="llama.cpp"),
 )
 PEER_RUNNERS: dict[str, type[Runner]] = {"ort-genai": OrtGenaiRunner, "llama.cpp": LlamaCppRunner}

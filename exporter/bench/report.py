@@ -25,11 +25,18 @@ JSON schema (stable; CI and other tools read it)::
                times; null until it was}, draft_call_ms, step_ms (a step without its draft calls), and
                the drafter's own counts: gate {draft, explore, plain}, steps_by_source} (ours only; the
                last run's),
+      quality {top1_agreement, perplexity, perplexity_fp32, perplexity_ratio, positions}: the variant's
+              quality class, teacher-forced against fp32 torch on held-in text (null: not measured;
+              quality_note says why),
+      own_plain, identical_to_own_plain: a peer's speculative variant, the name of that peer's plain
+              variant and on how many prompts its output equals that one's (null otherwise),
+      categories {<prompt category>: {prompts, tokens_per_s, speedup_vs_ar (against ar on the same
+              prompts), identical_prompts}},
       steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
                  first token that differs from ar, else null), token_ids,
-                 prompt and text (the first 3 prompts only) ] ]
+                 category, prompt and text (the first 3 prompts only) ] ]
 Values a variant cannot measure are null (skipped variants: all of them).
 """
 
@@ -45,7 +52,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 
-from specdeploy.exporter.bench.spec import BASELINE, RunResult, VariantSpec
+import math
+
+from specdeploy.exporter.bench.spec import BASELINE, RunResult, Score, VariantSpec
 
 _VERSIONED = ("specdeploy", "onnxruntime", "onnxruntime-gpu", "numpy", "tokenizers", "torch", "transformers",
               "onnxruntime-genai", "llama-cpp-python", "nvidia-mtbench-evaluator")
@@ -78,6 +87,16 @@ def depth_acceptance(accepted: list[int]) -> list[float]:
     return [round(sum(a > d for a in accepted) / len(accepted), 4) for d in range(1, top)]
 
 
+def quality_class(reference: list[Score], got: list[Score]) -> dict[str, Any]:
+    """Top-1 agreement with the fp32 reference and perplexity (and its ratio to fp32's), pooled over texts."""
+    agree = sum(a == b for r, g in zip(reference, got) for a, b in zip(r.argmax, g.argmax))
+    positions = sum(len(r.argmax) for r in reference)
+    ppl_ref = math.exp(sum(sum(r.nll) for r in reference) / sum(len(r.nll) for r in reference))
+    ppl = math.exp(sum(sum(g.nll) for g in got) / sum(len(g.nll) for g in got))
+    return {"top1_agreement": agree / positions, "perplexity": ppl, "perplexity_fp32": ppl_ref,
+            "perplexity_ratio": ppl / ppl_ref, "positions": positions}
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -108,6 +127,7 @@ def _prompt_entry(i: int, r: RunResult, base: RunResult, prompt: _Prompt, codec:
         "identical_to_ar": r.tokens == base.tokens,
         "first_difference": _first_difference(r.tokens, base.tokens),
         "token_ids": r.tokens,
+        "category": getattr(prompt, "category", "all"),
     }
     if with_text:
         entry["prompt"] = prompt.text
@@ -162,6 +182,20 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
     }
 
 
+def _categories(v: dict[str, Any], ar: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """Per prompt category: tokens/s (mean over its prompts), the speed-up against ``ar`` on the same
+    prompts, and how many prompts equal ``ar``'s output."""
+    out: dict[str, dict[str, Any]] = {}
+    for cat in dict.fromkeys(p["category"] for p in v["prompts"]):
+        idx = [i for i, p in enumerate(v["prompts"]) if p["category"] == cat]
+        tps = _mean([v["prompts"][i]["tokens_per_s"] for i in idx])
+        base = _mean([ar["prompts"][i]["tokens_per_s"] for i in idx]) if ar and ar["prompts"] else None
+        out[cat] = {"prompts": len(idx), "tokens_per_s": tps,
+                    "speedup_vs_ar": tps / base if tps is not None and base else None,
+                    "identical_prompts": sum(v["prompts"][i]["identical_to_ar"] for i in idx)}
+    return out
+
+
 def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
     return {"name": spec.name, "description": spec.description, "skipped": True, "note": note, "lossy": False,
             "plan": None,
@@ -169,7 +203,7 @@ def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
             "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None,
             "gate_decisions": None, "profile": None, "steps": None,
-            "new_tokens": None,
+            "new_tokens": None, "categories": {}, "quality": None, "quality_note": None, "own_plain": None, "identical_to_own_plain": None,
             "seconds": None, "prompts": []}
 
 
@@ -199,8 +233,11 @@ def package_versions() -> dict[str, str | None]:
 
 def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dict[str, list[RunResult]],
                  prompts: list[_Prompt], codec: _Decoder, config: dict[str, Any],
-                 text_prompts: int = 3, machine: dict[str, str] | None = None) -> dict[str, Any]:
+                 text_prompts: int = 3, machine: dict[str, str] | None = None,
+                 quality: dict[str, dict | str] | None = None) -> dict[str, Any]:
     """The bench JSON document: ``variants`` (in run order), ``config`` and ``created``.
+
+    ``quality``: per variant its quality class (:func:`quality_class`) or why it has none.
 
     ``machine``: what replaces this CPU's model and ISA in ``config.machine`` (an emulated CPU's)."""
     base = results.get(BASELINE)
@@ -208,12 +245,23 @@ def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dic
     for spec in specs:
         if spec.name in skipped:
             variants.append(_skipped_entry(spec, skipped[spec.name]))
-        else:
-            variants.append(_variant_entry(spec, results[spec.name], base or [], prompts, codec, text_prompts))
+            continue
+        entry = _variant_entry(spec, results[spec.name], base or [], prompts, codec, text_prompts)
+        q = (quality or {}).get(spec.name)
+        entry["quality"] = q if isinstance(q, dict) else None
+        entry["quality_note"] = q if isinstance(q, str) else None
+        own = results.get(spec.plain) if spec.plain else None
+        entry["own_plain"] = spec.plain if own else None
+        entry["identical_to_own_plain"] = (sum(r.tokens == o.tokens for r, o in zip(results[spec.name], own))
+                                           if own else None)
+        variants.append(entry)
     ar_tps = next((v["tokens_per_s"] for v in variants if v["name"] == BASELINE and not v["skipped"]), None)
     for v in variants:
         if ar_tps and v["tokens_per_s"] is not None:
             v["speedup_vs_ar"] = v["tokens_per_s"] / ar_tps
+    ar_entry = next((v for v in variants if v["name"] == BASELINE and not v["skipped"]), None)
+    for v in variants:
+        v["categories"] = _categories(v, ar_entry)
     config = {**config, "machine": {**machine_info(), **(machine or {})}, "versions": package_versions()}
     return {"variants": variants, "config": config,
             "created": datetime.now(UTC).isoformat(timespec="seconds")}
@@ -248,10 +296,13 @@ def markdown_table(report: dict[str, Any]) -> str:
          f"{c['machine'].get('cpu_isa', '?')})"),
         *(["", f"**{_emulated(c)}**"] if c.get("emulated_cpu") else []),
         *(["", f"Step plan ({BASELINE}): {plan}"] if (plan := _baseline_plan(report)) else []),
+        *(["", (f"Quality class: top-1 agreement and perplexity ratio against fp32 torch (transformers), "
+                f"teacher-forced on {q['positions']} positions of held-in text; perplexity fp32 "
+                f"{q['perplexity_fp32']:.2f}.")] if (q := _any_quality(report)) else []),
         "",
         ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | gate: draft / AR "
-         "| identical to ar | loop overhead | note |"),
-        "|---|---:|---:|---:|---:|---|---:|:---:|---:|---|",
+         "| identical to ar | same as own plain | quality: top-1 / ppl× | loop overhead | note |"),
+        "|---|---:|---:|---:|---:|---|---:|:---:|:---:|:---:|---:|---|",
     ]
     for v in report["variants"]:
         if v["skipped"]:
@@ -267,10 +318,46 @@ def markdown_table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {v['name']}{' [LOSSY]' if v.get('lossy') else ''} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
             f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | "
-            f"{gate_cell} | {ident} | "
+            f"{gate_cell} | {ident} | {_own_plain_cell(v)} | {_quality_cell(v)} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _category_table(report)) + "\n"
+
+
+def _category_table(report: dict[str, Any]) -> list[str]:
+    """Speed-ups by prompt category, one row per variant that ran (none when there is one category)."""
+    ran = [v for v in report["variants"] if not v["skipped"]]
+    cats = list(dict.fromkeys(c for v in ran for c in v.get("categories") or {}))
+    if len(cats) < 2:
+        return []
+    sizes = {c: next(v["categories"][c]["prompts"] for v in ran if c in v["categories"]) for c in cats}
+    lines = ["", "Speed-up vs ar by prompt category (prompts per category in the header; a cell says where outputs "
+             "differ from ar):", "",
+             "| variant | all | " + " | ".join(f"{c} ({sizes[c]})" for c in cats) + " |",
+             "|---|---:|" + "---:|" * len(cats)]
+    for v in ran:
+        cells = []
+        for c in cats:
+            e = v["categories"].get(c)
+            same = "" if not e or e["identical_prompts"] == e["prompts"] else f" ({e['identical_prompts']}/{e['prompts']} same)"
+            cells.append(_fmt(e["speedup_vs_ar"] if e else None, ".2f", "×") + same)
+        lines.append(f"| {v['name']} | {_fmt(v['speedup_vs_ar'], '.2f', '×')} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _any_quality(report: dict[str, Any]) -> dict[str, Any] | None:
+    return next((v["quality"] for v in report["variants"] if v.get("quality")), None)
+
+
+def _own_plain_cell(v: dict[str, Any]) -> str:
+    if v.get("identical_to_own_plain") is None:
+        return "–"
+    return f"{v['identical_to_own_plain']}/{len(v['prompts'])} ({v['own_plain']})"
+
+
+def _quality_cell(v: dict[str, Any]) -> str:
+    q = v.get("quality")
+    return "–" if not q else f"{q['top1_agreement']:.3f} / {q['perplexity_ratio']:.3f}"
 
 
 def _plot_speed(report: dict[str, Any], path: Path) -> None:

@@ -28,10 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdeploy.exporter.bench.promptsets import BenchItem, load_set
 from specdeploy.exporter.bench.registry import VARIANTS, unavailable
-from specdeploy.exporter.bench.report import build_report, write_outputs
-from specdeploy.exporter.bench.spec import BASELINE, BenchError, RunResult, VariantSpec
+from specdeploy.exporter.bench.report import build_report, quality_class, write_outputs
+from specdeploy.exporter.bench.spec import BASELINE, BenchError, RunResult, Score, VariantSpec
 from specdeploy.exporter.bench.worker import THREAD_ENV
+from specdeploy.exporter.check.quality import HELD_IN_TEXTS
 from specdeploy.runtime.bundle import read_manifest
 from specdeploy.runtime.text import TextCodec
 
@@ -67,9 +69,14 @@ def default_prompts_file() -> Path:
 
 def read_prompts(path: Path) -> list[str]:
     """Prompts from JSONL: ``{"prompt": str}`` or MT-bench ``{"turns": [str, ...]}`` (first turn)."""
+    return [text for text, _ in read_prompt_records(path)]
+
+
+def read_prompt_records(path: Path) -> list[tuple[str, str | None]]:
+    """(prompt, its ``category`` field or None) per JSONL record; see :func:`read_prompts`."""
     if not path.is_file():
         raise BenchError(f"Prompts file '{path}' does not exist.")
-    prompts: list[str] = []
+    prompts: list[tuple[str, str | None]] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -85,14 +92,16 @@ def read_prompts(path: Path) -> list[str]:
                 text = turns[0]
         if not isinstance(text, str) or not text.strip():
             raise BenchError(f"Line {n} of '{path}' has neither a string 'prompt' nor a non-empty 'turns' list.")
-        prompts.append(text)
+        category = record.get("category") if isinstance(record, dict) else None
+        prompts.append((text, category if isinstance(category, str) and category else None))
     if not prompts:
         raise BenchError(f"Prompts file '{path}' holds no prompts.")
     return prompts
 
 
 def resolve_variants(names: list[str]) -> list[VariantSpec]:
-    """Registry entries for ``names`` (duplicates dropped), with the ``ar`` baseline first if missing."""
+    """Registry entries for ``names`` (duplicates dropped), with the ``ar`` baseline first if missing
+    and each peer's own plain variant before its speculative one (what that one is compared with)."""
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise BenchError(f"Unknown bench variant(s) {', '.join(repr(n) for n in unknown)}; "
@@ -100,6 +109,10 @@ def resolve_variants(names: list[str]) -> list[VariantSpec]:
     if not names:
         raise BenchError(f"No variants given; known variants: {', '.join(VARIANTS)}.")
     ordered = list(dict.fromkeys(names))
+    for name in list(ordered):
+        plain = VARIANTS[name].plain
+        if plain and plain not in ordered:
+            ordered.insert(ordered.index(name), plain)
     if BASELINE not in ordered:
         ordered.insert(0, BASELINE)
     return [VARIANTS[n] for n in ordered]
@@ -161,6 +174,13 @@ class Worker:
         message.pop("event")
         return RunResult(**message)
 
+    def score(self, ids: list[int]) -> Score | None:
+        self.send({"op": "score", "ids": ids})
+        message = self.receive()
+        if message.get("event") != "score":
+            raise BenchError(f"The bench worker for variant '{self.name}' answered {message!r}.")
+        return None if message["argmax"] is None else Score(message["argmax"], message["nll"])
+
     def close(self) -> None:
         """Kill the worker (it holds nothing worth a graceful exit) and reap it."""
         if self.proc.poll() is None:
@@ -190,16 +210,92 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
+# --- quality classes ---------------------------------------------------------------------------
+QUALITY_REFERENCE = "hf"  # transformers in fp32 on the source model
+
+
+def measure_quality(running: list[VariantSpec], workers: dict[str, Worker], texts: list[list[int]],
+                    manifest, bundle: Path, threads: int, env: dict[str, str], log_dir: Path,
+                    progress: Callable[[str], None]) -> dict[str, dict | str]:
+    """Each variant's quality class: top-1 agreement and perplexity against fp32, teacher-forced on the
+    held-in text (:data:`~specdeploy.exporter.check.quality.HELD_IN_TEXTS`), or why it has none.
+
+    Our variants all decode with the bundle's base graph, so ``ar`` scores for all of them; a peer's
+    speculative variant decodes with its plain variant's model. The fp32 reference is the ``hf`` worker
+    when it ran, else one started for the purpose (none: no torch/transformers here)."""
+    progress(f"[bench] quality classes: teacher-forced on {len(texts)} held-in paragraphs ...")
+    ref_spec = VARIANTS[QUALITY_REFERENCE]
+    owned = QUALITY_REFERENCE not in workers
+    if owned and (why := unavailable(ref_spec, manifest)):
+        return {s.name: f"no fp32 reference: {why}" for s in running}
+    reference = workers.get(QUALITY_REFERENCE)
+    try:
+        if reference is None:
+            reference = Worker(f"{QUALITY_REFERENCE}-reference", worker_argv(ref_spec, bundle, threads, None), env,
+                               log_dir)
+            reference.receive()  # "ready"
+        ref = [reference.score(ids) for ids in texts]
+    finally:
+        if owned and reference is not None:
+            reference.close()
+    scored: dict[str, list[Score | None]] = {}
+    out: dict[str, dict | str] = {}
+    for spec in running:
+        donor = next((s.name for s in running if s.runner == "ours"), spec.name) if spec.runner == "ours" \
+            else (spec.plain if spec.plain in workers else spec.name)
+        if donor not in scored:
+            scored[donor] = [workers[donor].score(ids) for ids in texts]
+        got = scored[donor]
+        if any(g is None for g in got) or any(r is None for r in ref):
+            out[spec.name] = "this runner gives no logits"
+            continue
+        out[spec.name] = quality_class(ref, got)  # type: ignore[arg-type]
+    return out
+
+
 # --- the run ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BenchPrompt:
     text: str
     ids: list[int]
+    category: str = "all"
 
 
-def encode_prompts(codec: TextCodec, texts: list[str]) -> list[BenchPrompt]:
+def encode_prompts(codec: TextCodec, texts: list[str], category: str = "all") -> list[BenchPrompt]:
     """First turns through the chat template, as ``Engine.encode(prompt, chat=True)`` does."""
-    return [BenchPrompt(text, codec.encode_chat([{"role": "user", "content": text}])) for text in texts]
+    return [BenchPrompt(text, codec.encode_chat([{"role": "user", "content": text}]), category) for text in texts]
+
+
+def prompt_items(prompts_file: Path | None, prompt_set: str | None, num_prompts: int,
+                 progress: Callable[[str], None]) -> tuple[list[BenchItem], str]:
+    """The bench's prompts (a named set, a JSONL file, or MT-bench's first turns) and where they came from."""
+    if prompt_set is not None:
+        if prompts_file is not None:
+            raise BenchError("Give --prompts or --prompt-set, not both.")
+        items = load_set(prompt_set, num_prompts)
+        return items, f"prompt set {prompt_set}"
+    path = Path(prompts_file) if prompts_file is not None else default_prompts_file()
+    records = read_prompt_records(path)
+    if len(records) < num_prompts:
+        progress(f"[bench] {path} has only {len(records)} prompts; using all of them.")
+    if prompts_file is None:  # MT-bench's own eight categories are one Spec-Bench category
+        return [BenchItem(t, "mt-bench") for t, _ in records[:num_prompts]], str(path.resolve())
+    return [BenchItem(t, c or "all") for t, c in records[:num_prompts]], str(path.resolve())
+
+
+def later_turns(items: list[BenchItem], codec: TextCodec, answer: Callable[[list[int]], list[int]]) -> list[BenchPrompt]:
+    """Each item as chat ids; a later turn of a conversation follows the model's own greedy answers to the
+    earlier ones (``answer``: ids in, new ids out; untimed), as Spec-Bench's multi-turn category does."""
+    out = []
+    for item in items:
+        messages: list[dict] = []
+        for turn in item.earlier_turns:
+            messages.append({"role": "user", "content": turn})
+            reply = codec.decode(answer(codec.encode_chat(messages)))
+            messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": item.text})
+        out.append(BenchPrompt(item.text, codec.encode_chat(messages), item.category))
+    return out
 
 
 def _echo(message: str) -> None:
@@ -208,7 +304,8 @@ def _echo(message: str) -> None:
 
 def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_prompts: int,
               max_new_tokens: int, threads: int, tree: str | None, json_out: Path,
-              progress: Callable[[str], None] = _echo, emulate_cpu: str | None = None) -> dict:
+              progress: Callable[[str], None] = _echo, emulate_cpu: str | None = None,
+              prompt_set: str | None = None) -> dict:
     """Run the benchmark, write JSON + Markdown + PNGs, print the table; returns the report dict.
 
     ``emulate_cpu``: a QEMU CPU model (``EPYC-Rome``) our variants' workers run on, for the step plan and
@@ -218,17 +315,19 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
     specs = resolve_variants(variants)
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
-    prompts_path = Path(prompts_file) if prompts_file is not None else default_prompts_file()
-    texts = read_prompts(prompts_path)
-    if len(texts) < num_prompts:
-        progress(f"[bench] {prompts_path} has only {len(texts)} prompts; using all of them.")
+    items, prompts_source = prompt_items(prompts_file, prompt_set, num_prompts, progress)
     codec = TextCodec(bundle, manifest.tokenizer)
-    prompts = encode_prompts(codec, texts[:num_prompts])
     limit = manifest.limits.max_context
-    too_long = [i + 1 for i, p in enumerate(prompts) if len(p.ids) + max_new_tokens > limit]
-    if too_long:
-        raise BenchError(f"Prompt(s) {too_long} plus --max-new-tokens {max_new_tokens} exceed the bundle's "
-                         f"maximum context of {limit} tokens; lower --max-new-tokens.")
+
+    def check_lengths(prompts: list[BenchPrompt]) -> None:
+        too_long = [i + 1 for i, p in enumerate(prompts) if len(p.ids) + max_new_tokens > limit]
+        if too_long:
+            raise BenchError(f"Prompt(s) {too_long} plus --max-new-tokens {max_new_tokens} exceed the bundle's "
+                             f"maximum context of {limit} tokens; lower --max-new-tokens.")
+
+    first = [BenchItem(it.earlier_turns[0] if it.earlier_turns else it.text, it.category) for it in items]
+    prompts = later_turns(first, codec, lambda ids: [])  # first turns: the length check before any load
+    check_lengths(prompts)
 
     skipped = {s.name: note for s in specs if (note := unavailable(s, manifest))}
     prefix: tuple[str, ...] = ()
@@ -259,6 +358,11 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
             for name, w in workers.items():
                 w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens))  # warm-up, not timed
                 progress(f"[bench] {name}: loaded and warmed up")
+            if any(it.earlier_turns for it in items):
+                progress(f"[bench] {BASELINE} answers the earlier turns of {sum(bool(it.earlier_turns) for it in items)} "
+                         "conversations (untimed) ...")
+                prompts = later_turns(items, codec, lambda ids: workers[BASELINE].generate(ids, max_new_tokens).tokens)
+                check_lengths(prompts)
             order = [s.name for s in running]
             for i, prompt in enumerate(prompts):
                 k = i % len(order)
@@ -269,6 +373,8 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                     tps = len(r.tokens) / r.seconds if r.seconds > 0 else 0.0
                     progress(f"[bench] prompt {i + 1}/{len(prompts)}  {name:<18} {len(r.tokens):4d} tokens "
                              f"{tps:8.1f} tok/s")
+            quality = measure_quality(running, workers, [codec.encode(t) for t in HELD_IN_TEXTS], manifest,
+                                      bundle, threads, env, Path(log_dir), progress)
         finally:
             for w in workers.values():
                 w.close()
@@ -278,9 +384,9 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
         config={"bundle": str(bundle.resolve()), "model": manifest.source.path, "num_prompts": len(prompts),
                 "precision": "/".join(sorted({g.precision for g in manifest.graphs if g.role == "base"})),
                 "max_new_tokens": max_new_tokens, "threads": threads, "tree": tree,
-                "prompts_file": str(prompts_path.resolve()), "baseline": BASELINE,
+                "prompts_file": prompts_source, "prompt_set": prompt_set, "baseline": BASELINE,
                 "baseline_added": BASELINE not in variants, "emulated_cpu": emulate_cpu},
-        text_prompts=TEXT_PROMPTS, machine=emulated,
+        text_prompts=TEXT_PROMPTS, machine=emulated, quality=quality,
     )
     table = write_outputs(report, Path(json_out))
     print(table, flush=True)

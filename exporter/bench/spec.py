@@ -31,6 +31,7 @@ class VariantSpec:
     install: str = ""  # how to get the missing modules
     bundle_draft: bool = False  # needs a draft of kind ``draft`` stored in the bundle
     draft_kind: str | None = None  # the bundle's draft kind when it differs from the drafter name
+    plain: str | None = None  # a peer's speculative variant: the name of that peer's own plain variant
 
     def unavailable(self, manifest: BundleManifest) -> str | None:
         """Why this variant cannot run here (missing package or draft), or None; the registry adds the runner's own check."""
@@ -66,6 +67,26 @@ class RunResult:
     profile: dict | None = None
 
 
+@dataclass(frozen=True)
+class Score:
+    """One teacher-forced text: ``argmax[i]`` is the top-1 token after ``ids[:i + 1]``, ``nll[i]`` the
+    negative log-likelihood of ``ids[i + 1]`` there (so ``len(nll) == len(argmax) - 1``)."""
+
+    argmax: list[int]
+    nll: list[float]
+
+
+def score_logits(logits: Any, ids: list[int]) -> Score:
+    """A :class:`Score` from logits [N, V] (any array-like) for ``ids`` [N]."""
+    import numpy as np
+
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max(-1, keepdims=True)
+    logp = x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+    nll = -logp[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+    return Score([int(a) for a in x.argmax(-1)], [float(v) for v in nll])
+
+
 class Runner(ABC):
     """Loads one variant once and times generations on token ids."""
 
@@ -82,6 +103,11 @@ class Runner(ABC):
     @abstractmethod
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         """Greedy generation of up to ``max_new_tokens`` after the prompt ``ids``."""
+
+    def score(self, ids: list[int]) -> Score | None:
+        """Teacher-forced quality inputs on ``ids``: the argmax at every position and the negative
+        log-likelihood of each next token; None when this runner cannot give logits."""
+        return None
 
     def close(self) -> None:
         pass

@@ -19,7 +19,7 @@ import time
 import warnings
 from typing import Any
 
-from specdeploy.exporter.bench.spec import Runner, RunResult, VariantSpec
+from specdeploy.exporter.bench.spec import Runner, RunResult, Score, VariantSpec, score_logits
 
 _HF = ("torch", "transformers")
 _HF_INSTALL = "pip install torch transformers"
@@ -101,6 +101,15 @@ class OursRunner(Runner):
             profile=self._profile(),
         )
 
+    def score(self, ids: list[int]) -> Score:
+        """The bundle's base graph on ``ids`` as one prefill with logits at every position (the graph
+        every one of our variants decodes with, so their quality class is one and the same)."""
+        if getattr(self, "_logits", None) is None:
+            from specdeploy.exporter.check.quality import ort_logits_fn
+
+            self._logits = ort_logits_fn(self.bundle, self.manifest, self.threads)
+        return score_logits(self._logits(ids), ids)
+
     def close(self) -> None:
         self.engine.close()
 
@@ -142,6 +151,13 @@ class HfRunner(Runner):
             return RunResult(tokens, t1 - t0, 1, 0.0, None)
         finish = "stop" if tokens and tokens[-1] in self.eos else "length"
         return RunResult(tokens, t1 - t0, counts[0], t1 - clock.times[0], counts[1:], None, finish)
+
+    def score(self, ids: list[int]) -> Score:
+        """fp32 torch logits of the source model: the reference every quality class is measured against."""
+        torch = self.torch
+        with torch.inference_mode():
+            logits = self.model(input_ids=torch.tensor([ids], dtype=torch.long)).logits[0]
+        return score_logits(logits.float().numpy(), ids)
 
 
 class _StepClock:

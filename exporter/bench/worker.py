@@ -8,6 +8,8 @@ Protocol (one JSON object per line):
            -> {"event": "error", "message": ...}           a user error (SpecDeployError); exits 2
     parent -> {"op": "generate", "ids": [...], "max_new_tokens": M}
     worker -> {"event": "result", ...RunResult fields}
+    parent -> {"op": "score", "ids": [...]}              teacher-forced quality inputs on one text
+    worker -> {"event": "score", "argmax": [...], "nll": [...]}  (both null: this runner has no logits)
     parent -> {"op": "quit"} or EOF                        the worker exits 0
 Any other failure prints its traceback on stderr and exits 1; the parent reports the stderr tail.
 
@@ -72,10 +74,16 @@ def main(argv: list[str] | None = None) -> int:
             request = json.loads(line)
             if request["op"] == "quit":
                 break
-            if request["op"] != "generate":
+            if request["op"] not in ("generate", "score"):
                 raise ValueError(f"unknown bench worker op {request['op']!r}")
+            ids = [int(i) for i in request["ids"]]
             try:
-                result = runner.generate([int(i) for i in request["ids"]], int(request["max_new_tokens"]))
+                if request["op"] == "score":
+                    score = runner.score(ids)
+                    _send(channel, {"event": "score", "argmax": score.argmax if score else None,
+                                    "nll": score.nll if score else None})
+                    continue
+                result = runner.generate(ids, int(request["max_new_tokens"]))
             except SpecDeployError as exc:
                 _send(channel, {"event": "error", "message": str(exc)})
                 return 2

@@ -62,7 +62,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
         progress("[1/3] adding these Chimera weights to the bundle ...")
         export_draft(bundle, "chimera", draft, progress=lambda m: None, use_calibration=False)
     t0 = time.time()
-    plain = load(bundle, threads=threads)
+    plain = load(bundle, draft=None, threads=threads)
     # A step plan that verifies chains only (measured on this machine, runtime/plan.py) gets chain
     # candidates, and its result is kept apart under ``row_exact``: its costs and candidates differ.
     row_exact = not plain.plan.trees

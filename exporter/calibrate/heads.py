@@ -252,7 +252,7 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
     weights = load_draft_weights(draft, kind)
     trims = tuple(dict.fromkeys(trims if trims is not None else (weights.vocab_trim, 8192)))
     hidden_size = weights.config.hidden_size
-    engine = load(bundle, threads=threads)
+    engine = load(bundle, draft=None, threads=threads)
     try:
         ids_all = heldin_prompts(lambda m: engine.encode(messages=m), prompts + confirm_prompts, source=source)
         calib_ids, confirm_ids = ids_all[:prompts], ids_all[prompts:]

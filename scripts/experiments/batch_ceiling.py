@@ -70,7 +70,7 @@ def main() -> None:
         prefills[t] = ms
         print(f"prefill T={t:3d}: {ms:6.1f} ms, {ms / t:5.2f} ms per token", flush=True)
 
-    with load(args.bundle, threads=1) as engine:  # the tokenizer and chat template only
+    with load(args.bundle, draft=None, threads=1) as engine:  # the tokenizer and chat template only
         lengths = [len(engine.encode(messages=[{"role": "user", "content": p}]))
                    for p in read_prompts(default_prompts_file())[: args.clients]]
     prefill_s = sum(np.interp(n, list(prefills), [prefills[t] / t for t in prefills]) * n for n in lengths) / 1000
