@@ -38,7 +38,7 @@ from .drafters.kinds import AUTO, NGRAM
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import BackendUnavailableError, BundleError, DraftMismatchError, SpecDeployError
 from .kvcache import KVCache, bucket_for
-from .verify import sample_from, warp_logits
+from .verify import position_rng, sample_from, warp_logits
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -294,7 +294,9 @@ class BatchScheduler:
         sp = seq.config.sampling
         if sp.greedy:
             return int(np.argmax(logits))
-        return sample_from(warp_logits(logits, sp.temperature, sp.top_k, sp.top_p), seq.rng)
+        # a seeded request draws as it would alone (Decoder.accept: one stream per position)
+        rng = seq.rng if sp.seed is None else position_rng(sp.seed, len(seq.tokens))
+        return sample_from(warp_logits(logits, sp.temperature, sp.top_k, sp.top_p), rng)
 
     def _emit(self, seq: _Seq, tokens: list[int]) -> str | None:
         """Hand tokens to the caller, cut at EOS and the budget; the finish reason once the sequence is done.

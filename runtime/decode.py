@@ -24,7 +24,7 @@ from .errors import DraftMismatchError, PromptError, TreeSpecError
 from .kvcache import KVCache, bucket_for, capacity_buckets
 from .plan import StepPlan
 from .tree import DraftTree, TreeBuffers
-from .verify import Acceptance, TypicalRule, greedy_accept, sample_accept, typical_accept
+from .verify import Acceptance, TypicalRule, greedy_accept, sample_accept, seeded_accept, typical_accept
 
 
 @dataclass(frozen=True)
@@ -215,12 +215,16 @@ class Decoder:
         return self.backend.step(inputs, state.cache)
 
     def accept(self, tree: DraftTree, buffers: TreeBuffers, out: StepOutputs, sampling: SamplingParams,
-               rng: np.random.Generator) -> Acceptance:
+               rng: np.random.Generator, position: int) -> Acceptance:
+        """``position``: the index (in prompt + output) of the token after the tree's root."""
         logits = out.logits[0]  # [N, V]
         if sampling.greedy:
             return greedy_accept(tree, buffers, logits, None if out.argmax is None else out.argmax[0])
         if sampling.typical:
             return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_rule, rng)
+        if sampling.seed is not None:  # reproducible whatever the drafter proposed (its state spans requests)
+            return seeded_accept(tree, buffers, logits, sampling.seed, position, sampling.temperature,
+                                 sampling.top_p, sampling.top_k)
         return sample_accept(tree, buffers, logits, rng, sampling.temperature, sampling.top_p, sampling.top_k)
 
     def commit(self, state: DecodeState, tree: DraftTree, acc: Acceptance, out: StepOutputs) -> list[int]:
@@ -267,7 +271,7 @@ class Decoder:
         state, out = self.prefill(prompt)
         try:
             root_tree = DraftTree.root(prompt[-1])
-            first = self.accept(root_tree, root_tree.buffers(), out, sampling, rng)
+            first = self.accept(root_tree, root_tree.buffers(), out, sampling, rng, len(prompt))
             token = int(first.tokens[-1])
             state.tokens.append(token)
             stats.prefill_s = time.perf_counter() - t0
@@ -302,7 +306,7 @@ class Decoder:
             stats.backend_s += took
             if self.cost_meter is not None and self.cost_meter.add(len(tree.tokens), took):
                 self.drafter.use_cost_curve(self.cost_meter.curve)  # the loop's own step costs (cost_meter.py)
-            acc = self.accept(tree, buffers, out, sampling, rng)
+            acc = self.accept(tree, buffers, out, sampling, rng, len(state.tokens))
             emitted = self.commit(state, tree, acc, out)
             stats.steps += 1
             stats.tree_sizes.append(len(tree.tokens))

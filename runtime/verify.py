@@ -7,6 +7,9 @@ logits ``[T, V]`` of the tree step (``T >= N``; rows past the tree's N nodes are
 - :func:`greedy_accept`: output identical to plain greedy decoding.
 - :func:`sample_accept`: tree rejection sampling (SpecInfer multi-draft); output distribution identical
   to plain sampling with the same :func:`warp_logits` settings.
+- :func:`seeded_accept`: sampling with a seed: the token at each position is drawn with that position's
+  own uniform (:func:`position_rng`), so the output equals plain seeded sampling token for token,
+  whatever was drafted, and each token is an exact sample.
 - :func:`typical_accept`: Medusa's typical acceptance. LOSSY, opt-in.
 
 Only numpy is imported here: this module is part of the deployed runtime.
@@ -272,6 +275,44 @@ def sample_accept(
     return Acceptance(np.array(nodes, dtype=np.int64), np.array(out, dtype=np.int64))
 
 
+def position_rng(seed: int, position: int) -> np.random.Generator:
+    """The random stream of the token at ``position`` (its index in prompt + output) of a seeded request."""
+    return np.random.default_rng([seed, position])
+
+
+def seeded_accept(
+    tree: DraftTree,
+    buffers: TreeBuffers,
+    logits: np.ndarray,
+    seed: int,
+    position: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> Acceptance:
+    """Seeded sampling, reproducible whatever was drafted: ``position`` is the index of the token after
+    the root. At node u (depth d), the token y = F_u^-1(U(seed, position + d)) is what plain seeded
+    sampling draws there (inverse CDF of the warped distribution, one uniform per position); the child
+    whose token is y is accepted and the walk goes on, else y is the bonus and the step ends. Each token
+    is an exact sample (the uniforms are independent across positions), and a drafted token is accepted
+    with probability p(x), as point-mass rejection sampling does.
+    """
+    _check(tree, buffers, logits)
+    tokens = tree.tokens.tolist()
+    node, depth = 0, 0
+    nodes, out = [0], []
+    while True:
+        p = warp_logits(_row(logits, node, top_k), temperature, top_k, top_p)
+        y = sample_from(p, position_rng(seed, position + depth))
+        out.append(y)
+        child = next((c for c in buffers.children[node] if tokens[c] == y), -1)
+        if child < 0:
+            break
+        nodes.append(child)
+        node, depth = child, depth + 1
+    return Acceptance(np.array(nodes, dtype=np.int64), np.array(out, dtype=np.int64))
+
+
 @dataclass(frozen=True)
 class TypicalRule:
     """Medusa's typical-acceptance knobs (its ``posterior_threshold`` and ``posterior_alpha``): a token x
@@ -337,8 +378,10 @@ __all__ = [
     "Acceptance",
     "TypicalRule",
     "greedy_accept",
+    "position_rng",
     "sample_accept",
     "sample_from",
+    "seeded_accept",
     "typical_accept",
     "warp_logits",
 ]

@@ -4,6 +4,7 @@ draft and a plain step; greedy identity with plain decoding; sampling stays exac
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scipy.stats import chisquare
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
@@ -88,9 +89,11 @@ def test_auto_equals_plain_decoding_on_the_tiny_model(tiny_bundle):
             assert spec.decoder.drafter.cache.tokens > 0 and stats.steps < 31
 
 
-def test_auto_sampling_is_exact(tiny_bundle):
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded"])
+def test_auto_sampling_is_exact(tiny_bundle, seeded):
     """The token after a repeated context, sampled through auto's draft and tree verification 5,000 times,
-    against the warped base distribution: chi-square."""
+    against the warped base distribution: chi-square. Seeded: 5,000 seeds, each token drawn with its
+    position's own stream (verify.seeded_accept)."""
     with load(tiny_bundle, draft=None) as engine:
         ids = engine.encode("one two three four one two three four one two three")
         sampling = SamplingParams(temperature=1.5, top_k=8)
@@ -103,18 +106,34 @@ def test_auto_sampling_is_exact(tiny_bundle):
         support = np.flatnonzero(p)
         n, counts, rng = 5000, np.zeros(len(p)), np.random.default_rng(0)
         tree = None
-        for _ in range(n):
+        for i in range(n):
             drafter.reset()
             st, _ = dec.prefill(ids[:-1])
             st.tokens.append(ids[-1])
             tree = dec.propose(st, 8)
             bufs = tree.buffers()
-            acc = dec.accept(tree, bufs, dec.verify(st, tree, bufs), sampling, rng)
+            if seeded:
+                sampling = SamplingParams(temperature=1.5, top_k=8, seed=i)
+            acc = dec.accept(tree, bufs, dec.verify(st, tree, bufs), sampling, rng, len(st.tokens))
             counts[acc.tokens[0]] += 1
         assert tree.num_nodes > 1  # it drafted, so the draft's rows were verified
         assert counts[np.setdiff1d(np.arange(len(p)), support)].sum() == 0
         stat = chisquare(counts[support], p[support] * n)
         assert stat.pvalue > 1e-3, (stat, counts[support], p[support] * n)
+
+
+def test_seeded_sampling_equals_plain_seeded_sampling_whatever_drafted(tiny_bundle):
+    """A seeded request gives plain seeded sampling's tokens, one for one, with auto drafting and its
+    cross-request state (suffix cache, estimates) changing between requests; batched rows draw alike."""
+    prompt = "one two three four one two three four one two three four one"
+    with load(tiny_bundle, draft=None) as plain, load(tiny_bundle) as spec, load(tiny_bundle, max_batch=2) as batched:
+        for seed in (1, 2, 3):
+            kw = dict(prompt=prompt, max_new_tokens=40, temperature=0.8, top_p=0.95, seed=seed)
+            want = plain.generate(**kw).text
+            assert spec.generate(**kw).text == want and spec.generate(**kw).text == want
+            assert batched.generate(**kw).text == want
+        if spec.plan.speculate:  # it drafted (the tiny random model rarely confirms a draft when sampling)
+            assert spec.generate(prompt=prompt, max_new_tokens=40, temperature=0.8, seed=9).stats.gate_parallel > 0
 
 
 def test_what_the_model_earned_outlives_a_generation():

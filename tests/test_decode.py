@@ -291,7 +291,7 @@ def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
             tree = dec.propose(st, 4)
             bufs = tree.buffers()
             o = dec.verify(st, tree, bufs)
-            acc = dec.accept(tree, bufs, o, sampling, rng)
+            acc = dec.accept(tree, bufs, o, sampling, rng, len(st.tokens))
             counts[acc.tokens[0]] += 1
         expected = p[support] * n
         stat = chisquare(counts[support], expected)

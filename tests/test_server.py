@@ -419,7 +419,7 @@ def test_serve_reports_a_bad_bundle_in_one_line(tmp_path):
 
 
 def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
-    srv = Server(tiny_bundle, tmp_path / "server.log", "--shutdown-timeout", "1", "--max-batch", "1")
+    srv = Server(tiny_bundle, tmp_path / "server.log", "--shutdown-timeout", "1", "--max-batch", "1", "--draft", "none")
     model = httpx.get(srv.url + "/v1/models").json()["data"][0]["id"]
     results: dict[int, tuple[str, list[dict], bool]] = {}
     started = threading.Event()
@@ -427,7 +427,8 @@ def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
     def stream(i: int) -> None:
         results[i] = long_stream(srv.url, model, PROMPTS[i % len(PROMPTS)], started)
 
-    # Ten long requests: the tiny model decodes 480 tokens in ~0.2 s on a fast core, so fewer could all
+    # Ten long requests, decoded plainly: the tiny model decodes 480 tokens in ~0.2 s on a fast core (faster with
+    # drafts, as its outputs repeat), so fewer could all
     # finish within the 1 s shutdown timeout and leave nothing to cancel.
     n = 10
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]

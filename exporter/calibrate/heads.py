@@ -210,7 +210,7 @@ def measure_step_costs(engine, make_drafter: Callable[[str | None], Any], trees:
             tree = root if name == "ar" else drafters[name].propose(ctx)
             buffers = tree.buffers()
             out = plain.verify(state, tree, buffers)
-            plain.accept(tree, buffers, out, greedy, rng)
+            plain.accept(tree, buffers, out, greedy, rng, len(state.tokens))
             times.append(time.perf_counter() - t0)
     costs = {k: float(np.median(v[1:])) for k, v in samples.items()}
     progress(f"  step costs (median of {reps}): " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in costs.items()))
