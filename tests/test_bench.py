@@ -140,7 +140,7 @@ def test_quality_class_and_own_plain_identity():
     specs = resolve_variants(["llama.cpp-lookup"])
     assert [s.name for s in specs] == ["ar", "llama.cpp", "llama.cpp-lookup"]
     run = lambda *toks: [RunResult(list(t), 1.0, 1, 0.5, None) for t in toks]  # noqa: E731
-    prompts = [type("P", (), {"text": "x", "ids": [1]})()] * 2
+    prompts = [type("P", (), {"text": "x", "ids": [1], "category": "all"})()] * 2
     codec = type("C", (), {"decode": lambda self, ids: ""})()
     report = build_report(specs, {}, {"ar": run([1], [2]), "llama.cpp": run([1], [3]),
                                       "llama.cpp-lookup": run([1], [4])}, prompts, codec, config={},

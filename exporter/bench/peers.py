@@ -120,12 +120,13 @@ class OrtGenaiRunner(Runner):
             "intra_op_num_threads": self.threads, "inter_op_num_threads": 1}}}}))
         self.model = og.Model(config)
         self.eos = {int(e) for e in self.manifest.model.eos_token_ids}
+        self.speculative = dict(dict(self.spec.options).get("speculative", ()))  # genai's own n-gram mode, if set
 
     def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
         og = self.og
         params = og.GeneratorParams(self.model)
         params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens, batch_size=1)
-        speculative = dict(dict(self.spec.options).get("speculative", ()))
+        speculative = self.speculative
         if speculative:
             params.set_speculative_options(**speculative)
         t0 = time.perf_counter()

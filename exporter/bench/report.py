@@ -63,6 +63,7 @@ _VERSIONED = ("specdeploy", "onnxruntime", "onnxruntime-gpu", "numpy", "tokenize
 class _Prompt(Protocol):
     text: str
     ids: list[int]
+    category: str
 
 
 class _Decoder(Protocol):
@@ -127,7 +128,7 @@ def _prompt_entry(i: int, r: RunResult, base: RunResult, prompt: _Prompt, codec:
         "identical_to_ar": r.tokens == base.tokens,
         "first_difference": _first_difference(r.tokens, base.tokens),
         "token_ids": r.tokens,
-        "category": getattr(prompt, "category", "all"),
+        "category": prompt.category,
     }
     if with_text:
         entry["prompt"] = prompt.text

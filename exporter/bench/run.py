@@ -240,9 +240,12 @@ def measure_quality(running: list[VariantSpec], workers: dict[str, Worker], text
             reference.close()
     scored: dict[str, list[Score | None]] = {}
     out: dict[str, dict | str] = {}
+    first_ours = next((s.name for s in running if s.runner == "ours"), None)
     for spec in running:
-        donor = next((s.name for s in running if s.runner == "ours"), spec.name) if spec.runner == "ours" \
-            else (spec.plain if spec.plain in workers else spec.name)
+        if spec.runner == "ours":
+            donor = first_ours  # one base graph for all of ours
+        else:
+            donor = spec.plain if spec.plain in workers else spec.name  # a peer's speculation: its own model
         if donor not in scored:
             scored[donor] = [workers[donor].score(ids) for ids in texts]
         got = scored[donor]
@@ -261,9 +264,9 @@ class BenchPrompt:
     category: str = "all"
 
 
-def encode_prompts(codec: TextCodec, texts: list[str], category: str = "all") -> list[BenchPrompt]:
+def encode_prompts(codec: TextCodec, texts: list[str]) -> list[BenchPrompt]:
     """First turns through the chat template, as ``Engine.encode(prompt, chat=True)`` does."""
-    return [BenchPrompt(text, codec.encode_chat([{"role": "user", "content": text}]), category) for text in texts]
+    return [BenchPrompt(text, codec.encode_chat([{"role": "user", "content": text}])) for text in texts]
 
 
 def prompt_items(prompts_file: Path | None, prompt_set: str | None, num_prompts: int,
@@ -325,8 +328,10 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
             raise BenchError(f"Prompt(s) {too_long} plus --max-new-tokens {max_new_tokens} exceed the bundle's "
                              f"maximum context of {limit} tokens; lower --max-new-tokens.")
 
-    first = [BenchItem(it.earlier_turns[0] if it.earlier_turns else it.text, it.category) for it in items]
-    prompts = later_turns(first, codec, lambda ids: [])  # first turns: the length check before any load
+    # Each conversation's first turn, checked before anything loads; a later turn is encoded once ar has
+    # answered the earlier ones.
+    prompts = [BenchPrompt(it.text, codec.encode_chat([{"role": "user", "content": (*it.earlier_turns, it.text)[0]}]),
+                           it.category) for it in items]
     check_lengths(prompts)
 
     skipped = {s.name: note for s in specs if (note := unavailable(s, manifest))}

@@ -13,7 +13,8 @@ run reaches the same weights as an uninterrupted one.
 
 Draft weights (``.safetensors``) hold only the draft's own parameters (never the base lm_head) and
 metadata tying them to the base model: its weight hash, hidden size and vocabulary size, the kind
-and the head count.
+and the head count. A file may store its matrices compactly (:func:`compact_draft_weights`, how the
+shipped drafts are stored): int8 rows with one fp16 scale each, expanded to float32 on load.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 
 WEIGHTS_FORMAT = "specdeploy-draft"
 WEIGHTS_VERSION = 1
+SCALE_SUFFIX = "::row_scale"  # a compact matrix's per-row scales, stored beside its int8 values
 VOCAB_ORDER_SIZE = 32768  # frequency-ordered token ids kept with the weights, for any trim <= this
 TRIM_EVAL_SIZES = (4096, 8192, 16384)
 
@@ -121,7 +123,50 @@ def load_draft_weights(path: str | os.PathLike, kind: str | None = None) -> Draf
         raise DraftMismatchError(f"Draft weights file '{path}' has malformed metadata ({exc}).") from None
     if kind is not None and config.kind != kind:
         raise DraftMismatchError(f"'{path}' holds a {config.kind} draft, not a {kind} draft.")
-    return DraftWeights(config, tensors, meta, path)
+    return DraftWeights(config, _expanded(tensors), meta, path)
+
+
+def _expanded(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Compact tensors back in their working form: int8 rows times their scales in float32, ids as int64."""
+    import torch
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        if scale is not None:
+            t = t.float() * scale.float().unsqueeze(-1)
+        elif t.dtype == torch.int32:
+            t = t.long()
+        out[name] = t
+    return out
+
+
+def compact_draft_weights(src: str | os.PathLike, dst: str | os.PathLike, min_size: int = 4096) -> None:
+    """Rewrite a draft weights file compactly: every float matrix of at least ``min_size`` elements as int8
+    rows with a symmetric fp16 scale each (its largest magnitude over 127), other floats as fp16, integer
+    ids as int32. The runtime's draft graphs quantize further still (int8 or int4 weights), and what a
+    draft proposes never changes the output, only how often it is accepted."""
+    import torch
+    from safetensors import safe_open
+
+    weights = load_draft_weights(src)
+    with safe_open(str(src), framework="pt") as fh:
+        header = fh.metadata() or {}
+    packed: dict[str, Any] = {}
+    for name, t in weights.tensors.items():
+        if not t.is_floating_point():
+            packed[name] = t.to(torch.int32) if t.abs().max() < 2**31 else t
+        elif t.dim() >= 2 and t.numel() >= min_size:
+            t = t.float()
+            scale = (t.abs().amax(-1) / 127.0).clamp_min(1e-12).to(torch.float16)
+            packed[name] = torch.round(t / scale.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+            packed[name + SCALE_SUFFIX] = scale
+        else:
+            packed[name] = t.to(torch.float16)
+    save_draft_weights(dst, weights.config, packed, {**json.loads(header.get("meta", "{}")),
+                                                      "storage": "int8 rows (compact_draft_weights)"})
 
 
 def check_draft_base(config: Any, weight_sha: str, hidden_size: int, vocab_size: int, where: str) -> None:
