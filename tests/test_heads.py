@@ -470,3 +470,38 @@ def test_a_heads_task_moves_its_frozen_tensors_to_its_device(tiny_setup):
     task = _task(tiny_setup, "cerberus", vocab_trim=64).to("meta")
     assert all(getattr(task, n).device.type == "meta" for n in task.device_tensors)
     assert all(t.device.type == "meta" for t in task._batch(task.train_pos[:4]))
+
+
+def test_compact_draft_weights_round_trip(tiny_weights, tmp_path):
+    """int8 rows with fp16 scales load back as float32 within half a step of each row's scale; the ids stay
+    whole; the calibration follows the new file; the shipped drafts are stored so."""
+    from specdeploy.exporter.export.draft import calibration_path
+    from specdeploy.exporter.train.weights import SCALE_SUFFIX, compact_draft_weights
+    from specdeploy.runtime.bundle import hash_files
+    from safetensors import safe_open
+
+    src = tiny_weights["cerberus"]
+    calibration_path(src).write_text(json.dumps({"kind": "cerberus", "weights_sha": hash_files([src])}))
+    dst = tmp_path / "cerberus.safetensors"
+    compact_draft_weights(src, dst)
+    a, b = load_draft_weights(src).tensors, load_draft_weights(dst, "cerberus").tensors
+    assert set(a) == set(b)
+    with safe_open(str(dst), framework="pt") as fh:
+        stored = {k: fh.get_slice(k).get_dtype() for k in fh.keys()}
+    packed = [k for k in a if k + SCALE_SUFFIX in stored]
+    assert packed and all(stored[k] == "I8" for k in packed)
+    for k in a:
+        if k in packed:
+            step = a[k].float().abs().amax(-1, keepdim=True) / 127
+            assert b[k].dtype == torch.float32 and ((a[k].float() - b[k]).abs() <= 0.51 * step + 1e-6).all()
+        elif a[k].is_floating_point():
+            assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-3, atol=1e-4)
+        else:
+            assert b[k].dtype == torch.int64 and torch.equal(a[k], b[k])  # vocab_order, stored as int32
+    carried = json.loads(calibration_path(dst).read_text())
+    assert carried["weights_sha"] == hash_files([dst]) and carried["compacted_from"] == hash_files([src])
+    assert dst.stat().st_size < 0.5 * src.stat().st_size  # tiny matrices: the header and ids weigh more here
+    shipped = Path(__file__).resolve().parents[1] / "graphs" / "weights"
+    for kind in ("chimera", "medusa", "cerberus"):
+        with safe_open(str(shipped / f"{kind}.safetensors"), framework="pt") as fh:
+            assert "int8 rows" in json.loads(fh.metadata()["meta"])["storage"]
