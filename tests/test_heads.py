@@ -476,7 +476,8 @@ def test_compact_draft_weights_round_trip(tiny_weights, tmp_path):
     """int8 rows with fp16 scales load back as float32 within half a step of each row's scale; the ids stay
     whole; the calibration follows the new file; the shipped drafts are stored so."""
     from specdeploy.exporter.export.draft import calibration_path
-    from specdeploy.exporter.train.weights import SCALE_SUFFIX, compact_draft_weights
+    from specdeploy.exporter.train.compact import compact_draft_weights
+    from specdeploy.exporter.train.weights import SCALE_SUFFIX
     from specdeploy.runtime.bundle import hash_files
     from safetensors import safe_open
 
