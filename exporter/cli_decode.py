@@ -266,19 +266,24 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
 @click.option("--draft", default="prompt-lookup", show_default=True, help="none, prompt-lookup or ngram.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL prompts ({'prompt': ...} or MT-bench 'turns'); default: MT-bench first turns.")
+@click.option("--prompt-set", default=None, type=click.Choice(SETS),
+              help="A named prompt set instead of --prompts (--num-prompts of each category for spec-bench); each "
+                   "category is reported apart. Second turns are left out: a server request carries no earlier answer.")
+@click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Prompts per category of --prompt-set.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "json_out", default=Path("bench-serve.json"), show_default=True, type=click.Path(path_type=Path),
               help="Results; a PNG of throughput and latency goes beside it.")
 def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, prompts_file: Path | None,
-                max_new_tokens: int, threads: int, json_out: Path) -> None:
+                prompt_set: str | None, num_prompts: int, max_new_tokens: int, threads: int, json_out: Path) -> None:
     """Measure `specdeploy serve` under concurrent clients on loopback: aggregate tok/s, p50/p95 latency.
 
     \b
     Example:
       specdeploy bench-serve bundles/smollm2 --max-batch 1,16 --concurrency 1,4,16,32 --max-new-tokens 128
     """
-    from specdeploy.exporter.bench.run import BenchError, default_prompts_file, read_prompts
+    from specdeploy.exporter.bench.run import BenchError, default_prompts_file, read_prompt_records
     from specdeploy.exporter.bench.serve import run_serve_bench
     from specdeploy.runtime.bundle import read_manifest
 
@@ -290,9 +295,22 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         except ValueError:
             raise BenchError(f"{what} takes comma-separated whole numbers; got '{text}'.") from None
 
-    prompts = read_prompts(prompts_file or default_prompts_file())
+    categories = None
+    if prompt_set is not None:
+        if prompts_file is not None:
+            raise BenchError("Give --prompts or --prompt-set, not both.")
+        from specdeploy.exporter.bench.promptsets import load_set
+
+        items = [it for it in load_set(prompt_set, num_prompts) if not it.earlier_turns]
+        if not items:
+            raise BenchError(f"The '{prompt_set}' set holds second turns only, which bench-serve cannot send.")
+        prompts, categories = [it.text for it in items], {it.text: it.category for it in items}
+    else:  # a file's records may name their category
+        records = read_prompt_records(prompts_file or default_prompts_file())
+        prompts = [text for text, _ in records]
+        categories = {text: c for text, c in records if c} if prompts_file is not None else None
     report = run_serve_bench(bundle, ints(max_batches, "--max-batch"), ints(concurrency, "--concurrency"), prompts,
-                             max_new_tokens, threads, draft, json_out, say=click.echo)
+                             max_new_tokens, threads, draft, json_out, say=click.echo, categories=categories)
     m = report["machine"]
     click.echo(f"machine: {m['cpu_model']} ({m['cpu_isa']}), {threads} threads")
     for srv in report["servers"]:
@@ -302,4 +320,6 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
             click.echo(f"--max-batch {srv['max_batch']:>3} clients {r['clients']:>3}: {r['tokens_per_s']:7.1f} tok/s  "
                        f"p50 {r['p50_latency_s']:6.2f} s  p95 {r['p95_latency_s']:6.2f} s  identical "
                        f"{r['identical_to_alone']}/{r['requests']}  complete {r['complete']}/{r['requests']}{extra}")
+            for cat, c in (r.get("categories") or {}).items():
+                click.echo(f"    {cat:<16} {c['requests']:3d} requests  {c['tokens_per_s_per_request']:7.1f} tok/s per request")
     click.echo(f"wrote {json_out} and {json_out.with_suffix('.png')}")

@@ -133,7 +133,8 @@ def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path):
     from specdeploy.exporter.cli import main
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": "odd" if i % 2 else "even"}) + "\n"
+                               for i, p in enumerate(PROMPTS[:4])))
     out = tmp_path / "serve.json"
     res = CliRunner().invoke(main, ["bench-serve", str(tiny_bundle), "--max-batch", "1,4", "--concurrency", "1,4",
                                     "--max-new-tokens", "8", "--prompts", str(prompts), "--json", str(out),
@@ -148,8 +149,14 @@ def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path):
             assert r["identical_to_alone"] == r["complete"] == r["requests"] and r["tokens_per_s"] > 0
             assert r["requests"] == (4 if r["clients"] == 1 else r["clients"])  # 1 client: every prompt in turn
             assert r["p50_latency_s"] <= r["p95_latency_s"]
+            cats = r["categories"]  # each category apart: the file's records name theirs
+            assert set(cats) == {"even", "odd"} and sum(c["requests"] for c in cats.values()) == r["requests"]
+            assert all(c["tokens_per_s_per_request"] > 0 for c in cats.values())
     assert "vs_first" in report["servers"][1]["runs"][1] and report["machine"]["cpu_model"]
+    assert " even " in res.output
     assert "machine:" in res.output
 
     bad = CliRunner().invoke(main, ["bench-serve", str(tmp_path / "missing")])
     assert bad.exit_code == 1 and bad.output.startswith("Error:") and bad.output.count("\n") == 1
+    both = CliRunner().invoke(main, ["bench-serve", str(tiny_bundle), "--prompts", str(prompts), "--prompt-set", "math"])
+    assert both.exit_code == 1 and "not both" in both.output and both.output.count("\n") == 1

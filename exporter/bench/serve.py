@@ -124,7 +124,20 @@ def _concurrent(server: _Server, prompts: list[str], max_tokens: int) -> tuple[l
     return [o for o in out if isinstance(o, dict)], wall
 
 
-def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: list[str], max_tokens: int) -> dict:
+def _by_category(answers: list[dict], prompts: list[str], categories: dict[str, str]) -> dict[str, dict]:
+    """Per prompt category: requests, and completion tokens per second of request time (each request's own)."""
+    out: dict[str, dict] = {}
+    for a, p in zip(answers, prompts):
+        c = out.setdefault(categories.get(p, "all"), {"requests": 0, "tokens": 0, "latency_s": 0.0})
+        c["requests"] += 1
+        c["tokens"] += a["tokens"]
+        c["latency_s"] += a["latency_s"]
+    return {k: {"requests": v["requests"], "tokens_per_s_per_request": round(v["tokens"] / v["latency_s"], 2)}
+            for k, v in out.items()}
+
+
+def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: list[str], max_tokens: int,
+             categories: dict[str, str] | None = None) -> dict:
     tokens = sum(a["tokens"] for a in answers)
     lat = [a["latency_s"] for a in answers]
     complete = sum(a["finish_reason"] == "stop" or (a["finish_reason"] == "length" and a["tokens"] == max_tokens)
@@ -132,12 +145,14 @@ def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: 
     same = sum(a["text"] == alone[p]["text"] for a, p in zip(answers, prompts))
     return {"clients": len(answers), "requests": len(answers), "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(_percentile(lat, 0.5), 3),
-            "p95_latency_s": round(_percentile(lat, 0.95), 3), "complete": complete, "identical_to_alone": same}
+            "p95_latency_s": round(_percentile(lat, 0.95), 3), "complete": complete, "identical_to_alone": same,
+            **({"categories": _by_category(answers, prompts, categories)} if categories else {})}
 
 
 def run_serve_bench(bundle: Path, max_batches: list[int], concurrency: list[int], prompts: list[str],
                     max_new_tokens: int, threads: int, draft: str, json_out: Path,
-                    say: Callable[[str], None] = print) -> dict[str, Any]:
+                    say: Callable[[str], None] = print, categories: dict[str, str] | None = None) -> dict[str, Any]:
+    """``categories``: each prompt's category (a named prompt set), reported apart in every run."""
     if not prompts:
         raise BenchError("bench-serve needs at least one prompt.")
     levels = sorted(set(concurrency))
@@ -162,13 +177,13 @@ def run_serve_bench(bundle: Path, max_batches: list[int], concurrency: list[int]
                 alone[p] = server.chat(p, max_new_tokens)
             wall = time.perf_counter() - t0
             uniq = list(alone)
-            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens), "clients": 1}]
+            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, categories), "clients": 1}]
             for c in levels:
                 if c == 1:
                     continue
                 say(f"  concurrency {c} ...")
                 answers, wall = _concurrent(server, asked[:c], max_new_tokens)
-                runs.append(_summary(answers, wall, alone, asked[:c], max_new_tokens))
+                runs.append(_summary(answers, wall, alone, asked[:c], max_new_tokens, categories))
                 r = runs[-1]
                 say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
                     f"identical {r['identical_to_alone']}/{c}, complete {r['complete']}/{c}")
