@@ -51,7 +51,7 @@ def export() -> None:
 
 
 @export.command("base")
-@click.option("--model", "model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
+@click.option("--model", "model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra).")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Bundle directory to write.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option("--max-context", type=int, default=None, help="Maximum prompt + generated tokens.")
@@ -185,7 +185,7 @@ _DEVICE_OPTION = click.option(
 
 def _heads_train_options(fn):
     options = [
-        click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)."),
+        click.option("--model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra)."),
         click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write."),
         click.option("--heads", default=4, show_default=True, type=int, help="Number of heads."),
         click.option("--layers", default=1, show_default=True, type=int, help="ResBlocks per head (Medusa)."),
@@ -270,7 +270,7 @@ _FEATURE_LAYERS_OPTION = click.option(
 
 
 @train.command("chimera")
-@click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
+@click.option("--model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra).")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write.")
 @click.option("--heads", default=4, show_default=True, type=int, help="Draft depth: residual heads.")
 @click.option("--epochs", default=6, show_default=True, type=int)
@@ -314,7 +314,7 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 
 
 @train.command("data")
-@click.option("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M).")
+@click.option("--model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra).")
 @click.option("--max-seqs", default=1024, show_default=True, type=int, help="ShareGPT sequences to cache.")
 @click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
 @_apply(_reply_options("self"))

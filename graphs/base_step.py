@@ -27,9 +27,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Families whose decoder layers share the Llama structure this step is written against.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm written as x / sqrt(mean(x^2) + eps) * w: ONNX Runtime fuses this form (not the

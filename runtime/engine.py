@@ -218,7 +218,7 @@ class Engine:
             raise SpecDeployError(f"max_batch must be a whole number of at least 1; got {max_batch!r}.")
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
-        self.codec = TextCodec(self.bundle_dir, self.manifest.tokenizer)
+        self.codec = TextCodec.for_bundle(self.bundle_dir, self.manifest)
         if max_batch > 1:
             draft = batch_draft(draft, self.manifest)
             refusal = batch_refusal(self.manifest, backend, draft)

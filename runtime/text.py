@@ -9,14 +9,18 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from .bundle import TokenizerInfo
+from .architectures import architecture
+from .bundle import BundleManifest, TokenizerInfo
 from .errors import BundleError, PromptError
 
 
 class TextCodec:
-    """Encode prompts (plain or chat), decode tokens, and stream text deltas."""
+    """Encode prompts (plain or chat), decode tokens, and stream text deltas.
 
-    def __init__(self, bundle_dir: str | Path, info: TokenizerInfo):
+    ``template_variables``: what the chat template may test beyond the messages (a family's templates test
+    ``tools``, for one); :meth:`for_bundle` takes them from the bundle's architecture description."""
+
+    def __init__(self, bundle_dir: str | Path, info: TokenizerInfo, template_variables: dict | None = None):
         from tokenizers import Tokenizer
 
         path = Path(bundle_dir) / info.file
@@ -25,6 +29,7 @@ class TextCodec:
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for unreadable files
             raise BundleError(f"The bundle's tokenizer '{path.name}' cannot be read ({exc}).") from None
         self.info = info
+        self.template_variables = dict(template_variables or {})
         self._template = None
         if info.chat_template:
             from jinja2 import StrictUndefined
@@ -40,6 +45,11 @@ class TextCodec:
             if t is not None and self.tokenizer.token_to_id(t) is not None
         }
 
+    @classmethod
+    def for_bundle(cls, bundle_dir: str | Path, manifest: BundleManifest) -> TextCodec:
+        arch = architecture(name=manifest.model.architecture, where=str(bundle_dir))
+        return cls(bundle_dir, manifest.tokenizer, dict(arch.template_variables))
+
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
@@ -53,6 +63,7 @@ class TextCodec:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise PromptError("Each message needs a string 'role' and a string 'content'.")
         return self._template.render(
+            **self.template_variables,
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.info.bos_token or "",

@@ -17,7 +17,7 @@ SHIPPED_TAPS = "eagle3"
 TINY = {
     "llama": ("LlamaForCausalLM", {}),
     "mistral": ("MistralForCausalLM", {"sliding_window": None}),
-    "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": False, "tie_word_embeddings": False}),  # as Qwen2.5-0.5B
 }
 
 
@@ -74,9 +74,8 @@ def make_tiny_model(model_type: str, dest: Path, tokenizer_dir: Path, seed: int 
         max_position_embeddings=2048,
         eos_token_id=2,
         bos_token_id=1,
-        tie_word_embeddings=True,
         architectures=[arch],
-        **extra,
+        **{"tie_word_embeddings": True, **extra},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)

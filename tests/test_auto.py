@@ -11,6 +11,7 @@ from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, Sa
 from specdeploy.runtime.drafters import make_drafter
 from specdeploy.runtime.drafters.auto import RETRY_EVERY, AutoDrafter, FreeSources
 from specdeploy.runtime.drafters.base import DraftContext, Drafter
+from specdeploy.runtime.drafters.hybrid import PaidDraft
 from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
 from specdeploy.runtime.drafters.suffix import SuffixCache, SuffixDrafter
 from specdeploy.runtime.tree import DraftTree
@@ -66,6 +67,50 @@ def test_the_model_runs_only_where_it_pays_and_is_retried_now_and_then():
     auto.model_acceptance.first = [1000.0, 1.0]  # now it pays: it drafts where nothing free matches
     auto.propose(_ctx([17, 18]))
     assert model.calls == 2
+
+
+class GatedModel(CountingModel):
+    """A stand-in with a gate of its own (as Cerberus has), which counts how often it is asked."""
+
+    kind = "cerberus"
+
+    def __init__(self, says: bool):
+        super().__init__()
+        self.says, self.asked = says, 0
+
+    def wants_draft(self, ctx):
+        self.asked += 1
+        return self.says
+
+
+@pytest.mark.parametrize("curve,pays", [(FLAT, True), ({1: 1.0, 2: 3.0, 16: 40.0}, False)])
+def test_an_explicit_trained_draft_drafts_only_where_it_beats_a_plain_step(curve, pays):
+    """``--draft chimera`` and the like: the hybrid's rule with no free source. A draft whose expected tokens
+    per unit of cost (its own call included) are below a plain step's does not run; it is retried now and then."""
+    model = CountingModel()
+    alone = PaidDraft(model, chains=True)
+    alone.use_cost_curve(curve)
+    assert alone.kind == "chimera" and alone.needs_cost_curve
+    for i in range(RETRY_EVERY + 1):
+        tree = alone.propose(_ctx([100 + i, 200 + i]))
+        alone.accepted(np.array([0, 1, 2][: tree.num_nodes]), tree)  # whatever it drafts is accepted
+    if pays:
+        assert model.calls == RETRY_EVERY + 1 and alone.sources == {"model": RETRY_EVERY + 1, "plain": 0}
+    else:  # 3 expected tokens at best, for 3 plain steps' cost: never worth it, tried once after RETRY_EVERY
+        assert model.calls == 1 and alone.sources["plain"] == RETRY_EVERY
+
+
+def test_a_drafts_own_gate_is_asked_only_on_steps_the_rule_gives_it():
+    for says in (True, False):
+        model = GatedModel(says)
+        alone = PaidDraft(model, chains=True)
+        alone.use_cost_curve(FLAT)
+        assert alone.propose(_ctx([1, 2])).num_nodes == (3 if says else 1)
+        assert model.asked == 1 and model.calls == int(says)
+    model = GatedModel(True)
+    dear = PaidDraft(model, chains=True)
+    dear.use_cost_curve({1: 1.0, 2: 3.0, 16: 40.0})  # the rule declines: the gate is not asked
+    assert dear.propose(_ctx([1, 2])).num_nodes == 1 and model.asked == 0
 
 
 def test_make_drafter_builds_auto_from_what_the_bundle_has(tiny_bundle):
@@ -127,13 +172,16 @@ def test_seeded_sampling_equals_plain_seeded_sampling_whatever_drafted(tiny_bund
     cross-request state (suffix cache, estimates) changing between requests; batched rows draw alike."""
     prompt = "one two three four one two three four one two three four one"
     with load(tiny_bundle, draft=None) as plain, load(tiny_bundle) as spec, load(tiny_bundle, max_batch=2) as batched:
+        drafted = 0
         for seed in (1, 2, 3):
-            kw = dict(prompt=prompt, max_new_tokens=40, temperature=0.8, top_p=0.95, seed=seed)
+            kw = {"prompt": prompt, "max_new_tokens": 40, "temperature": 0.8, "top_p": 0.95, "seed": seed}
             want = plain.generate(**kw).text
-            assert spec.generate(**kw).text == want and spec.generate(**kw).text == want
+            first, second = spec.generate(**kw), spec.generate(**kw)
+            assert first.text == want and second.text == want
+            drafted += first.stats.gate_parallel + second.stats.gate_parallel
             assert batched.generate(**kw).text == want
         if spec.plan.speculate:  # it drafted (the tiny random model rarely confirms a draft when sampling)
-            assert spec.generate(prompt=prompt, max_new_tokens=40, temperature=0.8, seed=9).stats.gate_parallel > 0
+            assert drafted > 0
 
 
 def test_what_the_model_earned_outlives_a_generation():
@@ -173,3 +221,62 @@ def test_auto_is_the_default_and_declines_quietly(tiny_bundle, recwarn):
     assert not [w for w in recwarn if issubclass(w.category, ExactnessWarning)]
     with load(tiny_bundle, max_batch=2) as batched:
         assert batched.draft_name == ("prompt-lookup" if batched.plan.speculate else "none")
+
+
+def test_the_step_clock_prices_a_model_step_in_plain_steps_and_shrugs_off_a_pause(monkeypatch):
+    from specdeploy.runtime.drafters import hybrid
+
+    now = [0.0]
+    monkeypatch.setattr(hybrid.time, "perf_counter", lambda: now[0])
+    clock = hybrid.StepClock()
+    for i in range(2 * clock.MIN_SAMPLES + 2):
+        clock.tick()
+        clock.kind = "model" if i % 2 else "plain"
+        now[0] += 0.015 if i % 2 else 0.010  # a model iteration takes 1.5 plain ones
+        assert clock.ratio() is None or i >= 2 * clock.MIN_SAMPLES
+    clock.tick()
+    assert clock.ratio() == pytest.approx(1.5)
+    clock.kind = "plain"
+    now[0] += 5.0  # the OS paused the process: clipped, the estimate barely moves
+    clock.tick()
+    assert 1.3 < clock.ratio() < 1.5
+    clock.pause()  # between generations nothing is timed
+    now[0] += 60.0
+    clock.tick()
+    assert 1.3 < clock.ratio() < 1.5
+
+
+def test_a_retry_that_does_not_pay_doubles_the_wait_and_one_that_pays_resets_it():
+    from specdeploy.runtime.drafters.hybrid import MAX_RETRY_EVERY
+
+    model = CountingModel()
+    alone = PaidDraft(model, chains=True)
+    alone.use_cost_curve({1: 1.0, 2: 3.0, 16: 40.0})  # never worth it
+    waits, step = [], 0
+    while len(waits) < 6:
+        before = model.calls
+        tree = alone.propose(_ctx([100 + step, 200 + step]))
+        alone.accepted(np.array([0]), tree)  # nothing it drafts is accepted
+        step += 1
+        if model.calls > before:
+            waits.append(step)
+            step = 0
+    assert waits == [RETRY_EVERY + 1, 2 * RETRY_EVERY + 1, 4 * RETRY_EVERY + 1, 8 * RETRY_EVERY + 1,
+                     MAX_RETRY_EVERY + 1, MAX_RETRY_EVERY + 1]
+    alone.use_cost_curve(FLAT)  # now it pays: after the next retry the rule keeps it, and the wait is reset
+    alone.model_acceptance.first = [1000.0, 1.0]
+    for i in range(MAX_RETRY_EVERY + 3):
+        tree = alone.propose(_ctx([7, 8 + i]))
+        alone.accepted(np.array([0, 1, 2]), tree)
+    assert alone._retry_every == RETRY_EVERY and alone.sources["model"] > 2
+
+
+def test_a_spike_in_the_measured_cost_curve_is_brought_down_to_its_neighbours_chord():
+    from specdeploy.runtime.decode import without_spikes
+
+    measured = {1: 1.0, 2: 1.04, 4: 2.04, 8: 2.17, 16: 3.44}  # seen at load on a noisy machine: T = 4 spiked
+    smooth = without_spikes(measured)
+    assert smooth[4] == pytest.approx(1.04 + (2.17 - 1.04) / 3) and smooth[8] == 2.17 and smooth[16] == 3.44
+    ordinary = {1: 1.0, 2: 1.11, 4: 1.43, 8: 2.0, 16: 3.1}
+    assert without_spikes(ordinary) == ordinary
+    assert without_spikes({1: 1.0, 2: 1.6, 4: 1.7})[2] == 1.6  # a 1-row step on its own graph: kept

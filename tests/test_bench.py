@@ -139,7 +139,7 @@ def test_quality_class_and_own_plain_identity():
     # A peer's speculative variant brings its own plain one and is compared with it, prompt by prompt.
     specs = resolve_variants(["llama.cpp-lookup"])
     assert [s.name for s in specs] == ["ar", "llama.cpp", "llama.cpp-lookup"]
-    run = lambda *toks: [RunResult(list(t), 1.0, 1, 0.5, None) for t in toks]  # noqa: E731
+    run = lambda *toks: [RunResult(list(t), 1.0, 1, 0.5, None) for t in toks]
     prompts = [type("P", (), {"text": "x", "ids": [1], "category": "all"})()] * 2
     codec = type("C", (), {"decode": lambda self, ids: ""})()
     report = build_report(specs, {}, {"ar": run([1], [2]), "llama.cpp": run([1], [3]),
@@ -224,7 +224,7 @@ def test_categories_are_reported_apart_and_second_turns_follow_the_models_answer
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.text import TextCodec
 
-    result, out = _bench(tmp_path, tiny_bundle, prompts_file, "ar,prompt-lookup")
+    _result, out = _bench(tmp_path, tiny_bundle, prompts_file, "ar,prompt-lookup")
     report = json.loads(out.read_text())
     # the fixture's records: one without a category ("all"), one MT-bench record in "writing"
     assert list(report["variants"][1]["categories"]) == ["all", "writing"]
@@ -245,7 +245,6 @@ def test_categories_are_reported_apart_and_second_turns_follow_the_models_answer
 def test_named_prompt_sets(monkeypatch, tmp_path):
     """Every set gives items of its category from its package's real file layout; a missing package is one
     sentence with the install command."""
-    import gzip
 
     from specdeploy.exporter.bench import promptsets as ps
 

@@ -225,7 +225,7 @@ def test_the_cpu_drafter_runs_the_int4_heads_and_fp32_only_exports_have_none(hea
 
     manifest = read_manifest(heads_bundle)
     with load(heads_bundle, draft="medusa") as eng:
-        used = eng.decoder.drafter.session._model_path
+        used = eng.decoder.drafter.model.session._model_path
     assert Path(used).name == "medusa-int4.onnx" and cpu_graph_role(manifest.draft("medusa"), "fp32") == "medusa"
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
@@ -258,7 +258,7 @@ def test_an_int8_heads_graph_on_request(heads_bundle, tiny_weights, tiny_setup, 
     with pytest.raises(DraftMismatchError, match="no int4 graph; re-export it with --precision int4"):
         cpu_graph_role(entry, "int4")
     with load(bundle, draft=None) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
-        assert Path(spec.decoder.drafter.session._model_path).name == "medusa-int8.onnx"
+        assert Path(spec.decoder.drafter.model.session._model_path).name == "medusa-int8.onnx"
         ids = plain.encode("The quick brown fox")
         assert spec.generate_ids(ids, GenerationConfig(24)) == plain.generate_ids(ids, GenerationConfig(24))
     loaded, _ = tiny_setup
@@ -290,7 +290,9 @@ def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
 
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
     with load(heads_bundle, draft=None) as plain, load(heads_bundle, draft=draft, tree=tree) as spec:
-        drafter = spec.decoder.drafter
+        # Identity whatever is drafted: the rule is set aside, so the draft (and Cerberus's gate) run every step.
+        spec.decoder.drafter._model_value = lambda: float("inf")
+        drafter = spec.decoder.drafter.model  # behind the rule (or the hybrid's): the draft itself
         if draft == "cerberus":  # a signal that alternates between a band that pays and one that never does
             drafter.gate = GateSpec("learned")
             drafter.use_cost_curve({1: 1.0, 64: 2.0})
@@ -308,12 +310,13 @@ def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
             gate[0] += st.gate_parallel
             gate[1] += st.gate_ar
             assert st.gate_parallel + st.gate_ar == st.steps
-    if draft == "cerberus":
-        assert gate[0] > 0 and gate[1] > 0
+    # steps where nothing was drafted (the gate declined, or an adaptive chain found no token worth its row)
+    # ran plainly, counted in gate[1]
+    if draft == "cerberus":  # the gate, asked only on steps the rule allows, sent some to plain decoding
+        assert gate[1] > 0
         decisions = drafter.gate_policy.decisions
-        assert decisions["plain"] == gate[1] and decisions["draft"] + decisions["explore"] == gate[0]
-    else:
-        assert gate[1] == 0
+        assert decisions["plain"] > 0 and decisions["draft"] + decisions["explore"] > 0
+        assert decisions["plain"] <= gate[1] and sum(decisions.values()) <= gate[0] + gate[1]
 
 
 def test_the_torch_backend_runs_heads_drafts_on_its_device_as_onnx_does(heads_bundle):
@@ -329,7 +332,7 @@ def test_the_torch_backend_runs_heads_drafts_on_its_device_as_onnx_does(heads_bu
     rng = np.random.default_rng(0)
     with TorchBackend(heads_bundle, manifest, device="cpu", cuda_graphs=False) as backend:
         for name in ("medusa", "cerberus"):
-            ours = make_drafter(name, heads_bundle, manifest, backend=backend)
+            ours = make_drafter(name, heads_bundle, manifest, backend=backend).model  # the draft behind the rule
             onnx = make_heads_drafter(name, heads_bundle, manifest, precision="fp32")  # the graph torch traces
             assert isinstance(ours.session, TorchSession) and not isinstance(onnx.session, TorchSession)
             for _ in range(3):
@@ -447,12 +450,14 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     # The calibrated defaults (tree, vocabulary, gate) and a 16-node tree, whose tau shows the heads learned.
     for draft, tree in (("medusa", None), ("cerberus", None), ("medusa", "tree16"), ("cerberus-nogate", "tree16")):
         with load(bundle, draft=draft, tree=tree) as eng:
-            tokens = steps = 0
+            if tree == "tree16":  # what the heads learned: they draft every step, the rule set aside
+                eng.decoder.drafter._model_value = lambda: float("inf")
+            tokens = steps = 0  # over the steps it drafted (the rule runs the others plainly)
             for ids, ref in refs:
                 st = DecodeStats()
                 assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, (draft, tree)
-                tokens += st.new_tokens - 1
-                steps += st.steps
+                tokens += st.new_tokens - 1 - st.gate_ar
+                steps += st.gate_parallel
             if tree == "tree16":  # a chains-only step plan verifies the tree's best chain only
                 assert tokens / steps > (1.3 if eng.plan.trees else 1.1), (draft, tokens / steps, eng.plan.reason)
 
@@ -475,11 +480,11 @@ def test_a_heads_task_moves_its_frozen_tensors_to_its_device(tiny_setup):
 def test_compact_draft_weights_round_trip(tiny_weights, tmp_path):
     """int8 rows with fp16 scales load back as float32 within half a step of each row's scale; the ids stay
     whole; the calibration follows the new file; the shipped drafts are stored so."""
+    from safetensors import safe_open
     from specdeploy.exporter.export.draft import calibration_path
     from specdeploy.exporter.train.compact import compact_draft_weights
     from specdeploy.exporter.train.weights import SCALE_SUFFIX
     from specdeploy.runtime.bundle import hash_files
-    from safetensors import safe_open
 
     src = tiny_weights["cerberus"]
     calibration_path(src).write_text(json.dumps({"kind": "cerberus", "weights_sha": hash_files([src])}))
@@ -488,7 +493,7 @@ def test_compact_draft_weights_round_trip(tiny_weights, tmp_path):
     a, b = load_draft_weights(src).tensors, load_draft_weights(dst, "cerberus").tensors
     assert set(a) == set(b)
     with safe_open(str(dst), framework="pt") as fh:
-        stored = {k: fh.get_slice(k).get_dtype() for k in fh.keys()}
+        stored = {k: fh.get_slice(k).get_dtype() for k in fh.keys()}  # noqa: SIM118 - not iterable
     packed = [k for k in a if k + SCALE_SUFFIX in stored]
     assert packed and all(stored[k] == "I8" for k in packed)
     for k in a:

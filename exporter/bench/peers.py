@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from specdeploy.exporter.bench.spec import Runner, RunResult, Score, VariantSpec, score_logits
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.errors import SpecDeployError

@@ -43,6 +43,7 @@ Values a variant cannot measure are null (skipped variants: all of them).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -51,8 +52,6 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
-
-import math
 
 from specdeploy.exporter.bench.spec import BASELINE, RunResult, Score, VariantSpec
 
@@ -332,8 +331,8 @@ def _category_table(report: dict[str, Any]) -> list[str]:
     if len(cats) < 2:
         return []
     sizes = {c: next(v["categories"][c]["prompts"] for v in ran if c in v["categories"]) for c in cats}
-    lines = ["", "Speed-up vs ar by prompt category (prompts per category in the header; a cell says where outputs "
-             "differ from ar):", "",
+    lines = ["", ("Speed-up vs ar by prompt category (prompts per category in the header; a cell says where outputs "
+                  "differ from ar):"), "",
              "| variant | all | " + " | ".join(f"{c} ({sizes[c]})" for c in cats) + " |",
              "|---|---:|" + "---:|" * len(cats)]
     for v in ran:

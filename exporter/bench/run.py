@@ -319,7 +319,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     items, prompts_source = prompt_items(prompts_file, prompt_set, num_prompts, progress)
-    codec = TextCodec(bundle, manifest.tokenizer)
+    codec = TextCodec.for_bundle(bundle, manifest)
     limit = manifest.limits.max_context
 
     def check_lengths(prompts: list[BenchPrompt]) -> None:

@@ -58,7 +58,7 @@ def reference_feeds(bundle_dir: Path, manifest: BundleManifest, capacity: int) -
     def step_fn(**kw: torch.Tensor) -> list[torch.Tensor]:
         return [torch.from_numpy(o) for o in sess.run(None, {k: v.numpy() for k, v in kw.items()})]
 
-    ids = TextCodec(bundle_dir, manifest.tokenizer).encode(PROMPT)[:16]
+    ids = TextCodec.for_bundle(bundle_dir, manifest).encode(PROMPT)[:16]
     return base_cases(manifest, step_fn, ids, capacity=capacity)
 
 

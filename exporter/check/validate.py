@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.contract import (
     HIDDEN_STATES,
@@ -244,6 +245,10 @@ def validate_bundle(bundle_dir: str | Path, model: str | None = None,
         raise ValidationFailed(
             "The model given for validation is not the one the bundle was exported from (weight hash differs)."
         )
+    desc = architecture(loaded.model.config, where=loaded.path)
+    progress(f"architecture: {desc.describe(loaded.model.config)}")
+    if wrong := desc.mismatches(loaded.model):
+        raise ValidationFailed(f"The model does not fit the {desc.model_type} description: {'; '.join(wrong)}.")
     step = BaseStep(loaded.model).eval()
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog. Speculative decoding")["input_ids"]
     cases = base_cases(manifest, _FlatStep(step), list(ids)[:16])

@@ -31,6 +31,7 @@ from specdeploy.runtime.bundle import (
     TokenizerInfo,
     write_manifest,
 )
+from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
 from specdeploy.runtime.precision import FP32, GGUF_Q4_1_BLOCKS, MATMULNBITS_BITS, Q4_1
 
@@ -52,11 +53,14 @@ def model_config(hf_model, tokenizer, arch: str) -> ModelConfig:
     eos_ids |= set(geos if isinstance(geos, (list, tuple)) else ([geos] if geos is not None else []))
     if tokenizer.eos_token_id is not None:
         eos_ids.add(int(tokenizer.eos_token_id))
+    desc = architecture(name=arch)
+    vocab = tokenizer.get_vocab()
+    eos_ids |= {int(vocab[t]) for t in desc.end_of_turn if t in vocab}  # the family's end-of-turn tokens
     max_pos = int(cfg.max_position_embeddings)
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and int(window) < max_pos:
+    window = desc.context_cap(cfg)
+    if window and window < max_pos:
         # The step graph attends over the whole cache; cap the context at the window so it stays exact.
-        max_pos = int(window)
+        max_pos = window
     return ModelConfig(
         architecture=arch,
         model_type=cfg.model_type,

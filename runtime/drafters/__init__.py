@@ -9,7 +9,7 @@ from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
 from ..tree import TreeSpec, tree_choice
 from .base import DraftContext, Drafter
-from .kinds import AUTO, DRAFTS, HEADS_KINDS, HYBRID, NGRAM, SUFFIX, TRAINED_KINDS
+from .kinds import AUTO, DRAFTS, HYBRID, NGRAM, SUFFIX, TRAINED_KINDS
 from .prompt_lookup import PromptLookupDrafter
 
 MAX_LOOKUP_DEPTH = 16
@@ -31,10 +31,6 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
     ``suffix_cache_tokens`` sizes the suffix draft's cross-request cache (None: its default; 0: off)."""
     if name in (None, "", "none"):
         return None
-    if name in (*TRAINED_KINDS, "cerberus-nogate") and backend is not None:
-        own = backend.make_drafter(name, Path(bundle_dir), manifest, tree, chains)
-        if own is not None:
-            return own
     if name == "prompt-lookup":
         spec = tree_spec(tree, manifest, MAX_LOOKUP_DEPTH)
         if spec is None:
@@ -59,8 +55,8 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         model = next((k for k in AUTO_MODELS if k in has), None)
         if model is None:
             return free
-        return AutoDrafter(make_drafter(model, bundle_dir, manifest, tree=tree, threads=threads, chains=chains,
-                                        backend=backend), free, chains=chains)
+        return AutoDrafter(_trained(model, bundle_dir, manifest, tree, threads, chains, backend), free,
+                           chains=chains)
     if name == NGRAM:
         from .ngram import load_ngram_drafter
 
@@ -74,17 +70,29 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
                                      f"{', '.join((*TRAINED_KINDS, 'cerberus-nogate'))}.")
         # Lookup includes the model's own n-gram table where the bundle has one.
         lookup = make_drafter(NGRAM, bundle_dir, manifest) if any(d.kind == NGRAM for d in manifest.drafts) else None
-        return HybridDrafter(make_drafter(model, bundle_dir, manifest, tree=tree, threads=threads, chains=chains,
-                                          backend=backend), lookup=lookup, chains=chains)
+        return HybridDrafter(_trained(model, bundle_dir, manifest, tree, threads, chains, backend), lookup=lookup,
+                             chains=chains)
+    if name in (*TRAINED_KINDS, "cerberus-nogate"):  # alone, behind the rule: it drafts only where it pays
+        from .hybrid import PaidDraft
+
+        return PaidDraft(_trained(name, bundle_dir, manifest, tree, threads, chains, backend), chains=chains)
+    raise DraftMismatchError(f"Unknown draft '{name}'; choose one of {', '.join(DRAFTS)}.")
+
+
+def _trained(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None, threads: int | None,
+             chains: bool, backend: Backend | None) -> Drafter:
+    """The trained draft ``name`` itself, on ``backend``'s device where the backend offers one."""
+    if backend is not None:
+        own = backend.make_drafter(name, Path(bundle_dir), manifest, tree, chains)
+        if own is not None:
+            return own
     if name == "chimera":
         from .chimera import make_chimera_drafter
 
         return make_chimera_drafter(bundle_dir, manifest, tree=tree, threads=threads, chains=chains)
-    if name in (*HEADS_KINDS, "cerberus-nogate"):
-        from .heads import make_heads_drafter
+    from .heads import make_heads_drafter
 
-        return make_heads_drafter(name, bundle_dir, manifest, tree=tree, threads=threads, chains=chains)
-    raise DraftMismatchError(f"Unknown draft '{name}'; choose one of {', '.join(DRAFTS)}.")
+    return make_heads_drafter(name, bundle_dir, manifest, tree=tree, threads=threads, chains=chains)
 
 
 __all__ = ["DRAFTS", "DraftContext", "Drafter", "PromptLookupDrafter", "make_drafter"]

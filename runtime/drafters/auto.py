@@ -23,11 +23,11 @@ import numpy as np
 
 from ..tree import DraftTree
 from .base import DraftContext, Drafter
-from .hybrid import HybridDrafter
+from .hybrid import RETRY_EVERY, HybridDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
 
-RETRY_EVERY = 64  # plain steps between two tries of a model draft that stopped paying
+__all__ = ["RETRY_EVERY", "AutoDrafter", "FreeSources"]
 
 
 class _SuffixCacheView:
@@ -121,21 +121,6 @@ class AutoDrafter(_SuffixCacheView, HybridDrafter):
     def __init__(self, model: Drafter, free: FreeSources, chains: bool = False):
         super().__init__(model, lookup=free, chains=chains)
         self.kind = f"auto:{model.kind}"
-
-    def reset(self) -> None:
-        super().reset()
-        self._plain_run = 0
-
-    def _model_value(self) -> float:
-        if self._plain_run >= RETRY_EVERY:  # nothing has paid for a while: give the model one more try
-            self._plain_run = 0
-            return float("inf")
-        return super()._model_value()
-
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        tree = super().propose(ctx)
-        self._plain_run = self._plain_run + 1 if tree.num_nodes == 1 else 0
-        return tree
 
     def _suffix(self) -> SuffixDrafter:
         return self.lookup.suffix

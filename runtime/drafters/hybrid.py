@@ -8,14 +8,24 @@ may answer from the table instead), then decides from what each source has earne
 
 * each source's acceptance is tracked online (Beta estimates of its first drafted token being accepted
   and of each later one, given the one before was), so a step's expected tokens are known;
-* each step's cost comes from the backend's measured cost curve (rows verified), plus, for the model,
-  its own call, timed here relative to a whole step.
+* each step's cost comes from the backend's measured cost curve (rows verified); for the model, from
+  the wall time of the decode iterations it drafted against those that ran plainly (:class:`StepClock`:
+  its call, its rows and its own cache upkeep, all included), and until both are timed, from the cost
+  curve plus its call timed against the rest of a step.
 
 The model is called only on steps where what it drafts is worth more expected tokens per unit of cost
 than lookup's proposal (a plain step's 1.0 when lookup found nothing), so it never drags the free
 source down. Where the step plan verifies chains only, the step drafts one chain: lookup's, the
 model's, or none. With trees, a lookup match stays the main path and the model's nodes are merged in
 under the node budget (a node whose token a lookup node already holds at the same place is shared).
+
+Where the model has a gate of its own (Cerberus), the gate is asked only on steps the rule gives the model.
+A model that stopped paying keeps its low estimate and is not called; so that it can recover, it is tried
+again after :data:`RETRY_EVERY` plain steps in a row, and after twice as many each time a retry does not
+pay, up to :data:`MAX_RETRY_EVERY` (a retry is not free: a model with its own cache, as Chimera, catches
+up on every token since its last call, prompt included). :class:`PaidDraft` is the same rule with no
+free source: an explicit trained draft (``--draft chimera`` and the like) drafts only on the steps where
+it is worth more than a plain step, and never drags decoding below plain.
 
 The model does not run on the steps it does not draft: the base states of the tokens accepted
 meanwhile are kept and handed to it with the next step it drafts, so a model with its own cache
@@ -30,8 +40,51 @@ import numpy as np
 
 from ..tree import DraftTree
 from .base import DraftContext, Drafter
-from .depth import CallTimer
+from .depth import _TYPICAL_ROWS, CallTimer
 from .prompt_lookup import ChainAcceptance, PromptLookupDrafter
+
+RETRY_EVERY = 64  # plain steps between two tries of a model draft that stopped paying (at first)
+MAX_RETRY_EVERY = 1024  # ... doubled after each retry that did not pay, up to this
+
+
+class StepClock:
+    """Running means of whole decode iterations (one proposal to the next) by what the step was: drafted
+    by the model ("model") or run plainly ("plain"). Their ratio is what a model step really costs in
+    plain steps on this machine, everything included.
+
+    Single iterations on a shared 2-core machine are noisy (a pause of the OS or the allocator can take
+    several steps' time), so each mean is a slow running mean (weight :attr:`RATE` once it has its
+    first samples) of samples clipped at :attr:`CLIP` times the mean so far."""
+
+    MIN_SAMPLES = 16  # of each kind before the ratio is trusted
+    RATE = 0.02
+    CLIP = 3.0
+
+    def __init__(self) -> None:
+        self.mean: dict[str, float] = {}
+        self.count = {"model": 0, "plain": 0}
+        self._t0: float | None = None
+        self.kind: str | None = None  # what the running iteration is ("model", "plain", or None: not timed)
+
+    def tick(self) -> None:
+        """A new iteration starts: the one that ended is timed under its kind."""
+        now = time.perf_counter()
+        if self._t0 is not None and self.kind is not None:
+            n = self.count[self.kind] = self.count[self.kind] + 1
+            old = self.mean.get(self.kind, 0.0)
+            sample = now - self._t0 if n <= 2 else min(now - self._t0, self.CLIP * old)
+            self.mean[self.kind] = old + max(1.0 / n, self.RATE) * (sample - old)  # a plain mean at first
+        self._t0, self.kind = now, None
+
+    def pause(self) -> None:
+        """Between generations: the next iteration's start is not timed (a prefill comes first)."""
+        self._t0 = None
+
+    def ratio(self) -> float | None:
+        """A model-drafted iteration's time over a plain one's, once both are timed enough."""
+        if min(self.count.values()) < self.MIN_SAMPLES:
+            return None
+        return self.mean["model"] / self.mean["plain"]
 
 
 class HybridDrafter(Drafter):
@@ -49,17 +102,23 @@ class HybridDrafter(Drafter):
     def _fresh_estimates(self) -> None:
         self.model_acceptance = ChainAcceptance()
         self.timer = CallTimer()  # the model's call (a whole proposal) against the rest of a step
-
+        self.clock = StepClock()  # whole iterations it drafted against plain ones
+        self._plain_run = 0  # plain steps in a row (nothing paid), across generations where estimates are kept
+        self._retry_every = RETRY_EVERY
+        self._retried = False  # the last step was a retry: the next one tells whether it paid
+        self._retry_now = False
     def reset(self) -> None:
         self.model.reset()
         self.lookup.reset()
         self._lookup_nodes = 0  # nodes 1..this of the last proposal came from lookup (0: lookup not run)
         self._model_nodes = 0  # drafted depth of the model's main path in the last proposal (0: not its own)
+        self._model_chose = False  # the model's chain was this step's proposal (whatever its depth)
         self._model_depth = 1  # depth of the model's main path, as its last proposal had it
         # (hidden, layer states) accepted at each step since the model last ran
         self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
         if not self.keep_estimates:
             self._fresh_estimates()
+        self.clock.pause()
 
     def check(self, manifest) -> None:
         self.model.check(manifest)
@@ -70,17 +129,23 @@ class HybridDrafter(Drafter):
 
     @property
     def needs_cost_curve(self) -> bool:
-        return self.lookup.needs_cost_curve
+        return self.lookup.needs_cost_curve or self.model.needs_cost_curve
 
     def use_cost_curve(self, cost_curve) -> None:
         self.lookup.use_cost_curve(cost_curve)
+        self.model.use_cost_curve(cost_curve)  # the model sizes its own chains on the same curve
 
     # --- what each source has earned ------------------------------------------------------------------
     def _model_value(self) -> float:
-        """Expected tokens per unit of cost of a step the model drafts."""
+        """Expected tokens per unit of cost of a step the model drafts (infinite on a retry)."""
+        if self._plain_run >= self._retry_every:  # nothing has paid for a while: give the model one more try
+            self._plain_run, self._retry_now = 0, True
+            return float("inf")
         depth = self._model_depth
-        return float(self.model_acceptance.expected_tokens(depth)) / (self.lookup.step_cost(depth + 1)
-                                                                      + self.timer.call_cost)
+        cost = self.clock.ratio()
+        if cost is None:  # not timed yet: its rows on the cost curve, and its call against a step
+            cost = self.lookup.step_cost(depth + 1) + self.timer.call_cost
+        return float(self.model_acceptance.expected_up_to(depth)[depth]) / cost
 
     def _run_model(self, ctx: DraftContext) -> DraftTree:
         if self._pending:
@@ -97,26 +162,42 @@ class HybridDrafter(Drafter):
 
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
+        self.clock.tick()
+        catching_up = len(self._pending) > _TYPICAL_ROWS  # a model call over many rows is not an ordinary step
+        after_retry, self._retried = self._retried, False
+        tree = self._propose(ctx)
+        plain = tree.num_nodes == 1
+        self._plain_run = self._plain_run + 1 if plain else 0
+        if self._retry_now:
+            self._retried, self._retry_now = True, False
+        elif after_retry:  # the rule kept the model after its retry: it pays again; else wait twice as long
+            self._retry_every = RETRY_EVERY if self._model_chose else min(2 * self._retry_every, MAX_RETRY_EVERY)
+        self.clock.kind = "plain" if plain else None
+        if self._model_chose and not catching_up:  # the model's call was paid, whatever it drafted
+            self.clock.kind = "model"
+        return tree
+
+    def _propose(self, ctx: DraftContext) -> DraftTree:
         self.timer.start()
         found = self.lookup.propose(ctx)
         matched = found.num_nodes > 1
         # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
         # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
         use_model = self._model_value() > self.lookup.proposal_value(found) and (
-            self.chains or not matched or found.num_nodes < ctx.max_nodes)
+            self.chains or not matched or found.num_nodes < ctx.max_nodes) and self.model.wants_draft(ctx)
         if not use_model:
             self._pending.append((ctx.hidden, ctx.layers))
-            self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
+            self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
             self.sources["lookup" if matched else "plain"] += 1
             return found.main_path() if self.chains else found
         drafted = self._run_model(ctx)
         if self.chains or not matched:
             tree = drafted.main_path() if self.chains else drafted
-            self._lookup_nodes, self._model_nodes = 0, tree.main_path().num_nodes - 1
-            self.sources["model"] += 1
+            self._lookup_nodes, self._model_nodes, self._model_chose = 0, tree.main_path().num_nodes - 1, True
+            self.sources["model" if tree.num_nodes > 1 else "plain"] += 1
             return tree
         # Merged under the lookup trie: the main path is lookup's, and the model's acceptance is not its own.
-        self._lookup_nodes, self._model_nodes = found.num_nodes - 1, 0
+        self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
 
@@ -126,17 +207,52 @@ class HybridDrafter(Drafter):
 
     def profile(self) -> dict:
         out = {**self.timer.profile(), "steps_by_source": dict(self.sources)}
+        ratio = self.clock.ratio()
+        if ratio is not None:
+            out["model_step_cost"] = round(ratio, 3)  # a step it drafted, in plain steps (wall time)
+        gate = self.model.profile().get("gate")
+        if gate:
+            out["gate"] = gate
         lookup = self.lookup.profile().get("steps_by_source")
         return {**out, "lookup_steps_by_source": lookup} if lookup else out
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         self.timer.stop()
+        if self._model_chose and not self._model_nodes:  # called, it drafted nothing: a step that earned nothing
+            self.model_acceptance.update(0, 1)
         if self._model_nodes:  # the model drafted this step's chain: it and the hybrid learn its acceptance
             self.model.accepted(nodes, tree)
             self.model_acceptance.update(len(nodes) - 1, self._model_nodes)
         if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
             own = nodes[: 1 + int(np.sum((nodes[1:] >= 1) & (nodes[1:] <= self._lookup_nodes)))]
             self.lookup.accepted(own, tree)
+
+
+class NoFreeSource(PromptLookupDrafter):
+    """No free source: each step it proposes is a plain step, worth a plain step's 1.0 expected token
+    per unit of cost (what a trained draft alone has to beat)."""
+
+    kind = "plain"
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        self._last = None
+        return DraftTree.root(int(ctx.tokens[-1]))
+
+    def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
+        pass
+
+
+class PaidDraft(HybridDrafter):
+    """An explicit trained draft behind the hybrid's rule: it drafts only where its expected tokens per
+    unit of cost, its own call included, beat a plain step's (retried now and then), so it never makes
+    decoding slower than plain. Its estimates outlive a generation, as ``auto``'s do."""
+
+    keep_estimates = True
+
+    def __init__(self, model: Drafter, chains: bool = False):
+        super().__init__(model, lookup=NoFreeSource(), chains=chains)
+        self.kind = model.kind
+        self.sources = {"model": 0, "plain": 0}  # with no free source, nothing is drafted by lookup
 
 
 def _merge(first: DraftTree, second: DraftTree, max_nodes: int) -> DraftTree:

@@ -63,7 +63,7 @@ def main() -> None:
     base = next(v for v in report["variants"] if v["name"] == report["config"]["baseline"])
     manifest = read_manifest(args.bundle)
     texts = read_prompts(Path(report["config"]["prompts_file"]))[: len(base["prompts"])]
-    prompts = [p.ids for p in encode_prompts(TextCodec(args.bundle, manifest.tokenizer), texts)]
+    prompts = [p.ids for p in encode_prompts(TextCodec.for_bundle(args.bundle, manifest), texts)]
     if [len(p) for p in prompts] != [p["prompt_tokens"] for p in base["prompts"]]:
         raise SystemExit("The bundle's tokenizer does not give the run's prompt lengths: another bundle or file.")
     outputs = [p["token_ids"] for p in base["prompts"]]

