@@ -110,10 +110,10 @@ SUPPORTED = tuple(a.name for a in ARCHITECTURES)
 
 
 def architecture(config=None, *, name: str | None = None, where: str = "the model") -> Architecture:
-    """The description of ``config`` (its ``architectures``, else its ``model_type``) or of the class
-    ``name``; UnsupportedArchitectureError in one sentence otherwise."""
+    """The description of ``config`` (its ``architectures``, else its ``model_type``) or of ``name`` (a class
+    or a model type); UnsupportedArchitectureError in one sentence otherwise."""
     names = [name] if name else list(getattr(config, "architectures", None) or [])
-    model_type = "" if name else getattr(config, "model_type", "")
+    model_type = name or getattr(config, "model_type", "")
     found = next((a for n in names for a in ARCHITECTURES if a.name == n), None)
     found = found or next((a for a in ARCHITECTURES if model_type and a.model_type == model_type), None)
     if found is None:

@@ -87,8 +87,9 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file, monkeypatch):
     assert ar["gate_decisions"] is None  # no drafter, no gate
     assert ar["profile"] == {"cost_curve": None, "cost_curve_loop": None}  # no drafter: no measured curve
     assert pl["profile"]["cost_curve"]["1"] == pytest.approx(1.0) and set(pl["profile"]["cost_curve"]) >= {"2", "8"}
-    # Prompt lookup has no gate: every decode step is a draft step (a root-only tree when nothing matched).
-    assert pl["gate_decisions"] == {"draft": pl["steps"], "ar": 0}
+    # Prompt lookup has no gate: a step drafts where a match was found, else runs plainly (a root-only tree).
+    gate = pl["gate_decisions"]
+    assert gate["draft"] > 0 and gate["draft"] + gate["ar"] == pl["steps"]
     hist = {int(k): c for k, c in pl["acceptance_histogram"].items()}
     for d, rate in enumerate(pl["depth_acceptance"], start=1):  # P(a step emits more than d tokens)
         assert rate == pytest.approx(sum(c for k, c in hist.items() if k > d) / pl["steps"], abs=1e-4)
