@@ -127,3 +127,20 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(p) for folder in FOLDERS for p in (ROOT / folder).rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
+
+
+def test_runtime_drafter_modules_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, specdeploy.runtime.drafters.heads as h, specdeploy.runtime.drafters as d; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_heads_kinds_the_graphs_build_are_the_runtime_kinds():
+    """graphs/ cannot import the runtime's list of kinds, so the two are checked here."""
+    from specdeploy.graphs.build import HEADS_BUILDERS
+    from specdeploy.runtime.drafters.kinds import HEADS_KINDS
+
+    assert tuple(HEADS_BUILDERS) == HEADS_KINDS

@@ -43,6 +43,7 @@ from specdeploy.exporter.reference.torch_backend import DTYPES, TorchBackend
 from specdeploy.exporter.reference.torch_drafters import random_chimera
 from specdeploy.graphs.chimera import ChimeraConfig
 from specdeploy.graphs.native_step import StepShape, random_weights
+from specdeploy.runtime.architectures import ARCHITECTURES
 from specdeploy.runtime.bundle import (
     BundleManifest,
     GraphEntry,
@@ -81,7 +82,8 @@ SEED = 0
 
 def synthetic_manifest(shape: StepShape, max_context: int, max_tree: int) -> BundleManifest:
     """A manifest for ``shape`` with random weights: what the Decoder and the exactness probe read."""
-    model = ModelConfig("LlamaForCausalLM", "llama", shape.vocab_size, shape.hidden_size, shape.num_layers,
+    llama = ARCHITECTURES[0]  # the SmolLM2 shape's family
+    model = ModelConfig(llama.name, llama.model_type, shape.vocab_size, shape.hidden_size, shape.num_layers,
                         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.max_positions, eos_token_ids=())
     tag = f"random-seed{SEED}-{shape.num_layers}x{shape.hidden_size}"
     graph = GraphEntry("base", tag, tag, (), (), (), 0, target="ort", precision="fp32")

@@ -23,6 +23,7 @@ from specdeploy.exporter.export.staging import (
     staged_bundle,
 )
 from specdeploy.runtime import contract
+from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.bundle import (
     BundleManifest,
     Limits,
@@ -31,7 +32,6 @@ from specdeploy.runtime.bundle import (
     TokenizerInfo,
     write_manifest,
 )
-from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
 from specdeploy.runtime.precision import FP32, GGUF_Q4_1_BLOCKS, MATMULNBITS_BITS, Q4_1
 
