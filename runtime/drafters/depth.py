@@ -28,7 +28,7 @@ import numpy as np
 from ..tree import CPU_COST_CURVE, DraftTree, step_cost
 
 _EMA = 0.1  # weight of a new timing in the running means
-_TYPICAL_ROWS = 8  # a call over more rows (a prompt, a long catch-up) is not a typical draft call
+TYPICAL_ROWS = 8  # a call over more rows (a prompt, a long catch-up) is not a typical draft call
 
 
 class ConfidenceCalibration:
@@ -96,7 +96,7 @@ class CallTimer:
 
     def timed(self, seconds: float, rows: int = 1) -> None:
         self.calls_s += seconds
-        if rows <= _TYPICAL_ROWS:  # the cost of a call on an ordinary step
+        if rows <= TYPICAL_ROWS:  # the cost of a call on an ordinary step
             self.call_s = seconds if self.call_s is None else (1 - _EMA) * self.call_s + _EMA * seconds
 
     def stop(self) -> None:

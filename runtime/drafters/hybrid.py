@@ -40,7 +40,7 @@ import numpy as np
 
 from ..tree import DraftTree
 from .base import DraftContext, Drafter
-from .depth import _TYPICAL_ROWS, CallTimer
+from .depth import TYPICAL_ROWS, CallTimer
 from .prompt_lookup import ChainAcceptance, PromptLookupDrafter
 
 RETRY_EVERY = 64  # plain steps between two tries of a model draft that stopped paying (at first)
@@ -107,6 +107,7 @@ class HybridDrafter(Drafter):
         self._retry_every = RETRY_EVERY
         self._retried = False  # the last step was a retry: the next one tells whether it paid
         self._retry_now = False
+
     def reset(self) -> None:
         self.model.reset()
         self.lookup.reset()
@@ -163,7 +164,7 @@ class HybridDrafter(Drafter):
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
         self.clock.tick()
-        catching_up = len(self._pending) > _TYPICAL_ROWS  # a model call over many rows is not an ordinary step
+        catching_up = len(self._pending) > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
         after_retry, self._retried = self._retried, False
         tree = self._propose(ctx)
         plain = tree.num_nodes == 1
