@@ -59,12 +59,13 @@ def export() -> None:
 @click.option("--precision", default="fp32", show_default=True,
               type=click.Choice(EXPORT_PRECISIONS),
               help="Weight precision. int8/int4: MatMulNBits blocks with int8 activations (ONNX Runtime only); "
-                   "q4_1: a Q4_1 GGUF's own blocks with int8 activations (llama.cpp's arithmetic).")
+                   "gguf: any GGUF's own blocks (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K; others re-quantized to 8 bits) "
+                   "with int8 activations (llama.cpp's arithmetic); q4_1: its case for an all-Q4_1 GGUF.")
 @click.option("--block-size", type=int, default=None,
               help="int8/int4: weights per quantization block (power of two >= 16; default 32).")
 @click.option("--target", type=click.Choice(["all", "ort", "trt"]), default=None,
               help="Graph targets: trt (dynamo trace in standard ops, TensorRT-parseable), ort (ONNX Runtime's "
-                   "fused kernels, what the CPU runtime runs; the only target of int8/int4/q4_1), or all "
+                   "fused kernels, what the CPU runtime runs; the only target of int8/int4/q4_1/gguf), or all "
                    "(both; the default for fp32).")
 @click.option("--gguf-blocks/--no-gguf-blocks", default=True, show_default=True,
               help="From a Q4_1 GGUF (the default model), also write base-q4.onnx, the ort graph with the file's "
@@ -86,7 +87,9 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
     \b
     int8/int4 quantize the MatMul weights blockwise with ONNX Runtime's MatMulNBitsQuantizer, and the
     kernels quantize their activations to int8 (onnxruntime-genai's recipe; the KV cache stays fp32).
-    q4_1 keeps a Q4_1 GGUF's own blocks instead (no second rounding: near-fp32 quality). At load the
+    gguf keeps a GGUF's own blocks instead (no second rounding: near-fp32 quality), the embedding and
+    lm_head included, and the manifest lists how each tensor is held; q4_1 is its case for a GGUF whose
+    decoder weights are all Q4_1 (the embedded default). At load the
     runtime probes which step plan keeps speculative output identical to plain output on the machine.
     Check them with 'specdeploy validate', which adds a quality report (top-1 agreement and perplexity
     against fp32). fp16 is not exported for the CPU: build TensorRT engines with
@@ -97,6 +100,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
       specdeploy export base --out bundles/smollm2
       specdeploy export base --precision int4 --out bundles/smollm2-int4
       specdeploy export base --precision q4_1 --out bundles/smollm2-q4_1
+      specdeploy export base --model qwen2.5-coder-0.5b --precision gguf --out bundles/qwen-gguf
     """
     from specdeploy.exporter.export.base import export_base
 

@@ -12,9 +12,45 @@ from pathlib import Path
 import click
 from specdeploy.exporter.bench.promptsets import SETS
 from specdeploy.runtime.backends import backend_names
+from specdeploy.runtime.drafters.kinds import AUTO, DRAFTS, draft_name_error
 
 BACKEND_CHOICE = click.Choice(list(backend_names()))
 DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
+
+
+class DraftName(click.ParamType):
+    """``--draft``: a name of ``kinds.DRAFTS``, or ``hybrid:KIND`` (refused in one sentence otherwise)."""
+
+    name = "draft"
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return "[" + "|".join(DRAFTS) + "|hybrid:KIND]"
+
+    def convert(self, value, param, ctx):
+        if (why := draft_name_error(value)) is not None:
+            self.fail(why, param, ctx)
+        return value
+
+
+def decode_options(command):
+    """The options ``generate`` and ``serve`` share: the draft, its tree, the backend, threads, --allow-inexact."""
+    options = [
+        click.option("--draft", default=AUTO, show_default=True, type=DraftName(),
+                     help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, "
+                          "whichever pays most here), none (plain), prompt-lookup, ngram, suffix, a draft kind in the "
+                          "bundle, or hybrid[:KIND] (lookup + that draft; chimera)."),
+        click.option("--tree", default=None,
+                     help="Tree name (tree8/16/32/64, chain4...) or JSON choices for the draft; default auto."),
+        click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE),
+        click.option("--threads", default=None, type=click.IntRange(min=1),
+                     help="Intra-op threads (default: all cores)."),
+        click.option("--allow-inexact", is_flag=True,
+                     help="LOSSY: speculate even where no step plan is bitwise exact on this machine "
+                          "(output labelled lossy)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 # --- generate --------------------------------------------------------------------------------
@@ -23,21 +59,13 @@ DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--draft", default="auto", show_default=True,
-              help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, whichever "
-                   "pays most here), none (plain), prompt-lookup, ngram, suffix, a draft kind in the bundle, or "
-                   "hybrid[:KIND] (lookup + that draft; chimera).")
-@click.option("--tree", default=None, help="Tree name (tree8/16/32/64, chain4...) or JSON choices; default auto.")
+@decode_options
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--seed", default=None, type=int)
 @click.option("--typical", is_flag=True, help="LOSSY: Medusa typical acceptance instead of exact rejection sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
-@click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
-@click.option("--allow-inexact", is_flag=True,
-              help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
 def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: str, tree: str | None,
              temperature: float, top_p: float, top_k: int, seed: int | None, typical: bool, stop: tuple[str, ...],
              backend: str, threads: int | None, allow_inexact: bool) -> None:
@@ -144,13 +172,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
-@click.option("--draft", default="auto", show_default=True,
-              help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, whichever "
-                   "pays most here), none (plain), prompt-lookup, ngram, suffix, a draft kind in the bundle, or "
-                   "hybrid[:KIND] (lookup + that draft; chimera).")
-@click.option("--tree", default=None, help="Tree name or JSON choices for the draft; default auto.")
-@click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE)
-@click.option("--threads", default=None, type=int, help="Intra-op threads (default: all cores).")
+@decode_options
 @click.option("--api-key", default=None, envvar="SPECDEPLOY_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/* (or set SPECDEPLOY_API_KEY).")
 @click.option("--model-name", default=None, help="Model id on /v1/models (default: the bundle folder's name).")
@@ -164,8 +186,6 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
               help="Generation requests admitted at once (running + queued); more get a 503.")
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
-@click.option("--allow-inexact", is_flag=True,
-              help="LOSSY: speculate even where no step plan is bitwise exact on this machine (output labelled lossy).")
 @click.option("--suffix-cache-tokens", default=None, type=click.IntRange(min=0),
               help="With --draft suffix: output tokens its cache shared across requests holds (default 16384; 0: off).")
 @click.option("--cache-per-user", is_flag=True,

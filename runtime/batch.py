@@ -71,7 +71,7 @@ def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> 
     if draft not in BATCH_DRAFTS:
         return DraftMismatchError(f"Batching (max_batch > 1) drafts with prompt lookup or ngram only; the '{draft}' "
                                   "draft needs max_batch 1.")
-    if not any(g.role == "base" and g.target == "trt" for g in manifest.graphs):
+    if manifest.find_graph("base", "trt") is None:
         return BundleError("The bundle has no standard-op base graph, which batching needs (ONNX Runtime's fused "
                            "attention takes one sequence at a time); export it with --target all, or use max_batch 1.")
     return None
@@ -93,8 +93,7 @@ def batch_backend(bundle_dir: Path, manifest: BundleManifest, threads: int | Non
     """The backend batching runs: ONNX Runtime on the CPU with the bundle's standard-op base graph."""
     from .backends.ort import OrtBackend
 
-    graph = next(g for g in manifest.graphs if g.role == "base" and g.target == "trt")
-    return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=graph)
+    return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=manifest.graph("base", "trt"))
 
 
 class _Seq:

@@ -68,6 +68,9 @@ class GraphEntry:
     attention_rows: int = 1
     # Base graphs: the decoder layers whose residual outputs come out as ``layer_states`` (contract.py).
     feature_layers: tuple[int, ...] = ()
+    # Graphs written from a GGUF's blocks: (GGUF tensor, how it is held): its own format ("Q5_0", ...)
+    # where its blocks were kept, "requantized-8bit" where they could not be.
+    weight_blocks: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,18 @@ class BundleManifest:
     engines: tuple[EngineEntry, ...] = ()
     default_tree: str = "auto"
     schema_version: int = SCHEMA_VERSION
+
+    def find_graph(self, role: str, target: str | None = None, precision: str | None = None) -> GraphEntry | None:
+        """The first graph of ``role`` (with that target and precision, where given), or None."""
+        return next((g for g in self.graphs if g.role == role and target in (None, g.target)
+                     and precision in (None, g.precision)), None)
+
+    @property
+    def capacity_buckets(self) -> tuple[int, ...]:
+        """The KV capacities a cache grows through (``kvcache.capacity_buckets`` of the limits)."""
+        from .kvcache import capacity_buckets
+
+        return capacity_buckets(self.limits.max_context, self.limits.max_tree)
 
     def base_files_without(self, feature_layers: tuple[int, ...]) -> list[str]:
         """The base graphs whose ``layer_states`` are not those layers' (what a fusing draft cannot run on)."""

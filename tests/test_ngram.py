@@ -68,6 +68,23 @@ def test_the_table_backs_off_to_shorter_contexts_and_round_trips(tmp_path):
     assert len(chance) == 3 and all(0 < c < 1 for c in chance)
 
 
+def test_a_vocabulary_over_16_bits_packs_wider_ids_and_fewer_orders(tmp_path):
+    """Qwen's 151,936 ids take 18 bits each: three of them fit a key, and the table still round-trips."""
+    from specdeploy.runtime.drafters.ngram import max_order, token_bits
+
+    vocab = 151_936
+    assert (token_bits(vocab), max_order(vocab)) == (18, 3) and (token_bits(49_152), max_order(49_152)) == (16, 4)
+    big = [151_935, 70_000, 5, 131_072]
+    replies = [np.array(big * 6 + [9, 70_000, 5, 42])]
+    table = build_table(replies, vocab_size=vocab, max_order=max_order(vocab))
+    np.savez(tmp_path / "t.npz", **table.arrays())
+    again = NgramTable.load(tmp_path / "t.npz")
+    assert again.bits == 18 and again.tokens[0].max() == 151_935
+    assert again.predict([151_935, 70_000, 5]) == table.predict([151_935, 70_000, 5])
+    assert again.predict([151_935, 70_000, 5])[0] == 131_072  # the 3-token context, not a collision of packed ids
+    assert again.predict([9, 70_000, 5])[0] == 42
+
+
 def test_the_chains_context_bound_drafts_what_an_unbounded_search_drafts():
     """The chain skips orders longer than the last known context plus one: never a different token."""
     replies = _random_replies(3, 60, 5)  # a small vocabulary: long contexts recur

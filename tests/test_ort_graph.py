@@ -172,52 +172,105 @@ def test_ort_only_bundle(tiny_model_factory, tmp_path):
         assert len(engine.generate_ids(engine.encode(PROMPTS[0]), GenerationConfig(8))) == 8
 
 
-# --- the GGUF's own Q4_1 blocks ------------------------------------------------------------------
-def _random_q4_1(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_1 bytes of a random [n, k] matrix, quantized by gguf itself, and gguf's own dequantization."""
+# --- the GGUF's own blocks ---------------------------------------------------------------------------
+_FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def _random_blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random bytes of an [n, k] weight in GGUF format ``kind`` (its fp16 fields made finite scales),
+    and gguf's own dequantization of them (what transformers loads)."""
     from gguf import GGMLQuantizationType, quants
+    from specdeploy.exporter.export.gguf_blocks import FORMATS
 
-    w = np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32)
-    raw = quants.quantize(w, GGMLQuantizationType.Q4_1)
-    return raw, quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(n, k)
-
-
-def test_q4_1_blocks_decode_like_gguf():
-    from specdeploy.exporter.export.gguf_blocks import _parse_q4_1, _row_order
-
-    raw, want = _random_q4_1(24, 96)
-    blocks = _parse_q4_1(raw, 24, 96)
-    assert np.array_equal(blocks.dequantize(), want)  # bit for bit, as transformers loads it
-    perm = np.random.default_rng(1).permutation(24)
-    assert np.array_equal(_row_order(want, want[perm]), perm)
-    assert _row_order(want, want[perm] + 1e-3) is None  # a weight that does not decode exactly refuses
+    values, size, _ = FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // values, size), dtype=np.uint8)
+    for offset in _FP16_FIELDS[kind]:
+        scales = rng.uniform(0.001, 0.01, (n, k // values)).astype(np.float16)
+        raw[..., offset:offset + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
+    raw = raw.reshape(n, -1)
+    return raw, quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k)
 
 
-@pytest.mark.parametrize("t, accuracy", [(1, 0), (5, 0), (1, 4), (5, 4)])
-def test_q4_linear_matches_the_dequantized_weights(t, accuracy):
-    """MatMulNBits(d*q) plus the block-minimum term (a Gemm onto it) equals x @ (d*q + m).T on flat rows
-    ``[t, K]`` to fp32 rounding (accuracy level 0), or to the rounding of x to int8 per block of 32 (level
-    4, the ``q4_1`` precision)."""
+def _session(g, inputs: dict[str, list], outputs: dict[str, list]):
     import onnxruntime as ort
     from onnx import TensorProto, helper
-    from specdeploy.exporter.export.gguf_blocks import _parse_q4_1
-    from specdeploy.exporter.export.ort_graph import MS, _Builder, q4_linear
+    from specdeploy.exporter.export.ort_graph import MS
 
-    n, k = 40, 128
-    raw, w = _random_q4_1(n, k, seed=2)
-    g = _Builder()
-    y = q4_linear(g, "x", "w", _parse_q4_1(raw, n, k), accuracy)
-    g.op("Identity", [y], outputs=["y"])
-    graph = helper.make_graph(g.nodes, "q4", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["t", n])],
-                              initializer=g.inits)
+    types = {"ids": TensorProto.INT64}
+    graph = helper.make_graph(
+        g.nodes, "blocks", [helper.make_tensor_value_info(n, types.get(n, TensorProto.FLOAT), d) for n, d in inputs.items()],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in outputs.items()], initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
     model.ir_version = 10
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_gguf_blocks_decode_like_gguf(kind):
+    from specdeploy.exporter.export.gguf_blocks import _row_order, parse
+
+    raw, want = _random_blocks(kind, 24, 512)
+    blocks = parse(raw, kind, 24, 512)
+    assert np.array_equal(blocks.dequantize(), want)  # bit for bit, as transformers loads it
+    assert blocks.bits in (4, 8) and blocks.q.max() < 2 ** blocks.bits
+    perm = np.random.default_rng(1).permutation(24)
+    assert np.array_equal(_row_order(want, want[perm]), perm)
+    assert np.array_equal(blocks.rows(perm).dequantize(), want[perm])
+    assert _row_order(want, want[perm] + 1e-3) is None  # a weight that does not decode exactly refuses
+    if kind.endswith("_K"):  # a K-quant needs whole super-blocks of 256 along K
+        assert parse(raw, kind, 96, 128) is None
+    assert parse(raw, "Q2_K", 24, 512) is None  # a format MatMulNBits cannot hold
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("t, accuracy", [(1, 0), (5, 0), (1, 4), (5, 4)])
+def test_block_linear_matches_the_dequantized_weights(kind, t, accuracy):
+    """MatMulNBits (plus the block-minimum Gemm for Q4_1/Q4_K) equals x @ W.T on flat rows ``[t, K]`` to fp32
+    rounding (accuracy level 0), or to the rounding of x to int8 per block (level 4, the ``gguf`` precision);
+    two weights of different layouts (Q8_0 beside Q5_0, as Qwen's v_proj) go as two nodes, concatenated."""
+    from specdeploy.exporter.export.gguf_blocks import parse
+    from specdeploy.exporter.export.ort_graph import _Builder, blocks_linear
+
+    n, k = 40, 256
+    raw, w = _random_blocks(kind, n, k, seed=2)
+    other_raw, other = _random_blocks("Q8_0" if kind != "Q8_0" else "Q5_0", 8, k, seed=4)
+    g = _Builder()
+    parts = [parse(raw, kind, n, k), parse(other_raw, "Q8_0" if kind != "Q8_0" else "Q5_0", 8, k)]
+    y = blocks_linear(g, "x", "w", parts, accuracy)
+    g.op("Identity", [y], outputs=["y"])
+    sess = _session(g, {"x": ["t", k]}, {"y": ["t", n + 8]})
     x = np.random.default_rng(3).normal(0, 1, (t, k)).astype(np.float32)
     got = sess.run(None, {"x": x})[0]
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    want = x.astype(np.float64) @ np.concatenate([w, other]).T.astype(np.float64)
     assert np.abs(got - want).max() < (1e-4 if accuracy == 0 else 2e-2) * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_embedding_rows_decode_exactly(kind):
+    """The embedding held as packed integers and block scales gives bit for bit the dequantized rows, for
+    repeated and out-of-order ids, in a fraction of the fp32 table's bytes."""
+    from specdeploy.exporter.export.gguf_blocks import parse
+    from specdeploy.exporter.export.ort_graph import _Builder, embedding_rows
+
+    v, h = 64, 512
+    raw, table = _random_blocks(kind, v, h, seed=6)
+    g = _Builder()
+    g.op("Identity", [embedding_rows(g, "ids", parse(raw, kind, v, h))], outputs=["rows"])
+    stored = sum(np.prod(t.dims) * {2: 1, 10: 2, 1: 4}[t.data_type] for t in g.inits if len(t.dims) == 2)
+    assert stored < 0.35 * table.nbytes
+    ids = np.array([5, 0, 63, 5, 17])
+    got = _session(g, {"ids": ["r"]}, {"rows": ["r", h]}).run(None, {"ids": ids})[0]
+    assert np.array_equal(got, table[ids])
+
+
+def test_requantize_holds_what_no_block_can():
+    from specdeploy.exporter.export.gguf_blocks import REQUANTIZED, requantize
+
+    w = np.random.default_rng(7).normal(0, 0.05, (16, 64)).astype(np.float32)
+    blocks = requantize(w)
+    assert blocks.kind == REQUANTIZED and blocks.bits == 8
+    assert np.abs(blocks.dequantize() - w).max() <= np.abs(w).max() / 127 / 2 + 1e-7
 
 
 @pytest.mark.parametrize("accuracy", [0, 4])
@@ -231,7 +284,7 @@ def test_gguf_block_graph_on_flat_rows_keeps_the_step_contract(accuracy, tiny_mo
     import torch
     from specdeploy.exporter.check.validate import _FlatStep, base_cases
     from specdeploy.exporter.export.base import model_config
-    from specdeploy.exporter.export.gguf_blocks import _GGUF_LINEARS, BLOCK, Q4Blocks
+    from specdeploy.exporter.export.gguf_blocks import _GGUF_LINEARS, BLOCK, Blocks
     from specdeploy.exporter.export.ort_graph import build_ort_graph, save_graph
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep
@@ -246,7 +299,7 @@ def test_gguf_block_graph_on_flat_rows_keeps_the_step_contract(accuracy, tiny_mo
             n, k = linear.weight.shape
             d = rng.uniform(0.01, 0.03, (n, k // BLOCK)).astype(np.float16).astype(np.float32)
             m = (-8 * d * rng.uniform(0.8, 1.2, d.shape)).astype(np.float16).astype(np.float32)
-            blocks[name] = Q4Blocks(rng.integers(0, 16, (n, k), dtype=np.uint8), d, m)
+            blocks[name] = Blocks(rng.integers(0, 16, (n, k), dtype=np.uint8), d, m, 0, 4, BLOCK, "Q4_1")
             with torch.no_grad():
                 linear.weight.copy_(torch.from_numpy(blocks[name].dequantize()))
     step = BaseStep(loaded.model, feature_layers=(0,)).eval()

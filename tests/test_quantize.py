@@ -272,7 +272,7 @@ def test_quantized_differs_from_fp32(quant_bundles, tiny_bundle):
 def test_q4_1_needs_a_q4_1_gguf(tiny_model_factory, tmp_path):
     from specdeploy.exporter.export.base import export_base
 
-    with pytest.raises(PrecisionError, match="Q4_1 GGUF's own blocks.*--precision int4"):
+    with pytest.raises(PrecisionError, match="Q4_1 GGUF.s own blocks.*--precision gguf or int4"):
         export_base(str(tiny_model_factory("llama")), tmp_path / "b", precision="q4_1", progress=lambda m: None)
     assert not (tmp_path / "b").exists()
     with pytest.raises(PrecisionError, match="TensorRT cannot parse"):
@@ -294,6 +294,10 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
              for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert sorted((a["bits"], a["accuracy_level"]) for a in attrs) == [(4, 4)] * 120 + [(8, 4)]  # + lm_head
     assert sum(n.op_type == "Gemm" for n in model.graph.node) == 120  # block minima stay fp32
+    from collections import Counter
+
+    # every linear keeps its Q4_1 blocks, the lm_head its Q8_0 ones; the embedding stays the fp32 table a draft shares
+    assert Counter(how for _, how in graph.weight_blocks) == {"Q4_1": 210, "fp32": 1}
     lines: list[str] = []
     validate_bundle(out, progress=lines.append)  # raises ValidationFailed on any failure
     text = "\n".join(lines)

@@ -58,3 +58,26 @@ def test_every_free_draft_equals_plain_on_chat_prompts(qwen_bundle):
                 assert spec.generate_ids(ids, GenerationConfig(64), st) == ref, (draft, i)
                 if i == 0 and spec.plan.speculate:
                     assert st.new_tokens - 1 > st.steps, (draft, st.mean_accepted)
+
+
+def test_the_gguf_precision_keeps_the_files_blocks_at_near_fp32_quality(tmp_path):
+    """Q5_0, Q8_0, Q4_K and Q6_K all kept (the manifest says so), the embedding decoded from its Q5_0 blocks,
+    validate PASSED at the q4_1 limits (measured: top-1 0.990, perplexity ratio 0.999), speculation lossless."""
+    from collections import Counter
+
+    from specdeploy.exporter.check.validate import validate_bundle
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.runtime.bundle import read_manifest
+
+    out = tmp_path / "qwen-gguf"
+    export_base("qwen2.5-coder-0.5b", out, precision="gguf", max_context=1024, progress=lambda m: None)
+    [graph] = read_manifest(out).graphs
+    assert Counter(how for _, how in graph.weight_blocks) == {"Q5_0": 133, "Q8_0": 13, "Q4_K": 12, "Q6_K": 12}
+    assert sum(f.stat().st_size for f in out.iterdir()) < 700e6  # 669 MB: 8-bit holds of 5-bit blocks
+    lines: list[str] = []
+    validate_bundle(out, progress=lines.append)  # raises ValidationFailed on any failure
+    top1 = float(next(line for line in lines if "top-1 agreement" in line).split()[3])
+    assert top1 >= 0.95, "\n".join(lines)
+    with load(out, draft=None) as plain, load(out, draft="auto") as spec:
+        ids = plain.encode(CODE_EDIT, chat=True)
+        assert spec.generate_ids(ids, GenerationConfig(64)) == plain.generate_ids(ids, GenerationConfig(64))

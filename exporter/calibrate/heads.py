@@ -44,6 +44,7 @@ from specdeploy.exporter.calibrate.gate import gate_probs, sweep_gate, time_gate
 from specdeploy.exporter.calibrate.traces import Trace, entropy_features, simulate
 from specdeploy.exporter.train.weights import load_draft_weights, save_draft_weights
 from specdeploy.runtime.bundle import hash_files
+from specdeploy.runtime.drafters.kinds import CERBERUS_NOGATE
 
 CANDIDATE_TREES = ("chain4", "tree8", "tree16", "tree32", "tree64", "dynamic:16", "dynamic:32")
 
@@ -276,7 +277,7 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
         measured_trim = trims[-1]
 
         progress("[3/5] measuring step costs of the real loop (interleaved, median) ...")
-        draft_name = "medusa" if kind == "medusa" else "cerberus-nogate"
+        draft_name = "medusa" if kind == "medusa" else CERBERUS_NOGATE
         cost_prompt = (confirm_ids or calib_ids)[0] + [int(t) for t in traces[0].ref[:64]]  # a mid-answer context
         measured = measure_step_costs(
             engine, lambda t: make_heads_drafter(draft_name, bundle, manifest, tree=t, threads=threads),
@@ -374,7 +375,7 @@ def confirm(bundle: Path, kind: str, prompts: list[list[int]], max_new_tokens: i
     from specdeploy.runtime import load
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 
-    names = ["none", "medusa"] if kind == "medusa" else ["none", "cerberus-nogate", "cerberus"]
+    names = ["none", "medusa"] if kind == "medusa" else ["none", CERBERUS_NOGATE, "cerberus"]
     engines = {n: load(bundle, draft=n, threads=threads) for n in names}
     totals = {n: [0, 0.0, 0, 0, 0] for n in names}  # tokens, seconds, steps, gate_ar, identical
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.contract import INPUT_NAMES, LOGITS, past_names
-from specdeploy.runtime.precision import INT4, INT8, Q4_1
+from specdeploy.runtime.precision import GGUF, INT4, INT8, Q4_1
 
 # Calibrated on SmolLM2-135M-Instruct (HELD_IN_TEXTS, 394 positions; fp32 perplexity 16.22), with the
 # quantize.py defaults: int8 top-1 0.949, perplexity ratio 1.005; int4 top-1 0.690, ratio 1.24. int8 with
@@ -30,8 +30,8 @@ from specdeploy.runtime.precision import INT4, INT8, Q4_1
 # weights that are already dequantized Q4_1, so both sit below the textbook 0.97 / 0.85. The limits
 # leave room for sampling noise (+-0.02 at 394 positions) and other models of this size, and still
 # fail a broken graph (top-1 near 0, perplexity in the hundreds) or a wrong lm_head/layout.
-MIN_TOP1 = {INT8: 0.92, INT4: 0.60, Q4_1: 0.85}
-MAX_PPL_RATIO = {INT8: 1.03, INT4: 1.40, Q4_1: 1.03}
+MIN_TOP1 = {INT8: 0.92, INT4: 0.60, Q4_1: 0.85, GGUF: 0.85}
+MAX_PPL_RATIO = {INT8: 1.03, INT4: 1.40, Q4_1: 1.03, GGUF: 1.03}
 
 # Held-in text: plain, varied English (narrative, explanation, instructions, dialogue, a list).
 HELD_IN_TEXTS = (

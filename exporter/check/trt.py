@@ -22,7 +22,6 @@ from specdeploy.exporter.check.validate import OutputCheck, base_cases, report
 from specdeploy.runtime.backends.trt import current_device, engine_profiles, require_tensorrt
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.errors import BackendUnavailableError, ValidationFailed
-from specdeploy.runtime.kvcache import capacity_buckets
 from specdeploy.runtime.text import TextCodec
 
 GPU_BACKENDS = ("trt", "ort-cuda", "ort-trt")
@@ -144,8 +143,7 @@ def validate_backend(bundle_dir: str | Path, backend: str, progress: Callable[[s
     else:
         _ort_runner(onnx_path, {"ort-cuda": "CUDAExecutionProvider", "ort-trt": "TensorrtExecutionProvider"}[backend],
                     backend)
-    feeds = reference_feeds(bundle_dir, manifest, capacity_buckets(manifest.limits.max_context,
-                                                                   manifest.limits.max_tree)[0])
+    feeds = reference_feeds(bundle_dir, manifest, manifest.capacity_buckets[0])
     reference = OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=["CPUExecutionProvider"]), name="ort-cpu")
     if backend == "trt":
         targets = _trt_runners(bundle_dir, manifest, feeds)

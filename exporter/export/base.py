@@ -33,7 +33,7 @@ from specdeploy.runtime.bundle import (
     write_manifest,
 )
 from specdeploy.runtime.errors import BundleExistsError, SpecDeployError
-from specdeploy.runtime.precision import FP32, GGUF_Q4_1_BLOCKS, MATMULNBITS_BITS, Q4_1
+from specdeploy.runtime.precision import FP32, GGUF, GGUF_Q4_1_BLOCKS, MATMULNBITS_BITS, Q4_1
 
 Progress = Callable[[str], None]
 
@@ -120,10 +120,15 @@ def export_base(
     weights, a 1-token step ~1.5x faster on a bandwidth-bound CPU (``gguf_blocks.py``); the CPU
     runtime runs it for plain decoding (see ``BundleManifest.cpu_base``). ``gguf_blocks`` False skips it.
 
-    ``precision`` "q4_1" (a Q4_1 GGUF source only) writes one ``ort`` graph from those blocks with int8
-    activations, and the lm_head from the file's ``Q8_0`` table at 8 bits with int8 activations: the
-    arithmetic llama.cpp uses for this file. Its quality stays near fp32 (no second rounding of the
-    weights, unlike "int4").
+    ``precision`` "gguf" (any GGUF source) writes one ``ort`` graph that keeps the file's own blocks
+    (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K at 4 or 8 bits; any other format re-quantized to 8 bits) with int8
+    activations: the arithmetic llama.cpp uses for the file, and near-fp32 quality (no second rounding of
+    the weights, unlike "int4"). The embedding rows are decoded from the file's blocks in the graph and
+    the lm_head multiplies its blocks too; the manifest lists how each tensor is held. "q4_1" is its
+    case for a GGUF whose decoder weights are all Q4_1 (the embedded default), and refuses any other.
+    "gguf", "int8" and "int4" from a GGUF source decode the embedding from its blocks (no fp32 table; a
+    Chimera draft added later then stores a table of its own); "q4_1" keeps the fp32 table, which the
+    main job's Chimera draft shares.
 
     ``feature_layers`` makes every base graph also output ``layer_states``, those decoder layers' residual
     outputs (for drafts that fuse them, EAGLE-3); the logits and hidden states are computed as without.
@@ -149,18 +154,21 @@ def export_base(
         step = BaseStep(hf, feature_layers_option(feature_layers, mcfg.num_layers)).eval()
     except ValueError as exc:
         raise SpecDeployError(f"--feature-layers: {exc}.") from None
-    if precision == Q4_1:
-        from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
+    if precision in (Q4_1, GGUF):
+        from specdeploy.exporter.export.gguf_blocks import read_gguf_weights
 
-        blocks = read_q4_1_linears(loaded.path, hf) if loaded.format == "gguf" else None
-        if not blocks:
+        only = frozenset({"Q4_1"}) if precision == Q4_1 else None
+        weights = read_gguf_weights(loaded.path, hf, only) if loaded.format == "gguf" else None
+        if weights is None:
             raise PrecisionError(
                 f"--precision {Q4_1} keeps a Q4_1 GGUF's own blocks, and '{loaded.path}' is not a GGUF whose "
-                "decoder weights are all Q4_1; use --precision int4 instead."
-            )
+                "decoder weights are all Q4_1; use --precision gguf or int4 instead." if precision == Q4_1 else
+                f"--precision {GGUF} keeps a GGUF's own blocks, and '{loaded.path}' is not a GGUF; use "
+                "--precision int4 or int8 instead.")
         with staged_bundle(out, force) as tmp:
-            _write_gguf_int8_base(step, blocks, tmp, ctx + max_tree, progress)
-            del blocks
+            # q4_1 keeps the fp32 embedding table, which the main job's Chimera draft shares with it
+            _write_gguf_blocks_base(step, weights, tmp, ctx + max_tree, progress, embedding=precision == GGUF)
+            del weights
             gc.collect()
             entries = [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision)]
             return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision,
@@ -168,7 +176,12 @@ def export_base(
     with staged_bundle(out, force) as tmp:
         entries = []
         if target in ("ort", "all"):  # first: its weight copies are freed before the trace's peak
-            _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress)
+            embedding = None
+            if qconfig is not None and loaded.format == "gguf":
+                from specdeploy.exporter.export.gguf_blocks import read_gguf_embedding
+
+                embedding = read_gguf_embedding(loaded.path, hf)
+            _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress, embedding)
             entries.append(graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision))
             blocks = None
             if qconfig is None and gguf_blocks and loaded.format == "gguf":
@@ -247,23 +260,30 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
         onnx.save(proto, str(path))
 
 
-def _write_gguf_int8_base(step, blocks: dict, tmp: Path, max_positions: int, progress: Progress) -> None:
-    """The ``q4_1`` precision: the GGUF's Q4_1 blocks with int8 activations, the lm_head at 8 bits."""
-    from specdeploy.exporter.export.ort_graph import export_ort_graph
-    from specdeploy.exporter.export.quantize import quantize_lm_head
+def _write_gguf_blocks_base(step, weights, tmp: Path, max_positions: int, progress: Progress,
+                            embedding: bool = True) -> None:
+    """The ``q4_1`` and ``gguf`` precisions: the GGUF's own blocks with int8 activations, the embedding
+    rows decoded from its blocks, the lm_head from its blocks at 8 bits (``gguf_blocks.py``)."""
+    from specdeploy.exporter.export.ort_graph import WEIGHT_BLOCKS_KEY, export_ort_graph
 
-    progress("[2/4] writing the ONNX Runtime graph from the GGUF's Q4_1 blocks (int8 activations) ...")
-    (tmp / "blocks").mkdir()
-    export_ort_graph(step, tmp / "blocks" / ORT_BASE_FILE, max_positions, progress=progress, blocks=blocks,
-                     block_accuracy=4)
-    progress("[2/4] the lm_head (the GGUF's Q8_0 table) at 8 bits with int8 activations ...")
-    quantize_lm_head(tmp / "blocks" / ORT_BASE_FILE, tmp / ORT_BASE_FILE)
-    shutil.rmtree(tmp / "blocks")
+    kept = ", ".join(f"{n} {kind}" for kind, n in sorted(weights.kept().items()))
+    progress(f"[2/4] writing the ONNX Runtime graph from the GGUF's own blocks ({kept}; int8 activations) ...")
+    if again := weights.requantized():
+        progress(f"      {len(again)} tensors cannot keep their blocks and are re-quantized to 8 bits "
+                 f"({', '.join(again[:4])}{' ...' if len(again) > 4 else ''})")
+    held = weights.held
+    if not embedding:
+        held = tuple((name, "fp32" if name == "token_embd.weight" else how) for name, how in held)
+    elif weights.embedding is None:
+        progress("      the embedding's blocks do not decode exactly: it stays an fp32 table")
+    export_ort_graph(step, tmp / ORT_BASE_FILE, max_positions, progress=progress, blocks=weights.linears,
+                     block_accuracy=4, embedding=weights.embedding if embedding else None, lm_head=weights.lm_head,
+                     props={WEIGHT_BLOCKS_KEY: json.dumps([list(pair) for pair in held])})
     progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
              "identical to plain on the machine (see runtime/plan.py)")
 
 
-def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress) -> None:
+def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress, embedding=None) -> None:
     """The ``ort`` target: the op-by-op fused graph, weight-quantized when ``qconfig`` is given."""
     from specdeploy.exporter.export.ort_graph import export_ort_graph
     from specdeploy.exporter.export.quantize import quantize_file
@@ -273,7 +293,9 @@ def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Prog
         export_ort_graph(step, tmp / ORT_BASE_FILE, max_positions, progress=progress)
         return
     (tmp / "fp32").mkdir()
-    export_ort_graph(step, tmp / "fp32" / ORT_BASE_FILE, max_positions, progress=progress)
+    if embedding is not None:
+        progress(f"      the embedding keeps the GGUF's {embedding.kind} blocks (rows decoded in the graph)")
+    export_ort_graph(step, tmp / "fp32" / ORT_BASE_FILE, max_positions, progress=progress, embedding=embedding)
     progress(f"[2/4] quantizing MatMul weights to {qconfig.bits} bits (MatMulNBits, block "
              f"{qconfig.block_size}, lm_head {qconfig.lm_head_bits or 'fp32'}-bit) ...")
     quantize_file(tmp / "fp32" / ORT_BASE_FILE, tmp / ORT_BASE_FILE, qconfig)

@@ -232,7 +232,7 @@ def _draft_quant(precision: str):
 
 def _has_trt_base(manifest: BundleManifest) -> bool:
     """Whether the bundle has a TensorRT base graph, which would run a draft's fp32 graph."""
-    return any(g.role == "base" and g.target == "trt" for g in manifest.graphs)
+    return manifest.find_graph("base", "trt") is not None
 
 
 def _quantized_graph(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str, precision: str,

@@ -23,10 +23,11 @@ from specdeploy.runtime.drafters.ngram import (
     MAX_ORDER,
     SHARE_BINS,
     TABLE_FILE,
-    TOKEN_BITS,
     NgramTable,
     cell,
+    token_bits,
 )
+from specdeploy.runtime.drafters.ngram import max_order as longest_order
 from specdeploy.runtime.errors import DraftMismatchError
 
 HELDOUT_EVERY = 16  # every 16th reply calibrates the hit rates
@@ -54,16 +55,17 @@ def read_replies(path: str | Path, vocab_size: int, base_weight_sha: str) -> lis
     return [ids[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def count_order(replies: list[np.ndarray], order: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For every context of ``order`` tokens in the replies: packed key (sorted), most frequent next
-    token, its count, and the context's count."""
+def count_order(replies: list[np.ndarray], order: int, bits: int = 16
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every context of ``order`` tokens in the replies: packed key (``bits`` per id, sorted), most
+    frequent next token, its count, and the context's count."""
     keys, nexts = [], []
     for seq in replies:
         if len(seq) <= order:
             continue
         key = np.zeros(len(seq) - order, dtype=np.uint64)
         for j in range(order):
-            key = (key << np.uint64(TOKEN_BITS)) | seq[j : len(seq) - order + j].astype(np.uint64)
+            key = (key << np.uint64(bits)) | seq[j : len(seq) - order + j].astype(np.uint64)
         keys.append(key)
         nexts.append(seq[order:])
     if not keys:
@@ -87,7 +89,7 @@ def build_table(replies: list[np.ndarray], vocab_size: int, max_order: int = MAX
                 hit_rate: np.ndarray | None = None) -> NgramTable:
     keys, tokens, cells = [], [], []
     for k in range(1, max_order + 1):
-        key, nxt, top, total = count_order(replies, k)
+        key, nxt, top, total = count_order(replies, k, token_bits(vocab_size))
         keys.append(key)
         tokens.append(nxt)
         cells.append(cell(np.full(len(key), k), total, top / np.maximum(total, 1)))
@@ -132,9 +134,7 @@ def export_ngram(bundle: str | Path, replies_path: str | Path, max_order: int = 
 
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
-    if manifest.model.vocab_size > 1 << TOKEN_BITS:
-        raise DraftMismatchError(f"The n-gram table packs token ids in {TOKEN_BITS} bits; this vocabulary "
-                                 f"has {manifest.model.vocab_size} ids.")
+    max_order = min(max_order, longest_order(manifest.model.vocab_size))  # 3 for 18-bit ids (Qwen)
     replies = read_replies(replies_path, manifest.model.vocab_size, manifest.source.weight_sha)
     positions = int(sum(len(r) for r in replies))
     progress(f"[1/3] calibrating on held-out replies (1 in {HELDOUT_EVERY} of {len(replies)}, {positions} tokens) ...")

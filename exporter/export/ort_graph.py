@@ -42,6 +42,7 @@ from specdeploy.runtime import contract
 MS = "com.microsoft"
 ATTENTION_ROWS = 2  # the fewest rows the graph's attention runs (a 1-row step is padded inside)
 ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
+WEIGHT_BLOCKS_KEY = "specdeploy.weight_blocks"  # model metadata (JSON): what GraphEntry.weight_blocks records
 
 
 _ALIGN = 4096  # external tensors start on page boundaries (ONNX Runtime can then map them)
@@ -104,23 +105,101 @@ def _np(t) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def q4_linear(g: _Builder, x: str, name: str, qb, accuracy_level: int = 0) -> str:
-    """``x [R, K] @ W.T`` for ``W = d * q + m`` held as 4-bit blocks (:class:`gguf_blocks.Q4Blocks`), on
-    the rows of a flat ``[R, K]`` input: ``MatMulNBits`` with zero point 0 gives the ``d * q`` part, and a
-    ``Gemm`` of x's block sums with the block minima adds the ``m`` part onto it: one node for the product
-    and the sum, where a ``MatMul`` and an ``Add`` took 2.67 against 1.94 ms for a step's 120 terms on an
-    AVX2 EPYC (decode steps 6% faster there). ``accuracy_level`` 4 quantizes x to int8 inside the kernel
-    (the ``q4_1`` precision, llama.cpp's arithmetic); 0 multiplies in fp32."""
-    from specdeploy.exporter.export.gguf_blocks import BLOCK
+def _nbits_inputs(g: _Builder, x: str, name: str, blocks) -> list[str]:
+    """MatMulNBits' inputs for ``blocks``; no zero-point input where the zero point is the kernel's own
+    default (2**(bits-1): the symmetric path, which runs faster than explicit zero points)."""
+    packed, scales, zero_points = blocks.matmulnbits_inputs()
+    inputs = [x, g.init(name + f".q{blocks.bits}", packed), g.init(name + ".scales", scales)]
+    if blocks.zero != 1 << (blocks.bits - 1):
+        inputs.append(g.init(name + ".zero_points", zero_points))
+    return inputs
 
-    n, k = qb.shape
-    packed, scales, zero_points = qb.matmulnbits_inputs()
-    y = g.one("MatMulNBits", [x, g.init(name + ".q4", packed), g.init(name + ".scales", scales),
-                              g.init(name + ".zero_points", zero_points)], MS,
-              K=k, N=n, bits=4, block_size=BLOCK, accuracy_level=accuracy_level)
-    sums = g.one("ReduceSum", [g.one("Reshape", [x, g.const([-1, k // BLOCK, BLOCK])]), g.const([-1])],
-                 keepdims=0)  # [R, K/32]: the sum of x over each block
-    return g.one("Gemm", [sums, g.init(name + ".block_min", qb.m.T), y])
+
+def block_linear(g: _Builder, x: str, name: str, blocks, accuracy_level: int = 0) -> str:
+    """``x [R, K] @ W.T`` for ``W = scale * (q - zero) + minimum`` held as the GGUF's own blocks
+    (:class:`gguf_blocks.Blocks`), on the rows of a flat ``[R, K]`` input: ``MatMulNBits`` gives the
+    ``scale * (q - zero)`` part, and for formats with a block minimum (Q4_1, Q4_K) a ``Gemm`` of x's block
+    sums with the minima adds that part onto it: one node for the product and the sum, where a ``MatMul``
+    and an ``Add`` took 2.67 against 1.94 ms for a step's 120 terms on an AVX2 EPYC (decode steps 6%
+    faster there). ``accuracy_level`` 4 quantizes x to int8 inside the kernel (the ``q4_1`` and ``gguf``
+    precisions, llama.cpp's arithmetic); 0 multiplies in fp32."""
+    n, k = blocks.shape
+    y = g.one("MatMulNBits", _nbits_inputs(g, x, name, blocks), MS,
+              K=k, N=n, bits=blocks.bits, block_size=blocks.block, accuracy_level=accuracy_level)
+    if blocks.minimum is None:
+        return y
+    sums = g.one("ReduceSum", [g.one("Reshape", [x, g.const([-1, k // blocks.block, blocks.block])]),
+                               g.const([-1])], keepdims=0)  # [R, K/block]: the sum of x over each block
+    return g.one("Gemm", [sums, g.init(name + ".block_min", blocks.minimum.T), y])
+
+
+def blocks_linear(g: _Builder, x: str, name: str, parts: list, accuracy_level: int = 0) -> str:
+    """``x @ [W_1; W_2; ...].T`` for weights held as blocks: one node (stacked) where the parts share a
+    layout, else one per run of equal layouts, concatenated (Qwen's v_proj is Q8_0 beside Q5_0 q/k)."""
+    from itertools import groupby
+
+    from specdeploy.exporter.export.gguf_blocks import Blocks
+
+    runs = [list(run) for _, run in groupby(parts, key=lambda b: b.layout)]
+    outs = [block_linear(g, x, name if len(runs) == 1 else f"{name}.{i}", Blocks.concat(run), accuracy_level)
+            for i, run in enumerate(runs)]
+    return outs[0] if len(outs) == 1 else g.one("Concat", outs, axis=-1)
+
+
+VALUE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q6_K": 6}  # significant bits of q; others 8
+
+
+def _exact_fp16(a: np.ndarray) -> np.ndarray:
+    """``a`` as fp16 where that loses nothing (GGUF scales are fp16), else as it is."""
+    half = a.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), a) else a
+
+
+def embedding_rows(g: _Builder, ids: str, blocks, name: str = "embed") -> str:
+    """The embedding rows of flat ``ids [R]`` decoded from the GGUF's blocks: ``[R, H]`` fp32, the same
+    values as the dequantized table. The table is stored as packed integers (a nibble plane, then one
+    plane per further bit; a byte plane for 8-bit formats) plus the block scales, and only the R rows a
+    step reads are unpacked: a few hundred operations instead of a vocabulary x hidden fp32 table."""
+    from onnx import TensorProto
+
+    h = blocks.shape[1]
+    bits = VALUE_BITS.get(blocks.kind, 8)
+    q = blocks.q
+    if bits == 8:
+        values = g.one("Cast", [g.one("Gather", [g.init(name + ".q8", q), ids], axis=0)], to=TensorProto.FLOAT)
+    else:
+        nib = q & 0x0F
+        packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)  # [V, H/2]
+        rows = g.one("Gather", [g.init(name + ".q4", packed), ids], axis=0)
+        pair = [g.one("Unsqueeze", [g.one("BitwiseAnd", [rows, g.const(15, np.uint8)]), g.const([-1])]),
+                g.one("Unsqueeze", [g.one("BitShift", [rows, g.const(4, np.uint8)], direction="RIGHT"),
+                                    g.const([-1])])]
+        values = g.one("Cast", [g.one("Reshape", [g.one("Concat", pair, axis=-1), g.const([-1, h])])],
+                       to=TensorProto.FLOAT)
+        shifts = g.const(np.arange(8), np.uint8) if bits > 4 else None
+        for j in range(4, bits):  # one plane per further bit, eight values a byte
+            plane = np.packbits(((q >> j) & 1).astype(np.uint8), axis=1, bitorder="little")  # [V, H/8]
+            rows = g.one("Gather", [g.init(f"{name}.bit{j}", plane), ids], axis=0)
+            spread = g.one("BitShift", [g.one("Unsqueeze", [rows, g.const([-1])]), shifts], direction="RIGHT")
+            bit = g.one("Cast", [g.one("Reshape", [g.one("BitwiseAnd", [spread, g.const(1, np.uint8)]),
+                                                   g.const([-1, h])])], to=TensorProto.FLOAT)
+            values = g.one("Add", [values, g.one("Mul", [bit, g.const(float(1 << j), np.float32)])])
+    per = blocks.block
+    values = g.one("Reshape", [values, g.const([-1, h // per, per])])
+    if blocks.zero:
+        values = g.one("Sub", [values, g.const(float(blocks.zero), np.float32)])
+
+    def gathered(table: np.ndarray, what: str) -> str:
+        stored = _exact_fp16(table)
+        rows = g.one("Gather", [g.init(f"{name}.{what}", stored), ids], axis=0)
+        if stored.dtype != np.float32:
+            rows = g.one("Cast", [rows], to=TensorProto.FLOAT)
+        return g.one("Unsqueeze", [rows, g.const([-1])])
+
+    values = g.one("Mul", [gathered(blocks.scale, "scales"), values])
+    if blocks.minimum is not None:
+        values = g.one("Add", [values, gathered(blocks.minimum, "block_min")])
+    return g.one("Reshape", [values, g.const([-1, h])])
 
 
 def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -136,13 +215,15 @@ def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ort_graph(step, max_positions: int, data=None, location: str = "", blocks: dict | None = None,
-                    block_accuracy: int = 0, pad_attention: bool = True):
+                    block_accuracy: int = 0, pad_attention: bool = True, embedding=None, lm_head=None):
     """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`).
 
     With ``data`` (a binary file opened for writing), the weights go there as external data named
-    ``location``; without it they are held in the proto (fine for small models). ``blocks`` (from
-    :func:`gguf_blocks.read_q4_1_linears`) keeps the decoder-layer weights as the source GGUF's own
-    4-bit blocks instead of fp32. ``pad_attention`` False leaves out the padding of
+    ``location``; without it they are held in the proto (fine for small models). ``blocks`` (the
+    ``linears`` of :func:`gguf_blocks.read_gguf_weights`) keeps the decoder-layer weights as the source
+    GGUF's own blocks instead of fp32; ``embedding`` and ``lm_head`` (:class:`gguf_blocks.Blocks`) do the
+    same for the token table (rows decoded in the graph) and the logits MatMul (at ``block_accuracy``).
+    ``pad_attention`` False leaves out the padding of
     1-row steps' attention (the control in the tests). Blocks at accuracy level 0 are never padded:
     ``MatMulNBits`` with fp32 activations has its own 1-row path, so padding the attention would cost
     time and buy no exactness (that graph serves plain steps of non-row-exact decoding only).
@@ -154,8 +235,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     hidden = step.embed_tokens.weight.shape[1]
     vocab = step.embed_tokens.weight.shape[0]
 
-    embed = g.init("embed_tokens", _np(step.embed_tokens.weight))
-    lm_head = g.init("lm_head_t", _np(step.lm_head.weight).T)  # [H, V]; MatMulNBits-quantizable
+    embed = None if embedding is not None else g.init("embed_tokens", _np(step.embed_tokens.weight))
+    lm_head_t = None if lm_head is not None else g.init("lm_head_t", _np(step.lm_head.weight).T)  # [H, V]
     cos, sin = rotary_tables(step, max_positions)
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
@@ -190,16 +271,19 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         """x @ W.T, from fp32 weights or from the GGUF blocks of the transformers modules ``parts``."""
         if blocks is None:
             return g.one("MatMul", [x, g.init(name, _np(weight).T)])
-        from specdeploy.exporter.export.gguf_blocks import Q4Blocks
-
-        return q4_linear(g, x, name, Q4Blocks.concat([blocks[p] for p in parts]), block_accuracy)
+        return blocks_linear(g, x, name, [blocks[p] for p in parts], block_accuracy)
 
     # With GGUF blocks the layers run on flat rows [B*T, H], so that each linear's block-minimum term is
     # one Gemm (2-D only) added onto its MatMulNBits; attention and the outputs take [B, T, .] views.
     flat = blocks is not None
-    ids = g.one("Reshape", [contract.INPUT_IDS, g.const([-1])]) if flat else contract.INPUT_IDS
-    x = g.one("Gather", [embed, ids], axis=0)  # [B, T, H], or [B*T, H] flat
-    bt = g.one("Shape", [contract.INPUT_IDS]) if flat else None  # [B, T]
+    ids = g.one("Reshape", [contract.INPUT_IDS, g.const([-1])]) if flat or embed is None else contract.INPUT_IDS
+    bt = g.one("Shape", [contract.INPUT_IDS]) if flat or embed is None else None  # [B, T]
+    if embed is not None:
+        x = g.one("Gather", [embed, ids], axis=0)  # [B, T, H], or [B*T, H] flat
+    else:
+        x = embedding_rows(g, ids, embedding)  # [B*T, H]
+        if not flat:
+            x = g.one("Reshape", [x, g.one("Concat", [bt, g.const([hidden])], axis=0)])
     shapes: dict[int, str] = {}
     ctx_rows = g.const([-1, hq * d]) if flat else None  # the attention output back to flat rows
 
@@ -261,7 +345,12 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     elif taps:  # already [B, T, L*H]: straight into the output, no extra node
         g.op("Concat", taps, outputs=[contract.LAYER_STATES], axis=-1)
     kept = g.one("Gather", [final, contract.LOGITS_INDEX], axis=1)  # [B, K, H]
-    g.op("MatMul", [kept, lm_head], outputs=[contract.LOGITS])
+    if lm_head is None:
+        g.op("MatMul", [kept, lm_head_t], outputs=[contract.LOGITS])
+    else:  # MatMulNBits takes [B, K, H] as it is; the lm_head formats have no block minimum
+        assert lm_head.minimum is None
+        g.op("MatMulNBits", _nbits_inputs(g, kept, "lm_head", lm_head), outputs=[contract.LOGITS], domain=MS,
+             K=hidden, N=vocab, bits=lm_head.bits, block_size=lm_head.block, accuracy_level=block_accuracy)
 
     dtypes = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64}
     kv = list(contract.kv_dims(hkv, d))
@@ -296,8 +385,8 @@ def save_graph(model, path: Path) -> None:
 
 
 def export_ort_graph(step, path: Path, max_positions: int, progress: Callable[[str], None] | None = None,
-                     blocks: dict | None = None,
-                     block_accuracy: int = 0) -> None:
+                     blocks: dict | None = None, block_accuracy: int = 0, embedding=None, lm_head=None,
+                     props: dict[str, str] | None = None) -> None:
     """Build the ``ort``-target base graph of ``step`` at ``path``, weights streamed to ``<path>.data``."""
     import onnx
 
@@ -305,7 +394,11 @@ def export_ort_graph(step, path: Path, max_positions: int, progress: Callable[[s
     data = path.with_name(path.name + ".data")
     with open(data, "wb") as f:
         model = build_ort_graph(step, max_positions, data=f, location=data.name, blocks=blocks,
-                                block_accuracy=block_accuracy)
+                                block_accuracy=block_accuracy, embedding=embedding, lm_head=lm_head)
+    if props:
+        from onnx import helper
+
+        helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **props})
     if progress:
         progress(f"      {len(model.graph.node)} nodes, weights {data.stat().st_size / 2**20:.0f} MiB "
                  f"in {data.name}")

@@ -7,6 +7,7 @@ hard-linked copy. Ctrl-C, an error or a full disk leaves nothing half-written.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY
+from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY, WEIGHT_BLOCKS_KEY
 from specdeploy.runtime import contract
 from specdeploy.runtime.bundle import GraphEntry, TensorSpec, hash_files
 from specdeploy.runtime.errors import BundleError, BundleExistsError
@@ -164,4 +165,6 @@ def graph_entry(bundle_dir: Path, role: str, file: str, target: str = "trt", pre
     props = {p.key: p.value for p in proto.metadata_props}
     rows = int(props.get(ATTENTION_ROWS_KEY, 1))
     taps = contract.parse_feature_layers(props.get(contract.FEATURE_LAYERS_KEY))
-    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows, taps)
+    held = tuple(tuple(pair) for pair in json.loads(props.get(WEIGHT_BLOCKS_KEY, "[]")))
+    return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows, taps,
+                      held)

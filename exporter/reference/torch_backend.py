@@ -204,7 +204,7 @@ def bundle_weights(bundle_dir: Path, manifest: BundleManifest) -> tuple[dict[str
     import onnx
     from onnx import numpy_helper
 
-    entry = next((g for g in manifest.graphs if g.role == "base" and g.target == "ort" and g.precision == FP32), None)
+    entry = manifest.find_graph("base", "ort", FP32)
     if entry is None:
         have = ", ".join(f"{g.target}/{g.precision}" for g in manifest.graphs if g.role == "base")
         raise BackendUnavailableError(

@@ -69,7 +69,7 @@ class RuntimeGenerator:
 
         self.bundle = Path(bundle)
         self.manifest = read_manifest(self.bundle)
-        graph = next((g for g in self.manifest.graphs if g.role == "base" and g.target == "trt"), None)
+        graph = self.manifest.find_graph("base", "trt")
         if graph is None:
             raise TrainingError(
                 f"The bundle '{self.bundle}' has no standard-op base graph, which batched generation needs "

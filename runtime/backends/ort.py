@@ -347,13 +347,12 @@ class OrtCudaBackend(OrtBackend):
         self.cuda_graphs = cuda_graphs
         self._load()  # now: a missing provider or GPU is one sentence at load
         from ..capture import tree_buckets
-        from ..kvcache import capacity_buckets
         from .trt import CachePool, check, cudart
 
         self._check, self._rt = check, cudart()
         self.stream = check(self._rt.cudaStreamCreate())
         self.t_buckets = tree_buckets(manifest.limits.max_tree)
-        self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
+        self.cap_buckets = manifest.capacity_buckets
         self.pool = CachePool(self._kv_dtype, self.stream, ping_pong=False)  # present aliases past
         entry = manifest.base_graph("trt")
         self._out_dtype = {s.name: np.dtype(s.dtype) for s in entry.outputs}

@@ -41,7 +41,7 @@ from ..contract import (
     present_names,
 )
 from ..errors import BackendUnavailableError, BundleError
-from ..kvcache import KVCache, capacity_buckets
+from ..kvcache import KVCache
 from .base import Backend, StepInputs, StepOutputs
 from .trt_profiles import DeviceInfo, DimRange, Profile, pick_profile, select_engine
 
@@ -362,7 +362,7 @@ class TrtBackend(Backend):
         self.profiles = engine_profiles(self.engine)
         self.t_buckets = tree_buckets(min(manifest.limits.max_tree, max(p.tree.max for p in self.profiles
                                                                          if p.name == "tree")))
-        self.cap_buckets = capacity_buckets(manifest.limits.max_context, manifest.limits.max_tree)
+        self.cap_buckets = manifest.capacity_buckets
         # The cache lives in the engine's KV dtype (fp16 for an fp16 engine, see exporter/build/trt.py).
         # present becomes the next step's past, so both must have it.
         kv = {n: kv_host_dtype(trt, self.engine, n) for n in (*self.past_names, *self.present_names)}

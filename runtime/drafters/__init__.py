@@ -9,7 +9,7 @@ from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
 from ..tree import TreeSpec, tree_choice
 from .base import DraftContext, Drafter
-from .kinds import AUTO, DRAFTS, HYBRID, NGRAM, SUFFIX, TRAINED_KINDS
+from .kinds import AUTO, DRAFTS, HYBRID, NGRAM, SUFFIX, TRAINED_DRAFTS, draft_name_error
 from .prompt_lookup import PromptLookupDrafter
 
 MAX_LOOKUP_DEPTH = 16
@@ -65,18 +65,17 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
         from .hybrid import HybridDrafter
 
         model = name.partition(":")[2] or "chimera"
-        if model not in (*TRAINED_KINDS, "cerberus-nogate"):
-            raise DraftMismatchError(f"'{name}': the hybrid's model must be one of "
-                                     f"{', '.join((*TRAINED_KINDS, 'cerberus-nogate'))}.")
+        if model not in TRAINED_DRAFTS:
+            raise DraftMismatchError(draft_name_error(name))
         # Lookup includes the model's own n-gram table where the bundle has one.
         lookup = make_drafter(NGRAM, bundle_dir, manifest) if any(d.kind == NGRAM for d in manifest.drafts) else None
         return HybridDrafter(_trained(model, bundle_dir, manifest, tree, threads, chains, backend), lookup=lookup,
                              chains=chains)
-    if name in (*TRAINED_KINDS, "cerberus-nogate"):  # alone, behind the rule: it drafts only where it pays
+    if name in TRAINED_DRAFTS:  # alone, behind the rule: it drafts only where it pays
         from .hybrid import PaidDraft
 
         return PaidDraft(_trained(name, bundle_dir, manifest, tree, threads, chains, backend), chains=chains)
-    raise DraftMismatchError(f"Unknown draft '{name}'; choose one of {', '.join(DRAFTS)}.")
+    raise DraftMismatchError(draft_name_error(name))
 
 
 def _trained(name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None, threads: int | None,

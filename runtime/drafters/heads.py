@@ -42,8 +42,9 @@ from ..tree import (
 )
 from .base import DraftContext, Drafter
 from .depth import ChainPolicy, CostAwareGate
+from .kinds import CERBERUS_NOGATE, HEADS_KINDS
 
-HEADS_DRAFTS = ("medusa", "cerberus", "cerberus-nogate")
+HEADS_DRAFTS = (*HEADS_KINDS, CERBERUS_NOGATE)
 GATE_KINDS = ("entropy", "learned")
 
 

@@ -30,7 +30,7 @@ from .prompt_lookup import PromptLookupDrafter
 
 TABLE_FILE = "ngram.npz"
 TOKEN_BITS = 16  # ids pack 16 bits each into a uint64 key: vocabularies up to 65,536, orders up to 4
-MAX_ORDER = 64 // TOKEN_BITS
+MAX_ORDER = 64 // TOKEN_BITS  # with a larger vocabulary each id takes more bits, and fewer fit a key
 COUNT_EDGES = np.array([2, 4, 16])  # count buckets: 1, 2-3, 4-15, 16+
 SHARE_BINS = 10  # share of the top next token, in tenths
 TABLE_SOURCE = -1  # :meth:`NgramDrafter.chain`'s "n-gram size" of a chain that came from the table
@@ -38,11 +38,21 @@ MAX_CHANCE = 0.99  # no drafted token is taken as certain
 CHAIN_FLOOR = 0.02  # a table chain stops where the chance that all of it is accepted falls below this
 
 
-def pack(tokens) -> int:
-    """The uint64 key of a context of at most four token ids (each < 2**16), oldest first."""
+def token_bits(vocab_size: int) -> int:
+    """Bits per id in a packed key: 16, or as many as the vocabulary needs (18 for Qwen's 151,936)."""
+    return max(TOKEN_BITS, int(vocab_size - 1).bit_length())
+
+
+def max_order(vocab_size: int) -> int:
+    """The longest context whose ids fit one uint64 key (4 for 16-bit ids, 3 for 18-bit ones)."""
+    return 64 // token_bits(vocab_size)
+
+
+def pack(tokens, bits: int = TOKEN_BITS) -> int:
+    """The uint64 key of a context of at most ``64 // bits`` token ids (each < 2**bits), oldest first."""
     key = 0
     for tok in tokens:
-        key = (key << TOKEN_BITS) | int(tok)
+        key = (key << bits) | int(tok)
     return key
 
 
@@ -63,6 +73,7 @@ class NgramTable:
         self.hit_rate = np.asarray(hit_rate, dtype=np.float64)
         self.vocab_size = int(vocab_size)
         self.max_order = len(keys)
+        self.bits = token_bits(self.vocab_size)
 
     @classmethod
     def load(cls, path: str | Path) -> NgramTable:
@@ -76,7 +87,7 @@ class NgramTable:
         except (OSError, KeyError, ValueError) as exc:
             raise BundleError(f"Cannot read the n-gram table '{path}' ({exc}).") from None
         cells_total = order * (len(COUNT_EDGES) + 1) * SHARE_BINS
-        if not 1 <= order <= MAX_ORDER or len(hit_rate) != cells_total or any(
+        if not 1 <= order <= max_order(vocab) or len(hit_rate) != cells_total or any(
                 k.dtype != np.uint64 or len(k) != len(t) or len(k) != len(c) or (len(c) and c.max() >= cells_total)
                 for k, t, c in zip(keys, tokens, cells)):
             raise BundleError(f"The n-gram table '{path}' is corrupt (inconsistent arrays).")
@@ -88,7 +99,7 @@ class NgramTable:
                                       "vocab_size": np.array(self.vocab_size)}
         for k in range(1, self.max_order + 1):
             out[f"keys{k}"] = self.keys[k - 1]
-            out[f"tokens{k}"] = self.tokens[k - 1].astype(np.uint16)
+            out[f"tokens{k}"] = self.tokens[k - 1].astype(np.uint16 if self.bits == TOKEN_BITS else np.uint32)
             out[f"cells{k}"] = self.cells[k - 1].astype(np.uint16)
         return out
 
@@ -97,7 +108,7 @@ class NgramTable:
         most ``longest`` tokens; (-1, -1, 0) if none."""
         for k in range(min(self.max_order, longest, len(context)), 0, -1):
             keys = self.keys[k - 1]
-            key = pack(context[-k:])
+            key = pack(context[-k:], self.bits)
             at = int(keys.searchsorted(np.uint64(key)))
             if at < len(keys) and int(keys[at]) == key:
                 return int(self.tokens[k - 1][at]), int(self.cells[k - 1][at]), k
