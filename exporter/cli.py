@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 from specdeploy.exporter.cli_decode import bench, bench_serve, generate, serve
+from specdeploy.exporter.train.options import CHIMERA_DEFAULTS, HEADS_DEFAULTS
 from specdeploy.runtime.drafters.kinds import NGRAM, TRAINED_KINDS
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.precision import (
@@ -157,12 +158,12 @@ def train() -> None:
     """Train a draft on ShareGPT with the frozen base model (self-distillation)."""
 
 
-def _reply_options(default: str = "sharegpt") -> list:
+def _reply_options(default: str = HEADS_DEFAULTS.replies) -> list:
     return [
         click.option("--replies", default=default, show_default=True, type=click.Choice(["sharegpt", "self"]),
                      help="Train on ShareGPT's own replies, or on the base model's greedy replies to each "
                           "conversation's first turn (the text the draft meets at run time)."),
-        click.option("--reply-tokens", default=256, show_default=True, type=int,
+        click.option("--reply-tokens", default=HEADS_DEFAULTS.reply_tokens, show_default=True, type=int,
                      help="Longest self-generated reply (--replies self)."),
         click.option("--engine", default=None, type=click.Path(path_type=Path),
                      help="Make the training data through this bundle's runtime (its base graph on ONNX Runtime, "
@@ -181,6 +182,10 @@ def _apply(options: list):
     return deco
 
 
+_THREADS_OPTION = click.option("--threads", default=HEADS_DEFAULTS.threads, show_default=True, type=click.IntRange(min=1),
+                               help="torch (and ONNX Runtime) threads.")  # the training and calibration commands
+_DATA_OPTION = click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
+                            help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
 _DEVICE_OPTION = click.option(
     "--device", default="auto", show_default=True,
     help="Where data generation and training run: auto (cuda when torch sees a GPU), cpu, cuda or cuda:N. "
@@ -191,21 +196,23 @@ def _heads_train_options(fn):
     options = [
         click.option("--model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra)."),
         click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write."),
-        click.option("--heads", default=4, show_default=True, type=int, help="Number of heads."),
+        click.option("--heads", default=HEADS_DEFAULTS.heads, show_default=True, type=int, help="Number of heads."),
         click.option("--layers", default=1, show_default=True, type=int, help="ResBlocks per head (Medusa)."),
-        click.option("--epochs", default=3, show_default=True, type=int),
-        click.option("--batch-size", default=256, show_default=True, type=int, help="Positions per step."),
-        click.option("--lr", default=1e-3, show_default=True, type=float),
-        click.option("--max-seqs", default=256, show_default=True, type=int, help="ShareGPT sequences to cache."),
-        click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence."),
+        click.option("--epochs", default=HEADS_DEFAULTS.epochs, show_default=True, type=int),
+        click.option("--batch-size", default=HEADS_DEFAULTS.batch_size, show_default=True, type=int,
+                     help="Positions per step."),
+        click.option("--lr", default=HEADS_DEFAULTS.lr, show_default=True, type=float),
+        click.option("--max-seqs", default=HEADS_DEFAULTS.max_seqs, show_default=True, type=int,
+                     help="ShareGPT sequences to cache."),
+        click.option("--max-len", default=HEADS_DEFAULTS.max_len, show_default=True, type=int,
+                     help="Tokens per sequence."),
         *_reply_options(),
-        click.option("--vocab-trim", default=0, show_default=True, type=int,
+        click.option("--vocab-trim", default=HEADS_DEFAULTS.vocab_trim, show_default=True, type=int,
                      help="Train and export on the N most frequent label ids (0: the full shared lm_head)."),
-        click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
-                     help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data)."),
-        click.option("--threads", default=2, show_default=True, type=int, help="torch threads."),
+        _DATA_OPTION,
+        _THREADS_OPTION,
         _DEVICE_OPTION,
-        click.option("--seed", default=0, show_default=True, type=int),
+        click.option("--seed", default=HEADS_DEFAULTS.seed, show_default=True, type=int),
         click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint."),
         click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over."),
         click.option("--calibrate/--no-calibrate", default=True, show_default=True,
@@ -220,21 +227,18 @@ def _heads_train_options(fn):
     return fn
 
 
-def _train_heads(kind: str, model: str | None, out: Path, heads: int, layers: int, epochs: int, batch_size: int,
-                 lr: float, max_seqs: int, max_len: int, replies: str, reply_tokens: int, engine: Path | None,
-                 replies_file: Path | None, vocab_trim: int,
-                 data_dir: Path | None, threads: int, device: str, seed: int, resume: str | None, calibrate: bool,
-                 bundle: Path | None, calib_prompts: int, calib_tokens: int) -> None:
+def _train_heads(kind: str, *, resume: str | None, calibrate: bool, bundle: Path | None, calib_prompts: int,
+                 calib_tokens: int, **options) -> None:
+    """``train medusa|cerberus``: the options go to ``run_heads_training`` by name, then the calibration."""
     from specdeploy.exporter.train.heads import run_heads_training
 
     log = lambda m: click.echo(m, err=True)
-    run_heads_training(kind, model, out, heads, layers, epochs, batch_size, lr, max_seqs, max_len, vocab_trim,
-                       data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens, log=log,
-                       device=device, engine=engine, replies_file=replies_file)
+    run_heads_training(kind, resume=resume or "auto", log=log, **options)
     if calibrate:
         from specdeploy.exporter.workflows import calibrate_with_bundle
 
-        calibrate_with_bundle(kind, out, model, bundle, calib_prompts, calib_tokens, threads, log)
+        calibrate_with_bundle(kind, options["out"], options["model"], bundle, calib_prompts, calib_tokens,
+                              options["threads"], log)
 
 
 @train.command("medusa")
@@ -276,29 +280,27 @@ _FEATURE_LAYERS_OPTION = click.option(
 @train.command("chimera")
 @click.option("--model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra).")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write.")
-@click.option("--heads", default=4, show_default=True, type=int, help="Draft depth: residual heads.")
-@click.option("--epochs", default=6, show_default=True, type=int)
-@click.option("--batch-size", default=4, show_default=True, type=int, help="ShareGPT sequences per step.")
-@click.option("--lr", default=1e-3, show_default=True, type=float)
-@click.option("--max-seqs", default=1024, show_default=True, type=int, help="ShareGPT sequences to cache.")
-@click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
-@_apply(_reply_options("self"))
-@click.option("--vocab-trim", default=8192, show_default=True, type=int,
+@click.option("--heads", default=CHIMERA_DEFAULTS.heads, show_default=True, type=int, help="Draft depth: residual heads.")
+@click.option("--epochs", default=CHIMERA_DEFAULTS.epochs, show_default=True, type=int)
+@click.option("--batch-size", default=CHIMERA_DEFAULTS.batch_size, show_default=True, type=int,
+              help="ShareGPT sequences per step.")
+@click.option("--lr", default=CHIMERA_DEFAULTS.lr, show_default=True, type=float)
+@click.option("--max-seqs", default=CHIMERA_DEFAULTS.max_seqs, show_default=True, type=int,
+              help="ShareGPT sequences to cache.")
+@click.option("--max-len", default=CHIMERA_DEFAULTS.max_len, show_default=True, type=int, help="Tokens per sequence.")
+@_apply(_reply_options(CHIMERA_DEFAULTS.replies))
+@click.option("--vocab-trim", default=CHIMERA_DEFAULTS.vocab_trim, show_default=True, type=int,
               help="Train (and export by default) on the N most useful ids; 0 = the full shared lm_head.")
 @click.option("--feature-weight", default=0.1, show_default=True, type=float,
               help="Weight of the hidden-state regression term (0 turns it off).")
 @_FEATURE_LAYERS_OPTION
-@click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
-              help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
-@click.option("--threads", default=2, show_default=True, type=int, help="torch threads.")
+@_DATA_OPTION
+@_THREADS_OPTION
 @_DEVICE_OPTION
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint.")
 @click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
-def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_size: int, lr: float, max_seqs: int,
-                  max_len: int, replies: str, reply_tokens: int, engine: Path | None, replies_file: Path | None,
-                  vocab_trim: int, feature_weight: float, feature_layers: str, data_dir: Path | None, threads: int,
-                  device: str, seed: int, resume: str | None) -> None:
+def train_chimera(resume: str | None, **options) -> None:
     """Train a Chimera draft (trigram encoder + one decoder layer + residual heads), base frozen.
 
     By default the training text is the base model's own greedy replies to ShareGPT first turns
@@ -312,9 +314,7 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
     """
     from specdeploy.exporter.train.chimera import run_chimera_training
 
-    run_chimera_training(model, out, heads, epochs, batch_size, lr, max_seqs, max_len, vocab_trim, feature_weight,
-                         data_dir, threads, seed, resume or "auto", replies=replies, reply_tokens=reply_tokens,
-                         device=device, engine=engine, replies_file=replies_file, feature_layers=feature_layers)
+    run_chimera_training(resume=resume or "auto", **options)  # the options by name: one list of them
 
 
 @train.command("data")
@@ -322,9 +322,8 @@ def train_chimera(model: str | None, out: Path, heads: int, epochs: int, batch_s
 @click.option("--max-seqs", default=1024, show_default=True, type=int, help="ShareGPT sequences to cache.")
 @click.option("--max-len", default=512, show_default=True, type=int, help="Tokens per sequence.")
 @_apply(_reply_options("self"))
-@click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
-              help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
-@click.option("--threads", default=2, show_default=True, type=int, help="torch (and ONNX Runtime) threads.")
+@_DATA_OPTION
+@_THREADS_OPTION
 @_DEVICE_OPTION
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--time-limit", default=None, type=click.FloatRange(min=0),
@@ -366,7 +365,7 @@ def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, rep
 @click.option("--prompts", default=None, type=int,
               help="Held-in ShareGPT prompts (default: 24 to trace for heads, 6 to time for chimera).")
 @click.option("--max-new-tokens", default=None, type=int, help="Tokens per prompt (default: 128 heads, 96 chimera).")
-@click.option("--threads", default=2, show_default=True, type=int)
+@_THREADS_OPTION
 def train_calibrate(bundle: Path, kind: str, draft: Path, prompts: int | None, max_new_tokens: int | None,
                     threads: int) -> None:
     """Re-calibrate a draft's default tree (and Cerberus' gate) for this machine; updates the bundle.

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping
 from statistics import median
 
-from .tree import step_cost
+from .tree_cost import step_cost
 
 WINDOW = 1024  # steps whose times count (in ngram decoding ~6% of them are 1-node steps)
 MIN_SAMPLES = 24  # steps of a node count (and of 1 node) before its measured ratio counts

@@ -21,11 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,10 +46,12 @@ try:
         ApiError,
         ChatRequest,
         CompletionRequest,
+        ResponseShape,
         _error_body,
         _GenerationRequest,
         _parse,
         _unsupported,
+        sse,
     )
 except ImportError as _exc:  # the server stack is an optional extra
     raise SpecDeployError(
@@ -73,58 +73,6 @@ class ServerConfig:
     max_queue: int = 64  # admitted generation requests (running + queued); more get a 503
     shutdown_timeout: float = 10.0  # seconds in-flight requests get to finish on SIGTERM/SIGINT
     cache_per_user: bool = False  # the suffix draft's shared cache kept apart per request "user" field
-
-
-# --- response shapes -----------------------------------------------------------------------------
-class _Shape:
-    """How one endpoint's responses and stream chunks look."""
-
-    def __init__(self, chat: bool, model: str, include_usage: bool):
-        self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _head(self, object: str) -> dict:
-        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
-
-    def chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
-        if self.chat:
-            d: dict = {} if delta is None else {"content": delta}
-            if role:
-                d = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
-            body = self._head("chat.completion.chunk") | {"choices": [choice]}
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
-            body = self._head("text_completion") | {"choices": [choice]}
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, c: Completion) -> dict:
-        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
-            "choices": [], "usage": _usage(c)}
-
-    def full(self, c: Completion) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                      "finish_reason": c.finish_reason}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            body = self._head("text_completion")
-        st = c.stats
-        return body | {"choices": [choice], "usage": _usage(c), "specdeploy": {
-            "tokens_per_s": round(st.tokens_per_s, 3), "tau": round(st.mean_accepted, 4), "steps": st.steps}}
-
-
-def _usage(c: Completion) -> dict:
-    p, n = c.stats.prompt_tokens, c.stats.new_tokens
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
-
-
-def _sse(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace") + b"\n\n"
 
 
 _DONE = object()
@@ -233,7 +181,7 @@ class _Server:
                 raise ApiError(400, f"The prompt has {stream.prompt_tokens} tokens but this server accepts at most "
                                     f"{self.max_prompt_tokens}.", param="messages" if messages else "prompt",
                                code="context_length_exceeded")
-            shape = _Shape(messages is not None, self.model_id,
+            shape = ResponseShape(messages is not None, self.model_id,
                            bool(req.stream_options and req.stream_options.include_usage))
             if req.stream:
                 handed_off = True  # the response releases the admission when it ends, however it ends
@@ -284,7 +232,7 @@ class _Server:
 
         return end
 
-    async def _events(self, request: Request, stream: TextStream, shape: _Shape,
+    async def _events(self, request: Request, stream: TextStream, shape: ResponseShape,
                       end: Callable[[bool], None]) -> AsyncIterator[bytes]:
         """Server-sent events; Starlette cancels this generator when the client disconnects."""
         loop = asyncio.get_running_loop()
@@ -306,7 +254,7 @@ class _Server:
         try:
             self.pool.submit(work)
             if shape.chat:
-                yield _sse(shape.chunk(None, role=True))
+                yield sse(shape.chunk(None, role=True))
             while True:
                 item = await queue.get()
                 parts: list[str] = []
@@ -314,23 +262,23 @@ class _Server:
                     parts.append(item)
                     item = queue.get_nowait() if not queue.empty() else None
                 if parts:
-                    yield _sse(shape.chunk("".join(parts)))
+                    yield sse(shape.chunk("".join(parts)))
                 if item is None:
                     continue
                 if isinstance(item, BaseException):
                     log.error("generation failed", exc_info=item)
-                    yield _sse(_error_body("The generation failed; see the server log.", "server_error"))
+                    yield sse(_error_body("The generation failed; see the server log.", "server_error"))
                     break
                 c = stream.completion
                 assert c is not None
                 request.scope["specdeploy.tokens"] = c.stats.new_tokens
                 if c.finish_reason == "cancelled":  # engine closed under us: shutdown
                     request.scope["specdeploy.note"] = " cancelled-at-shutdown"
-                    yield _sse(_error_body("The server is shutting down.", "server_error", code="shutting_down"))
+                    yield sse(_error_body("The server is shutting down.", "server_error", code="shutting_down"))
                     break
-                yield _sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason))
+                yield sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason))
                 if shape.include_usage:
-                    yield _sse(shape.usage_chunk(c))
+                    yield sse(shape.usage_chunk(c))
                 break
             yield b"data: [DONE]\n\n"
             finished = True

@@ -1,14 +1,21 @@
-"""Request validation for the OpenAI-compatible server: strict pydantic schemas and OpenAI-style errors.
+"""The OpenAI-compatible server's shapes: strict pydantic request schemas, OpenAI-style errors, and the
+response and stream-chunk bodies.
 
 Imported only by :mod:`specdeploy.runtime.server` (the ``serve`` extra), never by the lean runtime.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from .engine import Completion
 
 _MAX_STOP_CHARS = 256
 
@@ -145,3 +152,55 @@ def _unsupported(req: _GenerationRequest) -> None:
     for param, bad, msg in checks:
         if bad:
             raise ApiError(400, msg, param=param, code="unsupported_value")
+
+
+# --- response shapes -----------------------------------------------------------------------------
+class ResponseShape:
+    """How one endpoint's responses and stream chunks look."""
+
+    def __init__(self, chat: bool, model: str, include_usage: bool):
+        self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, object: str) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+    def chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            d: dict = {} if delta is None else {"content": delta}
+            if role:
+                d = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk") | {"choices": [choice]}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("text_completion") | {"choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, c: Completion) -> dict:
+        return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [], "usage": usage(c)}
+
+    def full(self, c: Completion) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                      "finish_reason": c.finish_reason}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            body = self._head("text_completion")
+        st = c.stats
+        return body | {"choices": [choice], "usage": usage(c), "specdeploy": {
+            "tokens_per_s": round(st.tokens_per_s, 3), "tau": round(st.mean_accepted, 4), "steps": st.steps}}
+
+
+def usage(c: Completion) -> dict:
+    p, n = c.stats.prompt_tokens, c.stats.new_tokens
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def sse(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "replace") + b"\n\n"

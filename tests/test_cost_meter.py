@@ -7,7 +7,7 @@ import pytest
 from specdeploy.runtime import load
 from specdeploy.runtime.cost_meter import StepCostMeter
 from specdeploy.runtime.decode import GenerationConfig
-from specdeploy.runtime.tree import step_cost
+from specdeploy.runtime.tree_cost import step_cost
 
 PRIOR = {1: 1.0, 2: 1.2, 4: 1.5, 8: 2.0, 16: 3.0}
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.train.data import DataConfig, build_cache
 from specdeploy.exporter.train.heads import HeadsTask, HeadsTrainConfig
 from specdeploy.exporter.train.weights import LoopConfig, load_draft_weights, train
 from specdeploy.graphs.build import build_heads
@@ -20,9 +19,9 @@ from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
+from tiny_training import TINY_DATA
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
-TINY_DATA = DataConfig(max_seqs=10, max_len=96, min_assistant_tokens=8, heldout_fraction=0.3, shard_size=5)
 TINY_LOOP = LoopConfig(epochs=2, batch_size=64, lr=3e-3, warmup_steps=2, ckpt_every=3, threads=2)
 
 
@@ -90,15 +89,6 @@ def test_cerberus_heads_depend_on_earlier_heads_only():
 
 
 # --- training ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_setup(tiny_model_factory, tmp_path_factory):
-    from specdeploy.exporter.source import load_model
-
-    loaded = load_model(str(tiny_model_factory("llama")))
-    cache = build_cache(loaded, tmp_path_factory.mktemp("heads_data") / "data", TINY_DATA, show_progress=False)
-    return loaded, cache
-
-
 def _task(tiny_setup, kind: str, **kw) -> HeadsTask:
     loaded, cache = tiny_setup
     return HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, HeadsTrainConfig(kind, **kw))

@@ -19,16 +19,14 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 from specdeploy.runtime.errors import SpecDeployError, TreeSpecError
 from specdeploy.runtime.tree import (
-    CPU_COST_CURVE,
     STATIC_TREES,
     DraftTree,
     TreeSpec,
     build_buffers,
-    choose_default_tree,
-    expected_tokens,
     parse_tree_arg,
     select_dynamic,
 )
+from specdeploy.runtime.tree_cost import CPU_COST_CURVE, choose_default_tree, expected_tokens
 from specdeploy.runtime.verify import (
     greedy_accept,
     sample_accept,

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.train.options import CHIMERA_DEFAULTS as D
 from specdeploy.exporter.train.options import resolve_device, resolve_feature_layers
 from specdeploy.exporter.train.weights import (
     VOCAB_ORDER_SIZE,
@@ -247,12 +248,13 @@ class ChimeraTask(DraftTask):
         save_draft_weights(out, self.chimera_config, tensors, meta)
 
 
-def run_chimera_training(model: str | None, out: Path, heads: int = 4, epochs: int = 6, batch_size: int = 4,
-                         lr: float = 1e-3, max_seqs: int = 1024, max_len: int = 512, vocab_trim: int = 8192,
-                         feature_weight: float = 0.1, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
+def run_chimera_training(model: str | None, out: Path, heads: int = D.heads, epochs: int = D.epochs,
+                         batch_size: int = D.batch_size, lr: float = D.lr, max_seqs: int = D.max_seqs,
+                         max_len: int = D.max_len, vocab_trim: int = D.vocab_trim, feature_weight: float = 0.1,
+                         data_dir: Path | None = None, threads: int = D.threads, seed: int = D.seed,
                          resume: str = "auto", show_progress: bool = True,
-                         log: Callable[[str], None] | None = None, replies: str = "self",
-                         reply_tokens: int = 256, device: str = "auto", engine: str | None = None,
+                         log: Callable[[str], None] | None = None, replies: str = D.replies,
+                         reply_tokens: int = D.reply_tokens, device: str = "auto", engine: str | None = None,
                          replies_file: str | None = None, feature_layers: str | tuple[int, ...] = ()) -> TrainResult:
     """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
     import torch

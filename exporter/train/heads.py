@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specdeploy.exporter.train.options import HEADS_DEFAULTS as D
 from specdeploy.exporter.train.options import resolve_device
 from specdeploy.exporter.train.weights import (
     TRIM_EVAL_SIZES,
@@ -162,12 +163,13 @@ class HeadsTask(DraftTask):
         save_draft_weights(out, self.heads_config, tensors, meta)
 
 
-def run_heads_training(kind: str, model: str | None, out: Path, heads: int = 4, layers: int = 1, epochs: int = 3,
-                       batch_size: int = 256, lr: float = 1e-3, max_seqs: int = 256, max_len: int = 512,
-                       vocab_trim: int = 0, data_dir: Path | None = None, threads: int = 2, seed: int = 0,
+def run_heads_training(kind: str, model: str | None, out: Path, heads: int = D.heads, layers: int = 1,
+                       epochs: int = D.epochs, batch_size: int = D.batch_size, lr: float = D.lr,
+                       max_seqs: int = D.max_seqs, max_len: int = D.max_len, vocab_trim: int = D.vocab_trim,
+                       data_dir: Path | None = None, threads: int = D.threads, seed: int = D.seed,
                        resume: str = "auto", show_progress: bool = True,
-                       log: Callable[[str], None] | None = None, replies: str = "sharegpt",
-                       reply_tokens: int = 256, device: str = "auto", engine: str | None = None,
+                       log: Callable[[str], None] | None = None, replies: str = D.replies,
+                       reply_tokens: int = D.reply_tokens, device: str = "auto", engine: str | None = None,
                        replies_file: str | None = None) -> TrainResult:
     """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step)."""
     import torch

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from specdeploy.runtime.errors import TrainingError
 
 DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class TrainDefaults:
+    """The defaults of one trainer: its ``run_*_training`` signature and its CLI options both read them."""
+
+    heads: int
+    epochs: int
+    batch_size: int  # heads: positions per step; Chimera: sequences per step
+    lr: float
+    max_seqs: int
+    vocab_trim: int
+    replies: str  # "sharegpt" or "self"
+    max_len: int = 512
+    reply_tokens: int = 256
+    threads: int = 2
+    seed: int = 0
+
+
+HEADS_DEFAULTS = TrainDefaults(heads=4, epochs=3, batch_size=256, lr=1e-3, max_seqs=256, vocab_trim=0,
+                               replies="sharegpt")
+CHIMERA_DEFAULTS = TrainDefaults(heads=4, epochs=6, batch_size=4, lr=1e-3, max_seqs=1024, vocab_trim=8192,
+                                 replies="self")
 
 
 def resolve_device(device: str | None = "auto") -> str:

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..tree import CPU_COST_CURVE, DraftTree, step_cost
+from ..tree import DraftTree
+from ..tree_cost import CPU_COST_CURVE, step_cost
 
 _EMA = 0.1  # weight of a new timing in the running means
 TYPICAL_ROWS = 8  # a call over more rows (a prompt, a long catch-up) is not a typical draft call

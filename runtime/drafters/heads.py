@@ -30,16 +30,8 @@ import numpy as np
 from ..bundle import BundleManifest, DraftEntry, GraphEntry
 from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
 from ..precision import QUANTIZED_DRAFT_PRECISIONS
-from ..tree import (
-    CPU_COST_CURVE,
-    DEFAULT_ACCEPT,
-    STATIC_TREES,
-    DraftTree,
-    TreeSpec,
-    choose_default_tree,
-    select_dynamic,
-    tree_choice,
-)
+from ..tree import STATIC_TREES, DraftTree, TreeSpec, select_dynamic, tree_choice
+from ..tree_cost import CPU_COST_CURVE, DEFAULT_ACCEPT, choose_default_tree
 from .base import DraftContext, Drafter
 from .depth import ChainPolicy, CostAwareGate
 from .kinds import CERBERUS_NOGATE, HEADS_KINDS

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..tree import CPU_COST_CURVE, DraftTree, step_cost
+from ..tree import DraftTree
+from ..tree_cost import CPU_COST_CURVE, step_cost
 from .base import DraftContext, Drafter
 
 

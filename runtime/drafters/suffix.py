@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..tree import CPU_COST_CURVE, DraftTree, step_cost
+from ..tree import DraftTree
+from ..tree_cost import CPU_COST_CURVE, step_cost
 from .base import DraftContext, Drafter
 from .kinds import SUFFIX
 

@@ -26,7 +26,7 @@ from specdeploy.runtime.drafters.base import DraftContext
 from specdeploy.runtime.drafters.ngram import TABLE_FILE, NgramDrafter, NgramTable
 from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
 from specdeploy.runtime.text import TextCodec
-from specdeploy.runtime.tree import step_cost
+from specdeploy.runtime.tree_cost import step_cost
 
 
 def replay(make, prompts: list[list[int]], outputs: list[list[int]], curve: dict[int, float],
