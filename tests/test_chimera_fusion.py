@@ -4,7 +4,6 @@ EAGLE-3-style layer fusion. The graph, training and drafter on tiny configs: ``t
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 from tiny_training import CHIMERA_LOOP as TINY_LOOP
 from tiny_training import TINY_CHIMERA as TINY
-from tiny_training import TINY_DATA
+from tiny_training import TINY_DATA, mtbench_first_turns
 from tiny_training import chimera_task as _task
 from tiny_training import graph_files as _graph_files
 
@@ -28,13 +27,6 @@ WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
 
 
 # --- the real model with the shipped weights -------------------------------------------------------------
-def _mtbench(n: int) -> list[str]:
-    from specdeploy.exporter.bench.run import default_prompts_file
-
-    lines = default_prompts_file().read_text().splitlines()
-    return [json.loads(line)["turns"][0] for line in lines[:n]]
-
-
 @pytest.mark.slow
 def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
@@ -56,7 +48,7 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     assert stored_twice(bundle, _graph_files(bundle)) == []  # the trt and ort graphs share their fp32 weights
     checks = validate_bundle(bundle, progress=lambda m: None)
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int4"}
-    prompts = _mtbench(3)
+    prompts = mtbench_first_turns(3)
     with load(bundle, draft=None) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
                 for ids in (plain.encode(p, chat=True) for p in prompts)]

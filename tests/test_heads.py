@@ -19,7 +19,7 @@ from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
-from tiny_training import TINY_DATA
+from tiny_training import TINY_DATA, mtbench_first_turns
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
 TINY_LOOP = LoopConfig(epochs=2, batch_size=64, lr=3e-3, warmup_steps=2, ckpt_every=3, threads=2)
@@ -404,13 +404,6 @@ def test_calibration_picks_tree_and_gate_on_the_tiny_bundle(heads_bundle, tiny_w
 
 
 # --- the real model with the shipped weights -------------------------------------------------------
-def _mtbench(n: int) -> list[str]:
-    from specdeploy.exporter.bench.run import default_prompts_file
-
-    lines = default_prompts_file().read_text().splitlines()
-    return [json.loads(line)["turns"][0] for line in lines[:n]]
-
-
 @pytest.mark.slow
 def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
@@ -424,7 +417,7 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     checks = validate_bundle(bundle, progress=lambda m: None)
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int4", "cerberus",
                                                                           "cerberus-int4", "cerberus-gate"}
-    prompts = _mtbench(3)
+    prompts = mtbench_first_turns(3)
     with load(bundle, draft=None) as plain:
         refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
                 for ids in (plain.encode(p, chat=True) for p in prompts)]

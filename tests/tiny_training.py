@@ -19,6 +19,16 @@ TINY_CHIMERA = ChimeraConfig("chimera", num_heads=3, hidden_size=16, vocab_size=
                              num_key_value_heads=2, head_dim=4, intermediate_size=24, base_weight_sha="x")
 
 
+def mtbench_first_turns(n: int) -> list[str]:
+    """The first turns of the first ``n`` MT-bench questions (the real-model draft tests' prompts)."""
+    import json
+
+    from specdeploy.exporter.bench.run import default_prompts_file
+
+    lines = default_prompts_file().read_text().splitlines()
+    return [json.loads(line)["turns"][0] for line in lines[:n]]
+
+
 def graph_files(bundle, drafts=("chimera",)) -> list[str]:
     """The base graphs and those of ``drafts`` (each draft shares only with the base: drafts are
     replaced one at a time, so none may point into another's data)."""

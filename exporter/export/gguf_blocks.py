@@ -195,17 +195,15 @@ def parse(raw: np.ndarray, kind: str, n: int, k: int) -> Blocks | None:
                   zero, bits, block, kind)
 
 
-def requantize(weight: np.ndarray, bits: int = 8) -> Blocks:
-    """An fp32 weight ``[N, K]`` as symmetric blocks of 32 at ``bits`` (4 or 8): a second rounding, for
-    tensors whose own blocks cannot be kept (K must be a multiple of 32)."""
+def requantize(weight: np.ndarray) -> Blocks:
+    """An fp32 weight ``[N, K]`` as 8-bit symmetric blocks of 32: a second rounding, for tensors whose own
+    blocks cannot be kept (K must be a multiple of 32)."""
     n, k = weight.shape
     w = weight.reshape(n, k // BLOCK, BLOCK)
-    top = (1 << (bits - 1)) - 1  # 127 or 7
-    scale = (np.abs(w).max(axis=-1) / top).astype(np.float32)
+    scale = (np.abs(w).max(axis=-1) / 127).astype(np.float32)
     safe = np.where(scale == 0, 1, scale)
-    q = np.clip(np.rint(w / safe[..., None]), -top, top).astype(np.int16) + (top + 1)
-    return Blocks(q.reshape(n, k).astype(np.uint8), scale, None, top + 1, bits, BLOCK,
-                  REQUANTIZED if bits == 8 else f"requantized-{bits}bit")
+    q = np.clip(np.rint(w / safe[..., None]), -127, 127).astype(np.int16) + 128
+    return Blocks(q.reshape(n, k).astype(np.uint8), scale, None, 128, 8, BLOCK, REQUANTIZED)
 
 
 def _row_order(gguf_rows: np.ndarray, hf_rows: np.ndarray) -> np.ndarray | None:
