@@ -186,6 +186,10 @@ _THREADS_OPTION = click.option("--threads", default=HEADS_DEFAULTS.threads, show
                                help="torch (and ONNX Runtime) threads.")  # the training and calibration commands
 _DATA_OPTION = click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path),
                             help="Training-data cache directory (default: under ~/.cache/specdeploy/train-data).")
+_TRAIN_TIME_OPTION = click.option(
+    "--time-limit", default=None, type=click.FloatRange(min=0),
+    help="Stop training after this many minutes (the data is made first, without this limit), then evaluate and "
+         "write the weights reached.")
 _DEVICE_OPTION = click.option(
     "--device", default="auto", show_default=True,
     help="Where data generation and training run: auto (cuda when torch sees a GPU), cpu, cuda or cuda:N. "
@@ -212,6 +216,7 @@ def _heads_train_options(fn):
         _DATA_OPTION,
         _THREADS_OPTION,
         _DEVICE_OPTION,
+        _TRAIN_TIME_OPTION,
         click.option("--seed", default=HEADS_DEFAULTS.seed, show_default=True, type=int),
         click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint."),
         click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over."),
@@ -297,6 +302,7 @@ _FEATURE_LAYERS_OPTION = click.option(
 @_DATA_OPTION
 @_THREADS_OPTION
 @_DEVICE_OPTION
+@_TRAIN_TIME_OPTION
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume", "resume", flag_value="require", help="Insist on resuming a checkpoint.")
 @click.option("--restart", "resume", flag_value="restart", help="Discard any checkpoint and start over.")
@@ -328,10 +334,13 @@ def train_chimera(resume: str | None, **options) -> None:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--time-limit", default=None, type=click.FloatRange(min=0),
               help="Stop after this many minutes, keeping the finished shards for the next run.")
+@click.option("--keep-partial", is_flag=True,
+              help="At the time limit, make the cache of the shards finished so far (fewer sequences than "
+                   "--max-seqs) instead of leaving them for a rerun; the training commands then use it via --data.")
 @_FEATURE_LAYERS_OPTION
 def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, reply_tokens: int, engine: Path | None,
                replies_file: Path | None, data_dir: Path | None, threads: int, device: str, seed: int,
-               time_limit: float | None, feature_layers: str) -> None:
+               time_limit: float | None, keep_partial: bool, feature_layers: str) -> None:
     """Make (or go on making) the training data alone: replies, base hidden states and labels.
 
     The same options as a train command find the same cache, so `train chimera|medusa|cerberus` then
@@ -353,7 +362,7 @@ def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, rep
     config = data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file,
                          feature_layers=taps)
     cache = training_cache(loaded, config, data_dir, engine, threads=threads, device=device, log=log,
-                           time_limit_s=None if time_limit is None else time_limit * 60)
+                           time_limit_s=None if time_limit is None else time_limit * 60, keep_partial=keep_partial)
     if cache is not None:
         click.echo(str(cache.path))
 

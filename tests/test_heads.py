@@ -138,6 +138,22 @@ def test_resume_continues_with_identical_state(tiny_setup, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_time_limit_ends_the_run_with_weights(tiny_setup, tmp_path):
+    """A time limit stops after the first step past it, evaluates and writes the weights reached."""
+    from dataclasses import replace
+
+    out, lines = tmp_path / "t.safetensors", []
+    result = train(_task(tiny_setup, "medusa", vocab_trim=1024), out, replace(TINY_LOOP, time_limit_s=0.0),
+                   show_progress=False, log=lines.append)
+    assert result.steps == 1 and result.final is not None and out.is_file()
+    assert any("time limit reached at step 1/" in m for m in lines)
+    meta = load_draft_weights(out).meta
+    assert meta["train"]["steps"] == 1 < meta["train"]["planned_steps"]
+    assert not (tmp_path / "t.safetensors.ckpt").exists()
+    with pytest.raises(TrainingError, match="time limit"):
+        replace(TINY_LOOP, time_limit_s=-1.0)
+
+
 def test_corrupt_checkpoint_and_mismatched_settings(tiny_setup, tmp_path):
     out = tmp_path / "c.safetensors"
     task = _task(tiny_setup, "medusa", vocab_trim=1024)

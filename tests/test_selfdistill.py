@@ -116,7 +116,7 @@ def test_bad_replies_files_and_mismatched_bundles_get_one_sentence(setup, tmp_pa
         other.check_base(loaded.weight_sha)
 
 
-def test_a_time_limited_build_keeps_its_shards_and_replies_and_resumes(setup, tmp_path):
+def test_a_time_limited_build_keeps_its_shards_and_replies_and_resumes(setup, tmp_path, monkeypatch):
     loaded, bundle = setup
     gen = RuntimeGenerator(bundle, threads=2)
     config = replace(SELF_DATA, engine=gen.description)
@@ -142,6 +142,23 @@ def test_a_time_limited_build_keeps_its_shards_and_replies_and_resumes(setup, tm
     assert made == [SELF_DATA.shard_size]  # one shard made, then the limit
     partial = load_replies(tmp_path / "c" / "replies.partial.npz")
     assert len(partial) == SELF_DATA.shard_size
+    import shutil
+
+    # --keep-partial: the finished shard becomes the cache, if it holds both train and held-out sequences
+    shutil.copytree(tmp_path / "c", tmp_path / "all-train")
+    monkeypatch.setattr(td, "is_heldout", lambda conv, fraction, seed: False)
+    with pytest.raises(TrainingError, match="too few for a train/held-out split"):
+        build_cache(loaded, tmp_path / "all-train", config, show_progress=False, generator=gen, time_limit_s=0,
+                    keep_partial=True)
+    shutil.copytree(tmp_path / "c", tmp_path / "kept")
+    monkeypatch.setattr(td, "is_heldout", lambda conv, fraction, seed: conv.id == next(iter(partial)))
+    kept = build_cache(loaded, tmp_path / "kept", config, show_progress=False, generator=gen, time_limit_s=0,
+                       keep_partial=True)
+    monkeypatch.undo()
+    assert kept.num_sequences == SELF_DATA.shard_size < kept.meta["planned_sequences"] == SELF_DATA.max_seqs
+    assert int(kept.heldout.sum()) == 1
+    assert list(load_replies(tmp_path / "kept" / "replies.npz")) == list(partial)
+    assert made == [SELF_DATA.shard_size]  # nothing more was generated for it
     cache = build_cache(loaded, tmp_path / "c", config, show_progress=False, generator=gen)
     assert made == [SELF_DATA.shard_size] * 2  # the rerun made only the missing shard
     full = load_replies(tmp_path / "c" / "replies.npz")

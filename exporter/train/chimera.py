@@ -255,8 +255,11 @@ def run_chimera_training(model: str | None, out: Path, heads: int = D.heads, epo
                          resume: str = "auto", show_progress: bool = True,
                          log: Callable[[str], None] | None = None, replies: str = D.replies,
                          reply_tokens: int = D.reply_tokens, device: str = "auto", engine: str | None = None,
-                         replies_file: str | None = None, feature_layers: str | tuple[int, ...] = ()) -> TrainResult:
-    """Cache the base features (once), then train; resumes from the last checkpoint automatically."""
+                         replies_file: str | None = None, feature_layers: str | tuple[int, ...] = (),
+                         time_limit: float | None = None) -> TrainResult:
+    """Cache the base features (once), then train; resumes from the last checkpoint automatically.
+
+    ``time_limit`` (minutes) caps the training, not the data: the run then stops, evaluates and saves."""
     import torch
     from specdeploy.exporter.source import load_model
     from specdeploy.exporter.train.data import data_config, training_cache, vocab_order
@@ -265,7 +268,7 @@ def run_chimera_training(model: str | None, out: Path, heads: int = D.heads, epo
     device = resolve_device(device)  # before any slow step: a missing GPU is said at once
     cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)  # checked now
     loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, warmup_steps=20,
-                      ckpt_every=25, device=device)
+                      ckpt_every=25, device=device, time_limit_s=None if time_limit is None else 60.0 * time_limit)
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)

@@ -258,7 +258,7 @@ class _OutOfTime(Exception):
 
 def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(), threads: int | None = None,
                 show_progress: bool = True, device: str = "cpu", generator=None,
-                time_limit_s: float | None = None) -> HiddenCache | None:
+                time_limit_s: float | None = None, keep_partial: bool = False) -> HiddenCache | None:
     """Run the frozen base over the selected ShareGPT sequences once and write the cache to ``out``.
 
     ``loaded`` is an :class:`~specdeploy.exporter.source.LoadedModel`. Finished shards of an
@@ -270,7 +270,8 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
 
     ``time_limit_s`` stops before the first shard still to be made once that many seconds have passed:
     the finished shards stay for a rerun to resume from, their replies go to ``replies.partial.npz``
-    (self replies), and the result is None.
+    (self replies), and the result is None. With ``keep_partial`` the finished shards become the cache
+    instead: fewer sequences than asked for, the shortfall recorded in its meta (``planned_sequences``).
     """
     import torch
     from tqdm import tqdm
@@ -367,13 +368,16 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
             if pending:
                 flush()
     except _OutOfTime:
-        if config.replies == "self":
-            save_replies(out / "replies.partial.npz", conv_ids[: shard_index * config.shard_size],
-                         replies_of(shards, shard_index), loaded.weight_sha)
-        return None
+        kept = shard_index * config.shard_size
+        del conv_ids[kept:], heldout[kept:]
+        if not keep_partial or shard_index == 0:
+            if config.replies == "self":
+                save_replies(out / "replies.partial.npz", conv_ids, replies_of(shards, shard_index), loaded.weight_sha)
+            return None
     finally:
         model.to("cpu")
         bar.close()
+    planned = config.max_seqs
     if len(conv_ids) < 2 or all(heldout) or not any(heldout):
         raise TrainingError(
             f"Only {len(conv_ids)} ShareGPT conversations passed the filters, too few for a train/held-out split."
@@ -390,6 +394,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DataConfig(
         "hidden_size": hidden_size,
         "vocab_size": vocab,
         "config": asdict(config),
+        "planned_sequences": planned,  # more than num_sequences where a time limit kept a partial cache
         "source": str(config.source or default_sharegpt_path()),
         "conversation_ids": conv_ids,
         "num_sequences": len(conv_ids),
@@ -432,18 +437,20 @@ def _assemble(out: Path, num_shards: int, hidden_size: int, layers: bool = False
 
 def ensure_cache(loaded, config: DataConfig = DataConfig(), data_dir: str | os.PathLike | None = None,
                  threads: int | None = None, show_progress: bool = True, device: str = "cpu",
-                 generator=None, time_limit_s: float | None = None) -> HiddenCache | None:
+                 generator=None, time_limit_s: float | None = None, keep_partial: bool = False) -> HiddenCache | None:
     """The cache for this base model and data config: opened if finished, built (or resumed) otherwise.
 
-    With ``time_limit_s`` the result is None when time ran out first (see :func:`build_cache`)."""
+    With ``time_limit_s`` the result is None when time ran out first, or with ``keep_partial`` a cache of the
+    shards made by then (see :func:`build_cache`)."""
     path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
     return build_cache(loaded, path, config, threads=threads, show_progress=show_progress, device=device,
-                       generator=generator, time_limit_s=time_limit_s)
+                       generator=generator, time_limit_s=time_limit_s, keep_partial=keep_partial)
 
 
 def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | None = None, engine: str | None = None,
                    threads: int | None = None, show_progress: bool = True, device: str = "cpu",
-                   log=lambda m: None, time_limit_s: float | None = None) -> HiddenCache | None:
+                   log=lambda m: None, time_limit_s: float | None = None, keep_partial: bool = False
+                   ) -> HiddenCache | None:
     """The train commands' data: ``engine`` (a bundle) makes it through the runtime, else the torch model does.
 
     With ``time_limit_s`` (``train data --time-limit``) it may stop early: then it says how far it got and
@@ -463,7 +470,7 @@ def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | Non
     t0 = time.time()
     path = Path(data_dir) if data_dir else default_cache_dir(loaded.weight_sha, config)
     cache = ensure_cache(loaded, config, path, threads=threads, show_progress=show_progress, device=device,
-                         generator=generator, time_limit_s=time_limit_s)
+                         generator=generator, time_limit_s=time_limit_s, keep_partial=keep_partial)
     if cache is None:
         done = sorted((path / "shards").glob("[0-9]*"))
         positions = sum(int(np.load(d / "assistant.npy").sum()) for d in done)
@@ -473,7 +480,9 @@ def training_cache(loaded, config: DataConfig, data_dir: str | os.PathLike | Non
         return None
     m = cache.meta
     rate = f", {m['positions_per_hour']} reply positions per hour" if m.get("positions_per_hour") else ""
-    log(f"training data: {cache.num_sequences} ShareGPT sequences ({config.replies} replies), {cache.num_tokens} "
+    short = (f" (of {m['planned_sequences']} asked for: the time limit kept the finished shards)"
+             if m.get("planned_sequences", cache.num_sequences) > cache.num_sequences else "")
+    log(f"training data: {cache.num_sequences}{short} ShareGPT sequences ({config.replies} replies), {cache.num_tokens} "
         f"tokens ({int((~cache.heldout).sum())} train / {int(cache.heldout.sum())} held-out sequences; cache built "
         f"in {m.get('build_seconds')} s by {m.get('engine', 'torch')}{rate}) [{time.time() - t0:.0f} s]")
     return cache

@@ -170,8 +170,10 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = D.h
                        resume: str = "auto", show_progress: bool = True,
                        log: Callable[[str], None] | None = None, replies: str = D.replies,
                        reply_tokens: int = D.reply_tokens, device: str = "auto", engine: str | None = None,
-                       replies_file: str | None = None) -> TrainResult:
-    """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step)."""
+                       replies_file: str | None = None, time_limit: float | None = None) -> TrainResult:
+    """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step).
+
+    ``time_limit`` (minutes) caps the training, not the data: the run then stops, evaluates and saves."""
     import torch
     from specdeploy.exporter.source import load_model
     from specdeploy.exporter.train.data import data_config, training_cache, vocab_order
@@ -179,7 +181,8 @@ def run_heads_training(kind: str, model: str | None, out: Path, heads: int = D.h
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     device = resolve_device(device)  # before any slow step: a missing GPU is said at once
     heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
-    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, device=device)
+    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, device=device,
+                      time_limit_s=None if time_limit is None else 60.0 * time_limit)
     torch.set_num_threads(max(1, threads))
     log("loading the base model ...")
     loaded = load_model(model)

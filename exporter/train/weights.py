@@ -170,10 +170,13 @@ class LoopConfig:
     ckpt_every: int = 100  # steps between checkpoints (one is also written at every epoch end)
     threads: int = 2
     device: str = "cpu"  # "cpu" or "cuda[:N]" (see resolve_device); a checkpoint resumes on either
+    time_limit_s: float | None = None  # end the run (evaluated and saved) at the first step past this
 
     def __post_init__(self) -> None:
         if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise TrainingError("Training needs epochs >= 1, batch size >= 1 and a positive learning rate.")
+        if self.time_limit_s is not None and self.time_limit_s < 0:
+            raise TrainingError("The training time limit must be >= 0 minutes.")
 
 
 
@@ -285,6 +288,7 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
     fingerprint = {"task": task.fingerprint(), "loop": asdict(cfg)}
     fingerprint["loop"].pop("threads")
     fingerprint["loop"].pop("device")
+    fingerprint["loop"].pop("time_limit_s")  # a resumed run may be given more (or less) time
     torch.manual_seed(cfg.seed)  # the initial weights are made on the CPU, the same for every device
     model = task.build().to(cfg.device)
     task.to(cfg.device)
@@ -309,7 +313,8 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
     t_start = time.time() - elapsed
     bar = tqdm(total=total, initial=step, desc=f"train {task.kind}", unit="step", disable=not show_progress)
     model.train()
-    while step < total:
+    out_of_time = False
+    while step < total and not out_of_time:
         epoch, within = divmod(step, steps_per_epoch)
         order = epoch_order(cfg.seed, epoch, n)
         for b in range(within, steps_per_epoch):
@@ -341,15 +346,20 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
             if stop_after_steps is not None and step >= stop_after_steps:
                 bar.close()
                 return TrainResult(out, step, time.time() - t_start, history)
+            if cfg.time_limit_s is not None and time.time() - t_start >= cfg.time_limit_s:
+                out_of_time = step < total
+                break
     bar.close()
     seconds = time.time() - t_start
+    if out_of_time:
+        log(f"time limit reached at step {step}/{total} ({seconds / 60:.1f} min); evaluating and saving these weights")
     model.eval()
     final = task.evaluate(model, final=True)
     log("final held-out: " + _fmt_metrics(final))
     model.cpu()  # the weights file is written from the CPU
     task.to("cpu")
-    summary = {"steps": step, "train_seconds": round(seconds, 1), "history": history, "final": final,
-               "loop": asdict(cfg)}
+    summary = {"steps": step, "planned_steps": total, "train_seconds": round(seconds, 1), "history": history,
+               "final": final, "loop": asdict(cfg)}
     task.save(model, out, summary)
     _write_json(log_path, {"kind": task.kind, "history": history, "final": final, "train_seconds": round(seconds, 1),
                            "fingerprint": fingerprint})
