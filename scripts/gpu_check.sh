@@ -111,7 +111,7 @@ if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts
 stage bench 360 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
 
 # --- tests: every test marked gpu (on a GPU, a run in which every test skipped is a failure) --------------
-stage tests 120 "$PY" -m pytest -m gpu tests/test_gpu_path.py tests/test_gpu_check.py -q -rA -p no:cacheprovider \
+stage tests 120 "$PY" -m pytest -m gpu tests/integration/test_gpu_path.py tests/integration/test_gpu_check.py -q -rA -p no:cacheprovider \
   --junitxml="$OUT/tests.xml"
 
 # --- summary: once, stdlib only, under a limit; its verdict is the exit code ----------------------------

@@ -4,7 +4,7 @@
 export SPECDEPLOY_EXTRAS="${SPECDEPLOY_EXTRAS:-dev,serve,ray}"  # the tests also cover `serve --ray`
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export SPECDEPLOY_THREADS="${SPECDEPLOY_THREADS:-2}"
-# tests/test_emulated_cpu.py runs bundles under QEMU's AVX2-only EPYC (the CPU kind this machine may not
+# tests/integration/test_emulated_cpu.py runs bundles under QEMU's AVX2-only EPYC (the CPU kind this machine may not
 # be). Install qemu-user where the machine allows (root and apt); elsewhere those tests skip and say why.
 if ! command -v qemu-x86_64 >/dev/null && [ "$(uname -m)" = x86_64 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "[setup] installing qemu-user (apt) for the emulated-CPU tests" >&2

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random Llama-family models (fast) and the real SmolLM2 bundle (once per session)."""
+"""Fixtures every test folder shares: tiny random Llama-family models and bundles, a stand-in CUDA runtime.
+
+The real SmolLM2 bundles are in ``integration/conftest.py``, the draft tests' tiny training setup in
+``exporter/conftest.py``; helper modules beside this file (``tiny_training``, ``serving``, ...) import as
+top-level modules (``pythonpath`` in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -11,9 +15,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SPECDEPLOY_THREADS", "2")
 
-# The shipped Chimera fuses EAGLE-3's low, mid and high base layers (graphs/weights/README.md), so the real
-# bundles tap them, as the main job's does (scripts/setup_and_run.sh: export base --feature-layers eagle3).
-SHIPPED_TAPS = "eagle3"
 TINY = {
     "llama": ("LlamaForCausalLM", {}),
     "mistral": ("MistralForCausalLM", {"sliding_window": None}),
@@ -123,74 +124,3 @@ def tiny_bundle_factory(tmp_path_factory, tiny_model_factory):
 @pytest.fixture(scope="session")
 def tiny_bundle(tiny_bundle_factory) -> Path:
     return tiny_bundle_factory("llama")
-
-
-@pytest.fixture(scope="session")
-def real_bundle(tmp_path_factory) -> Path:
-    """The real SmolLM2-135M-Instruct bundle (exported once; ~80 s on 2 cores)."""
-    from specdeploy.exporter.export.base import export_base
-
-    pre = os.environ.get("SPECDEPLOY_TEST_BUNDLE")
-    if pre and Path(pre, "manifest.json").is_file():
-        return Path(pre)
-    out = tmp_path_factory.mktemp("real") / "smollm2"
-    export_base(None, out, max_context=2048, feature_layers=SHIPPED_TAPS, progress=lambda m: None)
-    return out
-
-
-@pytest.fixture(scope="session")
-def real_quant_bundle(tmp_path_factory, real_bundle):
-    """``make("q4_1" | "int4")``: SmolLM2 exported at that precision, once per session (~80 s each).
-
-    Shared: tests that add drafts to it add them for the later ones too, and none removes anything."""
-    from specdeploy.exporter.export.base import export_base
-    from specdeploy.runtime.bundle import read_manifest
-
-    cache: dict[str, Path] = {}
-
-    def make(precision: str) -> Path:
-        if precision not in cache:
-            out = tmp_path_factory.mktemp(f"real_{precision}") / f"smollm2-{precision}"
-            export_base(read_manifest(real_bundle).source.path, out, max_context=2048, precision=precision,
-                        feature_layers=SHIPPED_TAPS, progress=lambda m: None)
-            cache[precision] = out
-        return cache[precision]
-
-    return make
-
-
-# --- the draft tests' tiny training setup (tiny_training.py) ----------------------------------------------
-@pytest.fixture(scope="session")
-def tiny_setup(tiny_model_factory, tmp_path_factory):
-    """(the tiny Llama as loaded, a 10-sequence training cache of it), shared by the Chimera and heads tests."""
-    from specdeploy.exporter.source import load_model
-    from specdeploy.exporter.train.data import build_cache
-    from tiny_training import TINY_DATA
-
-    loaded = load_model(str(tiny_model_factory("llama")))
-    cache = build_cache(loaded, tmp_path_factory.mktemp("tiny_train_data") / "data", TINY_DATA, show_progress=False)
-    return loaded, cache
-
-
-@pytest.fixture(scope="session")
-def chimera_weights(tiny_setup, tmp_path_factory):
-    """A tiny Chimera trained on ``tiny_setup`` (3 epochs)."""
-    from specdeploy.exporter.train.weights import train
-    from tiny_training import CHIMERA_LOOP, chimera_task
-
-    out = tmp_path_factory.mktemp("chimera_w") / "chimera.safetensors"
-    train(chimera_task(tiny_setup), out, CHIMERA_LOOP, show_progress=False, log=lambda m: None)
-    return out
-
-
-@pytest.fixture(scope="session")
-def chimera_bundle(tiny_bundle_factory, chimera_weights, tmp_path_factory):
-    """A copy of the tiny Llama bundle with that Chimera exported into it."""
-    import shutil
-
-    from specdeploy.exporter.export.draft import export_draft
-
-    bundle = tmp_path_factory.mktemp("chimera_bundle") / "b"
-    shutil.copytree(tiny_bundle_factory("llama"), bundle)
-    export_draft(bundle, "chimera", chimera_weights, progress=lambda m: None)
-    return bundle

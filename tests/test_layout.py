@@ -115,9 +115,27 @@ def test_the_graph_reader_sees_lazy_and_relative_imports(tmp_path):
 
 
 def test_no_module_over_500_lines():
-    long = {str(p.relative_to(ROOT)): n for folder in ("exporter", "runtime")
+    long = {str(p.relative_to(ROOT)): n for folder in (*FOLDERS, "tests")
             for p in (ROOT / folder).rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_tests_live_in_their_folders():
+    """runtime/, exporter/ and integration/ (real model, emulated CPU, GPU), each with its own conftest; only the
+    repository-wide layout test and shared helper modules stay at the top."""
+    tests = ROOT / "tests"
+    for folder in ("runtime", "exporter", "integration"):
+        assert (tests / folder / "conftest.py").is_file(), folder
+        assert not (tests / folder / "__init__.py").exists()  # test modules import as top-level names
+    assert sorted(p.name for p in tests.glob("test_*.py")) == ["test_layout.py"]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test modules share a name"
+    real = {"real_bundle", "real_quant_bundle"}
+    for path in (tests / "runtime").glob("test_*.py"), (tests / "exporter").glob("test_*.py"):
+        for p in path:
+            used = {a.arg for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.FunctionDef)
+                    for a in node.args.args}
+            assert not used & real, f"{p.name} uses the real bundles: it belongs in tests/integration/"
 
 
 def test_every_package_is_installed():

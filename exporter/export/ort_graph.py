@@ -28,7 +28,7 @@ runtime then needs no dummy rows of its own (see ``Decoder``).
 
 The graph requires what the runtime always sends: ``write_indices`` is ``past .. past+T-1``
 (contiguous), so ``past + T = write_indices[-1] + 1``; the parity tests in ``validate`` and
-``tests/test_ort_graph.py`` check every output against the torch reference.
+``tests/exporter/test_ort_graph.py`` check every output against the torch reference.
 """
 
 from __future__ import annotations

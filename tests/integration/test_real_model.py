@@ -90,7 +90,7 @@ def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, tmp
 
     bundle = tmp_path / "bundle"
     shutil.copytree(real_bundle, bundle, copy_function=os.link)
-    replies = Path(__file__).resolve().parents[1] / "graphs" / "weights" / "self-replies.npz"
+    replies = Path(__file__).resolve().parents[2] / "graphs" / "weights" / "self-replies.npz"
     export_ngram(bundle, replies, progress=lambda m: None)
     taus = []
     with load(real_bundle, draft=None) as plain, load(bundle, draft="ngram") as spec:

@@ -90,7 +90,7 @@ def test_unrolled_training_forward_matches_step_by_step_drafting(depth):
 
 
 # --- training on a tiny model ---------------------------------------------------------------------------
-WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
+WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
 
 
 def test_training_lowers_the_loss_and_logs_chain_accuracy(tiny_setup, chimera_weights):

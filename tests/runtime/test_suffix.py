@@ -7,10 +7,10 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from decode_checks import suffix_identity
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from specdeploy.runtime import load
-from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.drafters.base import DraftContext
 from specdeploy.runtime.drafters.suffix import SuffixCache, SuffixDrafter, SuffixTrie
 
@@ -128,31 +128,8 @@ PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON with ke
            "one two three four one two three four one two"]
 
 
-def _identity(bundle, tokens: int) -> list[DecodeStats]:
-    with load(bundle, draft=None) as plain, load(bundle, draft="suffix") as spec:
-        assert spec.draft_name == "suffix" or not spec.plan.speculate
-        out = []
-        for text in PROMPTS + PROMPTS[:2]:  # the repeats find the first answers in the shared cache
-            ids = plain.encode(text, chat=True)
-            stats = DecodeStats()
-            assert spec.generate_ids(ids, GenerationConfig(tokens), stats) == plain.generate_ids(
-                ids, GenerationConfig(tokens))
-            out.append(stats)
-        if spec.plan.speculate:
-            assert spec.decoder.drafter.cache.tokens > 0  # the outputs went into the shared cache
-        return out
-
-
 def test_suffix_drafts_equal_plain_decoding_on_the_tiny_model(tiny_bundle):
-    _identity(tiny_bundle, 32)
-
-
-@pytest.mark.slow
-def test_suffix_drafts_equal_plain_decoding_on_the_real_model(real_quant_bundle):
-    stats = _identity(real_quant_bundle("q4_1"), 48)
-    if all(s.steps for s in stats):
-        repeat, first = stats[3], stats[0]  # the same request again: its answer is in the cache
-        assert repeat.steps < first.steps
+    suffix_identity(tiny_bundle, PROMPTS, 32)
 
 
 def test_the_engine_shares_one_cache_and_keeps_namespaces_apart(tiny_bundle):

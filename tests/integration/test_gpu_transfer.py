@@ -19,7 +19,7 @@ from specdeploy.exporter.bench.gpu_transfer import (
     tree_bytes,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _send(tmp_path: Path, data: bytes, part: int) -> tuple[Path, list[Path]]:

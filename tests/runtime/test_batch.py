@@ -8,8 +8,8 @@ import threading
 import time
 import warnings
 
-import numpy as np
 import pytest
+from decode_checks import concurrently
 from specdeploy.runtime import load
 from specdeploy.runtime.batch import batch_refusal
 from specdeploy.runtime.batch_probe import BatchVerdict, probe_batch
@@ -33,23 +33,6 @@ PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "red green blue red green blue red"]
 
 
-def _concurrently(eng, prompts, messages_list=None, **kw):
-    out: dict[int, object] = {}
-
-    def go(i: int) -> None:
-        if messages_list is not None:
-            out[i] = eng.generate(messages=messages_list[i], **kw)
-        else:
-            out[i] = eng.generate(prompts[i], **kw)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return [out[i] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("draft", [None, "prompt-lookup"])
 def test_batched_greedy_equals_alone(tiny_bundle, draft):
     # 300 new tokens pass the first cache bucket (256), so the shared cache is repacked and grown under load.
@@ -59,7 +42,7 @@ def test_batched_greedy_equals_alone(tiny_bundle, draft):
         assert eng._batch.period in (1, 2, 4, 8, 16, 32, 64)
         alone = [eng.generate(p, **kw) for p in PROMPTS]
         steps_before = eng._batch.steps
-        batched = _concurrently(eng, PROMPTS, **kw)
+        batched = concurrently(eng, PROMPTS, **kw)
         steps = eng._batch.steps - steps_before
         deadline = time.monotonic() + 10  # a row leaves just after its caller got its last token
         while eng.stats().running and time.monotonic() < deadline:
@@ -88,7 +71,7 @@ def test_prompt_lookup_drafts_for_a_lone_sequence_and_not_in_a_shared_step(tiny_
             assert sched._draft() == (0, [])
         finally:
             sched.rows = []
-        res = _concurrently(eng, PROMPTS[:4], max_new_tokens=64)
+        res = concurrently(eng, PROMPTS[:4], max_new_tokens=64)
         assert all(r.finish_reason in ("stop", "length") for r in res)
 
 
@@ -96,7 +79,7 @@ def test_seeded_sampling_in_a_batch_is_the_same_as_alone(tiny_bundle):
     kw = {"max_new_tokens": 40, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
     with load(tiny_bundle, max_batch=3, draft=None) as eng:
         alone = eng.generate(PROMPTS[2], **kw)
-        res = _concurrently(eng, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], **kw)
+        res = concurrently(eng, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], **kw)
     assert res[0].token_ids == alone.token_ids
 
 
@@ -219,17 +202,3 @@ def test_batching_refusals_are_one_sentence(tiny_bundle):
     no_std = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.target != "trt"))
     why = batch_refusal(no_std, "ort-cpu", None)
     assert isinstance(why, BundleError) and "standard-op" in str(why) and str(why).count(". ") == 0
-
-
-@pytest.mark.slow
-def test_real_model_batched_equals_alone(real_bundle):
-    """The real SmolLM2 bundle: four chat prompts batched, with and without prompt lookup, equal alone."""
-    msgs = [[{"role": "user", "content": c}] for c in
-            ("Name three prime numbers.", "Write a haiku about CPUs.", "List the days of the week.",
-             "Repeat: the cat sat on the mat, the cat sat on the mat.")]
-    for draft in (None, "prompt-lookup"):
-        with load(real_bundle, draft=draft, max_batch=4, threads=2) as eng:
-            alone = [eng.generate(messages=m, max_new_tokens=48) for m in msgs]
-            batched = _concurrently(eng, [None] * len(msgs), messages_list=msgs, max_new_tokens=48)
-        assert [a.token_ids for a in alone] == [b.token_ids for b in batched]
-        assert all(np.isfinite(a.stats.tokens_per_s) for a in alone)

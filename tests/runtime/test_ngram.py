@@ -20,7 +20,7 @@ from specdeploy.runtime.drafters.base import DraftContext
 from specdeploy.runtime.drafters.ngram import TABLE_FILE, NgramDrafter, NgramTable, pack
 from specdeploy.runtime.errors import BundleError, DraftMismatchError
 
-SHIPPED_REPLIES = Path(__file__).resolve().parents[1] / "graphs" / "weights" / "self-replies.npz"
+SHIPPED_REPLIES = Path(__file__).resolve().parents[2] / "graphs" / "weights" / "self-replies.npz"
 
 
 def _random_replies(seed: int = 0, n: int = 40, vocab: int = 12) -> list[np.ndarray]:
@@ -217,15 +217,6 @@ def test_bad_tables_and_replies_get_one_sentence(tiny_bundle, tmp_path):
     (bundle / TABLE_FILE).unlink()
     with pytest.raises(BundleError, match="missing"):
         load(bundle, draft="ngram")
-
-
-@pytest.mark.slow
-def test_the_shipped_replies_make_a_table_that_predicts_held_out_replies(real_bundle, tmp_path):
-    """The embedded model's committed self-replies: their table, and its held-out top-1 (measured 0.36)."""
-    replies = read_replies(SHIPPED_REPLIES, 49152, read_manifest(real_bundle).source.weight_sha)
-    assert len(replies) == 5120 and sum(len(r) for r in replies) > 900_000
-    _, stats = calibrate(replies[:1024], 49152)
-    assert stats["heldout_top1"] > 0.25
 
 
 def test_the_hybrid_weighs_the_tables_chain_against_the_model():

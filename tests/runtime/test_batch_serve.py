@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server import PROMPTS, Server, _sse_text, _wait_for, long_stream
+from serving import PROMPTS, Server, long_stream, sse_text, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_32_concurrent_clients_get_their_answers_alone(batched):
             return choice["text"] if "text" in choice else choice["message"]["content"]
         async with client.stream("POST", path, json=payload) as r:
             assert r.status_code == 200, await r.aread()
-            text, _, done = _sse_text([line async for line in r.aiter_lines()])
+            text, _, done = sse_text([line async for line in r.aiter_lines()])
         assert done
         return text
 
@@ -76,7 +76,7 @@ def test_32_concurrent_clients_get_their_answers_alone(batched):
         watcher.join()
     assert [texts[i] for i in range(32)] == [alone[i % 16] for i in range(32)]
     assert peak[0] > 1  # they really shared steps
-    assert _wait_for(lambda: batched.metrics()["specdeploy_requests_in_flight"] == 0, 10)
+    assert wait_for(lambda: batched.metrics()["specdeploy_requests_in_flight"] == 0, 10)
 
 
 def test_a_disconnect_frees_its_row(batched):
@@ -87,9 +87,9 @@ def test_a_disconnect_frees_its_row(batched):
         for i, _ in enumerate(r.iter_lines()):
             if i > 3:
                 break
-    assert _wait_for(lambda: batched.metrics()["specdeploy_generations_cancelled_total"]
+    assert wait_for(lambda: batched.metrics()["specdeploy_generations_cancelled_total"]
                      == m0["specdeploy_generations_cancelled_total"] + 1, 10)
-    assert _wait_for(lambda: batched.metrics()["specdeploy_generation_running"] == 0, 10)
+    assert wait_for(lambda: batched.metrics()["specdeploy_generation_running"] == 0, 10)
 
 
 def test_sigterm_under_batched_load_loses_nothing(tiny_bundle, tmp_path):
@@ -111,7 +111,7 @@ def test_sigterm_under_batched_load_loses_nothing(tiny_bundle, tmp_path):
     for t in threads:
         t.start()
     assert started.wait(30)
-    assert _wait_for(lambda: srv.metrics()["specdeploy_requests_in_flight"] + len(results) >= n, 30)
+    assert wait_for(lambda: srv.metrics()["specdeploy_requests_in_flight"] + len(results) >= n, 30)
     assert srv.stop(timeout=30) in (0, -signal.SIGTERM)
     for t in threads:
         t.join(10)

@@ -225,7 +225,7 @@ def test_import_directions():
     """runtime/ imports nothing from graphs/ or exporter/; graphs/ imports neither of the others."""
     import ast
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     rules = {"runtime": ("specdeploy.graphs", "specdeploy.exporter", "torch", "transformers"),
              "graphs": ("specdeploy.runtime", "specdeploy.exporter")}
     bad = []
@@ -255,5 +255,5 @@ def test_stream_decoder_matches_full_decode(tiny_bundle):
 
 
 def test_readme_shows_the_tested_api_example():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert (root / "tests" / "api_example.py").read_text() in (root / "README.md").read_text()

@@ -14,7 +14,7 @@ import pytest
 from specdeploy.runtime import SpecDeployError, load
 from specdeploy.runtime import engine as engine_module
 
-EXAMPLE = Path(__file__).with_name("api_example.py")
+EXAMPLE = Path(__file__).resolve().parents[1] / "api_example.py"
 PROMPTS = [f"Question {i}: what is the capital of country number {i}?" for i in range(6)]
 
 

@@ -19,51 +19,10 @@ from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 from tiny_training import CHIMERA_LOOP as TINY_LOOP
 from tiny_training import TINY_CHIMERA as TINY
-from tiny_training import TINY_DATA, mtbench_first_turns
+from tiny_training import TINY_DATA
 from tiny_training import chimera_task as _task
-from tiny_training import graph_files as _graph_files
 
-WEIGHTS = Path(__file__).resolve().parents[1] / "graphs" / "weights"
-
-
-# --- the real model with the shipped weights -------------------------------------------------------------
-@pytest.mark.slow
-def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
-    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
-    from specdeploy.exporter.check.validate import validate_bundle
-    from specdeploy.exporter.export.draft import export_draft
-
-    bundle = tmp_path / "real"
-    shutil.copytree(real_bundle, bundle)
-    w = load_draft_weights(WEIGHTS / "chimera.safetensors", "chimera")
-    assert (WEIGHTS / "chimera.safetensors").stat().st_size <= 30 * 2**20
-    # trained on the base model's own replies to 5120 ShareGPT first turns, fusing EAGLE-3's low, mid and
-    # high base layers (graphs/weights/README.md); the real bundle taps them (conftest.SHIPPED_TAPS)
-    assert w.config.num_heads == 4 and w.meta["data"]["tokens"] > 1_000_000
-    assert w.config.feature_layers == (1, 14, 26)
-    assert w.meta["data"]["config"]["replies"] == "self"
-    export_draft(bundle, "chimera", WEIGHTS / "chimera.safetensors", progress=lambda m: None)
-    from specdeploy.exporter.export.shared_data import stored_twice
-
-    assert stored_twice(bundle, _graph_files(bundle)) == []  # the trt and ort graphs share their fp32 weights
-    checks = validate_bundle(bundle, progress=lambda m: None)
-    assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int4"}
-    prompts = mtbench_first_turns(3)
-    with load(bundle, draft=None) as plain:
-        refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
-                for ids in (plain.encode(p, chat=True) for p in prompts)]
-    for tree in (None, "tree16", "dynamic:16"):
-        with load(bundle, draft="chimera", tree=tree) as eng:
-            eng.decoder.drafter._model_value = lambda: float("inf")  # what it learned: it drafts every step
-            tokens = steps = 0  # over the steps it drafted (the rule runs the others plainly)
-            for ids, ref in refs:
-                st = DecodeStats()
-                assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, tree
-                tokens += st.new_tokens - 1 - st.gate_ar
-                steps += st.gate_parallel
-            # An untrained draft stays near 1.0. The adaptive chain is sized by the cost curve measured at
-            # load, so tau moves with the machine's timing (1.28 in one CI run on the AMD EPYC, above 1.3 in others).
-            assert tokens / steps > 1.2, (tree, tokens / steps)
+WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
 
 
 def test_draft_sessions_run_on_one_thread_without_spinning(chimera_bundle):

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,77 +20,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install 'specdeploy[ray]')")
 openai = pytest.importorskip("openai")
 
-from test_server import _free_port
-
-KEY = "ray-test-key"
-
-
-def _ray_pids() -> set[int]:
-    """This user's processes that Ray started (its workers, raylet, GCS and the like)."""
-    out = set()
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "ray::" in cmd or "/ray/" in cmd or "raylet" in cmd or "gcs_server" in cmd:
-            out.add(int(d.name))
-    return out
-
-
-def _replica_pids() -> list[int]:
-    pids = []
-    for pid in _ray_pids():
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "ServeReplica" in cmd and "engine" in cmd:
-            pids.append(pid)
-    return sorted(pids)
-
-
-class RayServer:
-    def __init__(self, bundle: Path, log_path: Path, *args: str, replicas: int = 2):
-        self.before = _ray_pids()
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "specdeploy.exporter.cli", "serve", str(bundle), "--ray", "--port",
-                 str(self.port), "--api-key", KEY, *args], stdout=log, stderr=subprocess.STDOUT)
-        if not self.wait_ready(240, replicas=replicas):
-            self.proc.kill()
-            pytest.fail(f"ray server did not start:\n{self.log()[-4000:]}")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float, replicas: int) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                healthy = httpx.get(self.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if healthy and len(_replica_pids()) >= replicas:
-                return True
-            time.sleep(0.5)
-        return False
-
-    def stop(self, timeout: float = 90) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"still running {timeout}s after SIGTERM:\n{self.log()[-3000:]}")
+from serving import RayServer, free_port, ray_pids, replica_pids
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +33,7 @@ def ray_server(tiny_bundle, tmp_path_factory):
 
 
 def test_two_replicas_answer_chat_stream_and_completion_through_the_openai_client(ray_server):
-    pids = _replica_pids()
+    pids = replica_pids()
     assert len(pids) == 2
     # Each replica is pinned to its own share of the cores.
     shares = [os.sched_getaffinity(pid) for pid in pids]
@@ -132,7 +61,7 @@ def test_two_replicas_answer_chat_stream_and_completion_through_the_openai_clien
 
 def test_a_replica_killed_mid_load_is_replaced_and_no_request_hangs(ray_server):
     c = ray_server.client
-    victim = _replica_pids()[0]
+    victim = replica_pids()[0]
 
     def ask(i: int):
         try:
@@ -153,7 +82,7 @@ def test_a_replica_killed_mid_load_is_replaced_and_no_request_hangs(ray_server):
                for kind, why in results), results
     assert any(kind == "ok" for kind, _ in results), results  # the other replica kept serving
     assert ray_server.wait_ready(180, replicas=2), ray_server.log()[-3000:]  # Serve replaced it
-    assert victim not in _replica_pids()
+    assert victim not in replica_pids()
     for i in range(4):
         r = c.chat.completions.create(model="bundle", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert r.usage.completion_tokens == 4
@@ -171,44 +100,28 @@ def test_sigterm_drains_and_leaves_nothing_running(ray_server):
         assert ray_server.stop() == 0  # the replicas drain: requests in flight finish first
         assert [f.result(timeout=60) for f in futures] == [200, 200]
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (_ray_pids() - ray_server.before):
+    while time.monotonic() < deadline and (ray_pids() - ray_server.before):
         time.sleep(0.5)
-    assert not (_ray_pids() - ray_server.before), ray_server.log()[-3000:]
+    assert not (ray_pids() - ray_server.before), ray_server.log()[-3000:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(ray_server.url + "/health", timeout=2)
-
-
-@pytest.mark.slow
-def test_real_model_replicas_answer_as_the_engine_does(real_bundle, tmp_path):
-    from specdeploy.runtime import load
-
-    messages = [{"role": "user", "content": "Name three prime numbers."}]
-    srv = RayServer(real_bundle, tmp_path / "serve.log", "--replicas", "2", "--max-batch", "4", "--model-name", "m")
-    try:
-        answers = {srv.client.chat.completions.create(model="m", messages=messages, max_tokens=32,
-                                                      temperature=0).choices[0].message.content for _ in range(4)}
-    finally:
-        assert srv.stop() == 0
-    with load(real_bundle, threads=1, max_batch=4, draft=None) as engine:  # a replica's engine: one core, batching
-        want = engine.generate(messages=messages, max_new_tokens=32).text
-    assert answers == {want}
 
 
 def test_autoscaling_adds_a_replica_under_load(tiny_bundle, tmp_path):
     srv = RayServer(tiny_bundle, tmp_path / "serve.log", "--replicas", "1", "--max-replicas", "2",
                     "--target-ongoing", "1", "--cpus-per-replica", "1", "--max-batch", "2", replicas=1)
     try:
-        assert len(_replica_pids()) == 1
+        assert len(replica_pids()) == 1
         stop = time.monotonic() + 120
 
         def load_loop() -> None:  # three clients in a row: three requests in flight against a target of one
-            while time.monotonic() < stop and len(_replica_pids()) < 2:
+            while time.monotonic() < stop and len(replica_pids()) < 2:
                 srv.client.completions.create(model="bundle", prompt="one two", max_tokens=200, temperature=0)
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             for f in [pool.submit(load_loop) for _ in range(3)]:
                 f.result(timeout=180)
-        assert len(_replica_pids()) == 2, srv.log()[-3000:]
+        assert len(replica_pids()) == 2, srv.log()[-3000:]
         assert srv.wait_ready(120, replicas=2)
     finally:
         assert srv.stop() == 0
@@ -219,9 +132,9 @@ def test_a_replica_that_cannot_load_fails_the_deploy_in_one_sentence(tiny_bundle
 
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this machine can run the ort-cuda backend")
-    before = _ray_pids()
+    before = ray_pids()
     proc = subprocess.run([sys.executable, "-m", "specdeploy.exporter.cli", "serve", str(tiny_bundle), "--ray",
-                           "--replicas", "1", "--backend", "ort-cuda", "--port", str(_free_port())],
+                           "--replicas", "1", "--backend", "ort-cuda", "--port", str(free_port())],
                           check=False, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
@@ -229,9 +142,9 @@ def test_a_replica_that_cannot_load_fails_the_deploy_in_one_sentence(tiny_bundle
                            "available"), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (_ray_pids() - before):
+    while time.monotonic() < deadline and (ray_pids() - before):
         time.sleep(0.5)
-    assert not (_ray_pids() - before)
+    assert not (ray_pids() - before)
 
 
 def test_ray_options_without_ray_or_out_of_order_are_one_sentence(tiny_bundle):

@@ -16,7 +16,7 @@ from specdeploy.runtime.bundle import read_manifest
 from specdeploy.runtime.errors import ModelSourceError, UnsupportedArchitectureError
 from specdeploy.runtime.text import TextCodec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_family_is_found_by_class_or_model_type_and_others_get_one_sentence():

@@ -5,86 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from specdeploy.runtime import load
+from serving import PROMPTS, Server, long_stream, sse_text, wait_for
 
 KEY = "sk-test-7f3a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-PROMPTS = [f"Story {i}: once upon a time in the city of {c}" for i, c in
-           enumerate(["Paris", "Lagos", "Lima", "Oslo", "Hanoi", "Quito", "Perth", "Cairo"])]
 REQUEST_LINE = re.compile(r"specdeploy\.server: POST /v1/(chat/)?completions \d{3} tokens=\d+ [\d.]+s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `specdeploy serve` subprocess; its log goes to a file the tests can read."""
-
-    def __init__(self, bundle: Path, log_path: Path, *args: str):
-        self.log_path = log_path
-        for _ in range(3):  # the free port can be taken between the probe and the bind
-            self.port = _free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            with open(log_path, "wb") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "specdeploy.exporter.cli", "serve", str(bundle), "--port", str(self.port),
-                     *args], stdout=log, stderr=subprocess.STDOUT)
-            if self._wait_healthy(120):
-                return
-            if "address already in use" not in self.log().lower():
-                break
-        self.proc.kill()
-        pytest.fail(f"server did not start:\n{self.log()}")
-
-    def _wait_healthy(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        return False
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def rss_mb(self) -> float:
-        status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
-    def stop(self, timeout: float = 30) -> int:
-        """SIGTERM, as a process manager would; the server must exit on its own, without hanging."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            pytest.fail(f"server still running {timeout}s after SIGTERM:\n{self.log()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +35,6 @@ def model_id(server) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_bundle):
-    with load(tiny_bundle, draft=None) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
 def client(server):
     from openai import OpenAI
 
@@ -118,33 +44,6 @@ def client(server):
 
 def _chat(i: int) -> list[dict]:
     return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[i]}]
-
-
-def _sse_text(lines: list[str]) -> tuple[str, list[dict], bool]:
-    """Concatenated text, the parsed events, and whether [DONE] came."""
-    text, events, done = "", [], False
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            done = True
-            continue
-        ev = json.loads(line[6:])
-        events.append(ev)
-        for ch in ev.get("choices", []):
-            text += ch["delta"].get("content") or "" if "delta" in ch else ch["text"]
-    return text, events, done
-
-
-def long_stream(url: str, model: str, prompt: str, started: threading.Event) -> tuple[str, list[dict], bool]:
-    """A streamed 480-token completion read to its end; ``started`` is set at its first line."""
-    payload = {"model": model, "prompt": prompt, "max_tokens": 480, "temperature": 0, "stream": True}
-    lines = []
-    with httpx.stream("POST", url + "/v1/completions", json=payload, timeout=60) as r:
-        for line in r.iter_lines():
-            started.set()
-            lines.append(line)
-    return _sse_text(lines)
 
 
 # --- openai client ----------------------------------------------------------------------------
@@ -161,8 +60,8 @@ def test_models_health_metrics(server, model_id):
     assert all(sample.match(line) for line in text.splitlines() if not line.startswith("#"))
 
 
-def test_completion_matches_in_process(client, model_id, engine):
-    ref = engine.generate(PROMPTS[0], max_new_tokens=24)
+def test_completion_matches_in_process(client, model_id, plain_engine):
+    ref = plain_engine.generate(PROMPTS[0], max_new_tokens=24)
     out = client.completions.create(model=model_id, prompt=PROMPTS[0], max_tokens=24, temperature=0)
     assert out.choices[0].text == ref.text
     assert out.choices[0].finish_reason == "length"
@@ -174,8 +73,8 @@ def test_completion_matches_in_process(client, model_id, engine):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_chat_matches_in_process(client, model_id, engine):
-    ref = engine.generate(messages=_chat(1), max_new_tokens=20)
+def test_chat_matches_in_process(client, model_id, plain_engine):
+    ref = plain_engine.generate(messages=_chat(1), max_new_tokens=20)
     out = client.chat.completions.create(model=model_id, messages=_chat(1), max_tokens=20, temperature=0)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
@@ -190,8 +89,8 @@ def test_chat_matches_in_process(client, model_id, engine):
     assert chunks[-1].usage.completion_tokens == 20
 
 
-def test_stop_sequence(client, model_id, engine):
-    full = engine.generate(PROMPTS[2], max_new_tokens=24).text
+def test_stop_sequence(client, model_id, plain_engine):
+    full = plain_engine.generate(PROMPTS[2], max_new_tokens=24).text
     stop = full[len(full) // 2:len(full) // 2 + 3]
     out = client.completions.create(model=model_id, prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop])
     assert out.choices[0].text == full[:full.index(stop)] and out.choices[0].finish_reason == "stop"
@@ -305,13 +204,6 @@ def test_malformed_input_sweep(server, model_id):
 
 
 # --- disconnects ----------------------------------------------------------------------------------
-def _wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_disconnect_cancels_generation_and_frees_the_slot(server, model_id):
@@ -324,7 +216,7 @@ def test_disconnect_cancels_generation_and_frees_the_slot(server, model_id):
             for i, _ in enumerate(r.iter_lines()):
                 if i > 4:
                     break
-        assert _wait_for(lambda: server.metrics()["specdeploy_generations_cancelled_total"]
+        assert wait_for(lambda: server.metrics()["specdeploy_generations_cancelled_total"]
                          == m0["specdeploy_generations_cancelled_total"] + 1)
         m1 = server.metrics()
         assert m1["specdeploy_generated_tokens_total"] - m0["specdeploy_generated_tokens_total"] < 400
@@ -338,15 +230,15 @@ def test_disconnect_cancels_generation_and_frees_the_slot(server, model_id):
             next(lines)  # generating now
             with c.stream("POST", url, json=long | {"prompt": "queued"}) as queued:
                 assert queued.status_code == 200
-                assert _wait_for(lambda: server.metrics()["specdeploy_queue_depth"] == 1, 5)
-            assert _wait_for(lambda: server.metrics()["specdeploy_queue_depth"] == 0, 5)
+                assert wait_for(lambda: server.metrics()["specdeploy_queue_depth"] == 1, 5)
+            assert wait_for(lambda: server.metrics()["specdeploy_queue_depth"] == 0, 5)
         # Non-streaming: the client times out and goes away. Two long streams run and queue ahead of it,
         # so it cannot finish within its timeout however fast the machine decodes the tiny model.
         with c.stream("POST", url, json=long) as running, c.stream("POST", url, json=long | {"prompt": "q"}) as ahead:
             assert running.status_code == ahead.status_code == 200
             with pytest.raises(httpx.TimeoutException):
                 c.post(url, json=long | {"stream": False}, timeout=0.05)
-        assert _wait_for(lambda: server.metrics()["specdeploy_requests_in_flight"] == 0)
+        assert wait_for(lambda: server.metrics()["specdeploy_requests_in_flight"] == 0)
         m2 = server.metrics()
         assert m2["specdeploy_client_disconnects_total"] - m0["specdeploy_client_disconnects_total"] >= 3
         assert m2["specdeploy_generations_cancelled_total"] - m0["specdeploy_generations_cancelled_total"] >= 3
@@ -370,7 +262,7 @@ def test_load_32_concurrent_streaming_clients(server, model_id):
         path, payload = body(i)
         async with sem, client.stream("POST", path, json=payload) as r:
             assert r.status_code == 200, await r.aread()
-            text, _, done = _sse_text([line async for line in r.aiter_lines()])
+            text, _, done = sse_text([line async for line in r.aiter_lines()])
         return i, text, done
 
     async def run(ids: list[int], concurrency: int) -> list[tuple[int, str, bool]]:
@@ -404,7 +296,7 @@ def test_load_32_concurrent_streaming_clients(server, model_id):
     m = server.metrics()
     assert m["specdeploy_requests_in_flight"] == 0 and m["specdeploy_queue_depth"] == 0
     assert server.rss_mb() - rss_before < 200, (rss_before, server.rss_mb())
-    assert _wait_for(lambda: logged() - logged_before == n_requests, 5), (logged_before, logged())
+    assert wait_for(lambda: logged() - logged_before == n_requests, 5), (logged_before, logged())
     print(f"{n_requests} streamed requests, {n_clients} clients: {elapsed:.1f}s, "
           f"RSS {rss_before:.0f} -> {server.rss_mb():.0f} MB")
 
@@ -437,7 +329,7 @@ def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
     assert started.wait(30)
     # All admitted (running, queued or done) before the signal: a client still connecting when
     # the server stops gets "connection refused", which is not what this test is about.
-    assert _wait_for(lambda: srv.metrics()["specdeploy_requests_in_flight"] + len(results) >= n, 30)
+    assert wait_for(lambda: srv.metrics()["specdeploy_requests_in_flight"] + len(results) >= n, 30)
     t0 = time.monotonic()
     assert srv.stop(timeout=30) in (0, -signal.SIGTERM)
     assert time.monotonic() - t0 < 15
@@ -447,23 +339,3 @@ def test_sigterm_finishes_or_cancels_in_flight_requests(tiny_bundle, tmp_path):
     ended = [any("error" in ev for ev in events) for _, events, _ in results.values()]
     assert any(ended), "queued requests past the shutdown timeout should have been cancelled"
     assert "Traceback" not in srv.log() and "Finished server process" in srv.log()
-
-
-# --- the real model -------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_real_model_chat_through_openai_client(real_bundle, tmp_path):
-    from openai import OpenAI
-
-    srv = Server(real_bundle, tmp_path / "server.log", "--draft", "prompt-lookup")
-    try:
-        with OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300) as client:
-            model = client.models.list().data[0].id
-            messages = [{"role": "user", "content": "Name three prime numbers."}]
-            out = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
-        text = out.choices[0].message.content
-        with load(real_bundle, draft="prompt-lookup", max_batch=16) as eng:  # as the server runs it
-            assert text == eng.generate(messages=messages, max_new_tokens=32).text
-        assert text.strip() and out.choices[0].finish_reason in ("stop", "length")
-    finally:
-        srv.stop()
-    assert os.path.exists(srv.log_path)

@@ -23,7 +23,7 @@ from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BackendUnavailableError
 from specdeploy.runtime.probe import resolve_plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 
 

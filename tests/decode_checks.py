@@ -1,0 +1,51 @@
+"""Checks that tests in more than one folder make on an engine (tiny bundles and the real ones alike)."""
+
+from __future__ import annotations
+
+import threading
+
+from specdeploy.runtime import load
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+
+
+def concurrently(eng, prompts, messages_list=None, **kw):
+    """``eng.generate`` of each prompt (or message list) in a thread of its own, all at once; the results in order."""
+    out: dict[int, object] = {}
+
+    def go(i: int) -> None:
+        if messages_list is not None:
+            out[i] = eng.generate(messages=messages_list[i], **kw)
+        else:
+            out[i] = eng.generate(prompts[i], **kw)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return [out[i] for i in range(len(prompts))]
+
+
+def check_plan(plain, spec, validate_text: str) -> None:
+    """Both engines run the plan the probe chose, and validate reported the same choice."""
+    assert plain.plan.candidate == spec.plan.candidate and plain.plan.exact == spec.plan.exact
+    said = f"step plan '{spec.plan.candidate.name}'" if spec.plan.exact else "plain decoding only"
+    assert f"runtime: {spec.plan.reason.split(':')[0]}" in validate_text and said in validate_text
+    assert (spec.decoder.drafter is not None) == spec.plan.speculate
+    assert spec.decoder.chains_only == (not spec.plan.trees) and spec.decoder.min_rows == spec.plan.min_rows
+
+
+def suffix_identity(bundle, prompts: list[str], tokens: int) -> list[DecodeStats]:
+    """The suffix drafter on ``prompts`` and their first two again, each output identical to plain decoding."""
+    with load(bundle, draft=None) as plain, load(bundle, draft="suffix") as spec:
+        assert spec.draft_name == "suffix" or not spec.plan.speculate
+        out = []
+        for text in prompts + prompts[:2]:  # the repeats find the first answers in the shared cache
+            ids = plain.encode(text, chat=True)
+            stats = DecodeStats()
+            assert spec.generate_ids(ids, GenerationConfig(tokens), stats) == plain.generate_ids(
+                ids, GenerationConfig(tokens))
+            out.append(stats)
+        if spec.plan.speculate:
+            assert spec.decoder.drafter.cache.tokens > 0  # the outputs went into the shared cache
+        return out
