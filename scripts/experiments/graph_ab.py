@@ -6,8 +6,7 @@ Both bundles are loaded (each with its step plan), then each round decodes one r
 250 tokens greedily on A and on B, alternating which goes first, so that the machine's drift (which
 moves step times by 25% over minutes on a shared 2-core VM) falls on both alike. Prints each round's
 ms per decode step and the median ratio B/A. The two engines' thread pools take turns and never run
-at once; both spin as the runtime's own do. Used for the q4_1 block-sum form (docs/benchmarks.md,
-session 16).
+at once; both spin as the runtime's own do. Used for the q4_1 block-sum form (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ It prints, per drafter, tau and the predicted decode speed-up over plain decodin
 cost); loop overhead and the prefill are not in it. Chains only (the plan on CPUs whose tree rows
 differ). Prompt lookup and the n-gram table (the bundle's, if it has one) run on the CPU in
 microseconds, so this answers in seconds what a bench run answers in minutes: how a drafting policy
-or a table would do, before it is benched. Its tau came within 0.02 of the measured tau of both in session 18.
+or a table would do, before it is benched. Its tau came within 0.02 of the measured tau of both when
+it was checked against a bench run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("bench_json", type=Path, help="a specdeploy bench --json file (its baseline's token ids)")
     ap.add_argument("bundle", type=Path, help="the bundle it ran (tokenizer; n-gram table if any)")
     ap.add_argument("--curve", default="2:1.11,4:1.37,8:1.95,16:3.0",
-                    help="step cost relative to a 1-row step, T:cost pairs (default: session 17's q4_1 median)")
+                    help="step cost relative to a 1-row step, T:cost pairs (default: a measured q4_1 median)")
     args = ap.parse_args()
     report = json.loads(args.bench_json.read_text())
     base = next(v for v in report["variants"] if v["name"] == report["config"]["baseline"])

@@ -10,7 +10,7 @@ Cuts (the numbers they compute are wrong; only their time means something):
 
 Every graph runs a ``--rows``-row step at ``--past`` positions with the cache bound in place, as the
 runtime runs it, ten steps per round, rounds alternating their order; prints the median ms per step.
-Used for docs/benchmarks.md, session 24. The cut graphs are written next to the bundle's and removed.
+Used for docs/benchmarks.md. The cut graphs are written next to the bundle's and removed.
 """
 
 from __future__ import annotations
