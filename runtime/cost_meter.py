@@ -3,11 +3,11 @@
 Drafters that size their drafts by cost (prompt lookup, the n-gram table, the depth policy of the
 model drafts) need the cost of a T-node step relative to a 1-node step. The engine measures it once
 at load (:func:`~.decode.measure_cost_curve`, about a second), and on a shared machine that one
-measurement can be off: on the AMD EPYC of session 18, the same bundle's 2-node step measured 1.10 of
+measurement can be off: on one AMD EPYC, the same bundle's 2-node step measured 1.10 of
 a 1-node step in two bench workers and 1.19-1.20 in two others; those two ran ~1,400 steps plainly
 instead of ~400 and were the two slowest of the four runs (whether their loop's steps cost that much
 was not recorded). The decode loop's steps are thousands of free samples, at the real context lengths
-and in the real sequence of steps (docs/benchmarks.md, session 19).
+and in the real sequence of steps (docs/benchmarks.md, "The step cost curve").
 
 :class:`StepCostMeter` keeps each step's time with its node count. Every ``every`` steps it takes,
 over the last ``window`` steps, the median time per node count, and wherever both that count and the

@@ -8,7 +8,7 @@
 # The device has no network and receives at most 64 MiB per call, this repository's tracked tree included:
 # - the base runs with random weights of the real SmolLM2-135M shape, generated on the device (step times
 #   depend on shapes, not values; exporter/bench/gpu.py); each draft's speed-up is predicted from tau
-#   measured on the CPU with the real weights (docs/results/s10_32_fp32.json);
+#   measured on the CPU with the real weights (docs/results/mtbench32_fp32_drafts_amd_avx2.json);
 # - a larger file (the GGUF) can follow in parts over consecutive calls (exporter/bench/gpu_transfer.py):
 #   each call carries one part and runs `gpu_transfer stash`; with SPECDEPLOY_GPU_STORE set to the folder
 #   the parts were stashed in, the weights stage reassembles the file and checks its sha256; the dry run
@@ -106,7 +106,7 @@ export -f weights
 stage weights 90 bash -c weights
 
 # --- bench: before the tests, so that a slow test costs no figure ---------------------------------------
-BENCH_ARGS=(--cpu-results docs/results/s10_32_fp32.json)
+BENCH_ARGS=(--cpu-results docs/results/mtbench32_fp32_drafts_amd_avx2.json)
 if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
 stage bench 360 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
 
