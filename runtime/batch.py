@@ -164,8 +164,10 @@ class BatchScheduler:
         return len(self.rows) + len(self._joining)
 
     def submit(self, ids: list[int], config: GenerationConfig, stats: DecodeStats,
-               cancelled: Callable[[], bool] = lambda: False) -> Iterator[int]:
-        """Queue a generation; the iterator yields its tokens as the batch makes them."""
+               cancelled: Callable[[], bool] | None = None, namespace: str = "") -> Iterator[int]:
+        """Queue a generation; the iterator yields its tokens as the batch makes them. (``namespace`` is the
+        :class:`~.scheduler.Scheduler`'s: batched rows draft from their own context only.)"""
+        cancelled = cancelled or (lambda: False)
         self.decoder.check_prompt(ids, config)
         stats.prompt_tokens = len(ids)
         stats.lossy = self.lossy or (self.draft and self.plan.lossy)

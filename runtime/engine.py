@@ -28,10 +28,8 @@ queueing, in the caller's thread.
 from __future__ import annotations
 
 import threading
-import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,17 +45,11 @@ from .drafters.kinds import AUTO
 from .errors import ExactnessWarning, PromptError, SpecDeployError
 from .plan import StepPlan
 from .probe import resolve_plan
+from .scheduler import Scheduler, SerialScheduler
+from .streaming import Completion, TextStream, text_deltas
 from .text import TextCodec
 
-_POLL_S = 0.05  # how often a queued caller looks at its cancel flag
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (closed before the end)
-    stats: DecodeStats
+__all__ = ["Completion", "Engine", "EngineStats", "TextStream", "load"]
 
 
 @dataclass(frozen=True)
@@ -85,128 +77,6 @@ class EngineStats:
     def tokens_per_s(self) -> float:
         """New tokens per second of slot time (throughput while busy)."""
         return self.new_tokens / self.busy_s if self.busy_s > 0 else 0.0
-
-
-class _Ticket:
-    __slots__ = ("event", "granted")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.granted = False
-
-
-class _Slot:
-    """The single decode slot: held by one caller at a time and handed over in arrival order.
-
-    A plain ``threading.Lock`` is not FIFO, so under load a caller could wait indefinitely; here a
-    release hands the slot straight to the oldest waiter.
-    """
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._idle = threading.Condition(self._mutex)
-        self._waiters: deque[_Ticket] = deque()
-        self._busy = False
-        self._closed = False
-
-    @property
-    def depth(self) -> int:
-        return len(self._waiters)
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
-    def acquire(self, cancelled: Callable[[], bool] | None = None) -> bool:
-        """Wait for the slot; False if ``cancelled()`` turns true or the slot closes first."""
-        with self._mutex:
-            if self._closed:
-                return False
-            if not self._busy and not self._waiters:
-                self._busy = True
-                return True
-            ticket = _Ticket()
-            self._waiters.append(ticket)
-        while True:
-            ticket.event.wait(_POLL_S if cancelled is not None else None)
-            with self._mutex:
-                if ticket.granted:
-                    if cancelled is not None and cancelled():
-                        self._release_locked()
-                        return False
-                    return True
-                if ticket.event.is_set():  # woken by close()
-                    return False
-                if cancelled is not None and cancelled():
-                    self._waiters.remove(ticket)
-                    return False
-
-    def release(self) -> None:
-        with self._mutex:
-            self._release_locked()
-
-    def _release_locked(self) -> None:
-        if self._waiters:
-            ticket = self._waiters.popleft()
-            ticket.granted = True
-            ticket.event.set()
-        else:
-            self._busy = False
-            self._idle.notify_all()
-
-    def close(self) -> None:
-        """Turn away every waiter and new caller, then wait until the current holder releases."""
-        with self._mutex:
-            self._closed = True
-            for ticket in self._waiters:
-                ticket.event.set()
-            self._waiters.clear()
-            while self._busy:
-                self._idle.wait()
-
-
-class TextStream:
-    """Iterator of text deltas; ``completion`` is set once it ends (exhausted, stopped or closed).
-
-    ``close()`` may be called from any thread: a queued stream leaves the queue, and a running one
-    stops after its current decode step and hands the engine to the next caller.
-    """
-
-    def __init__(self, prompt_tokens: int):
-        self.prompt_tokens = prompt_tokens
-        self.stats = DecodeStats()  # filled in live while the generation runs
-        self.completion: Completion | None = None
-        self._cancel = threading.Event()
-        self._deltas: Iterator[str] = iter(())
-
-    def __iter__(self) -> TextStream:
-        return self
-
-    def __next__(self) -> str:
-        try:
-            return next(self._deltas)
-        except ValueError as exc:
-            # close() from another thread raced this next(): the generator is being closed there.
-            if self._cancel.is_set() and "already executing" in str(exc):
-                raise StopIteration from None
-            raise
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def close(self) -> None:
-        """Stop generating (e.g. the client went away); releases the engine for the next caller."""
-        self._cancel.set()
-        close = getattr(self._deltas, "close", None)
-        try:
-            if close is not None:
-                close()
-        except ValueError:  # running in another thread, which sees the flag after this step
-            return
-        if self.completion is None:  # closed before it ever started
-            self.stats.finish_reason = "cancelled"
-            self.completion = Completion("", (), "cancelled", self.stats)
 
 
 class Engine:
@@ -238,28 +108,28 @@ class Engine:
             warnings.warn(f"The '{self.draft_name}' draft is not used: {self.plan.reason}", ExactnessWarning,
                           stacklevel=3)
             self.draft_name = "none"
-        self._batch: BatchScheduler | None = None
         self.batch_reason = "one generation at a time (max_batch 1)."
+        drafter = None
         if max_batch > 1:
-            self._batch = self._batching(max_batch, allow_inexact, progress)
-        self.max_batch = self._batch.max_batch if self._batch else 1  # 1 where the batch probe turned it off
-        drafter = None if self._batch else make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree,
-                                                        threads=threads, chains=not self.plan.trees,
-                                                        backend=self.backend, suffix_cache_tokens=suffix_cache_tokens)
-        self.decoder = self._batch.decoder if self._batch else Decoder(self.backend, self.manifest, drafter,
-                                                                        max_tree=max_tree, plan=self.plan)
+            self.scheduler: Scheduler = self._batching(max_batch, allow_inexact, progress)
+        else:
+            drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads,
+                                   chains=not self.plan.trees, backend=self.backend,
+                                   suffix_cache_tokens=suffix_cache_tokens)
+            self.scheduler = SerialScheduler(Decoder(self.backend, self.manifest, drafter, max_tree=max_tree,
+                                                     plan=self.plan))
+        self.max_batch = self.scheduler.max_batch  # 1 where the batch probe turned batching off
+        self.decoder = self.scheduler.decoder
         self.backend.release_unused()
         self.cost_curve: dict[int, float] | None = None  # measured when the drafter trades length for cost
         if drafter is not None and drafter.needs_cost_curve:
             # The drafter sizes its drafts by step cost: measure this backend's (~1 s).
             self.cost_curve = measure_cost_curve(self.decoder)
             self.decoder.track_costs(self.cost_curve)  # then re-estimated from the decode loop's steps
-        self._slot = _Slot()
         self._mutex = threading.Lock()  # guards the totals below and the set of open streams
         self._streams: weakref.WeakSet[TextStream] = weakref.WeakSet()
         self._totals = {"generations": 0, "cancelled": 0, "prompt_tokens": 0, "new_tokens": 0, "steps": 0,
                         "step_tokens": 0}
-        self._busy_s = 0.0
         self._last = (0.0, 1.0)  # tokens/s and tau of the last generation
         self._closed = False
 
@@ -327,61 +197,28 @@ class Engine:
 
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
              stream: TextStream, cache_namespace: str = "") -> Iterator[str]:
-        stats = stream.stats
-        gen: Iterator[int] | None = None
-        release: Callable[[], None] = _no_op
-        if self._batch is not None:
-            try:
-                gen = self._batch.submit(ids, config, stats, stream._cancel.is_set)
-            except SpecDeployError:
-                if not self._closed:
-                    raise  # closed before it queued: cancelled, like a closed slot below
-        elif self._slot.acquire(stream._cancel.is_set):
-            release = self._slot.release
-            if hasattr(self.decoder.drafter, "namespace"):  # set while this stream holds the slot
-                self.decoder.drafter.namespace = cache_namespace
-            gen = self.decoder.generate(ids, config, stats)
-        if gen is None:
-            stats.finish_reason = "cancelled"
-            stream.completion = Completion("", (), "cancelled", stats)
-            self._record(stats, 0.0, ran=False)
+        tokens = self._submit(ids, config, stream.stats, stream._cancel.is_set, cache_namespace)
+        if tokens is None:  # cancelled while queued, or the engine closed first
+            stream.cancel_unstarted()
+            self._record(stream.stats, ran=False)
             return
-        t0 = time.perf_counter()
-        detok = self.codec.stream()
-        hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
-        emitted_len, tokens, reason = 0, [], ""
         try:
-            for tok in gen:
-                if stream._cancel.is_set():
-                    reason = "cancelled"
-                    break
-                tokens.append(tok)
-                detok.push([tok])
-                text = detok.text
-                hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                if hit >= 0:
-                    if hit > emitted_len:
-                        yield text[emitted_len:hit]
-                    emitted_len, reason = hit, "stop"
-                    break
-                safe = len(text) - hold if stops else len(text)
-                if safe > emitted_len:
-                    yield text[emitted_len:safe]
-                    emitted_len = safe
-            else:
-                reason = stats.finish_reason
-                if len(detok.text) > emitted_len:
-                    yield detok.text[emitted_len:]
-                    emitted_len = len(detok.text)
+            yield from text_deltas(tokens, self.codec.stream(), stops, stream)
         finally:
-            # Also runs when the stream is closed at a yield (GeneratorExit): the slot is always freed.
-            gen.close()
-            release()
-            if not reason:  # closed at a yield, or an error escaped the decoder
-                reason = "cancelled" if stream._cancel.is_set() or not stats.finish_reason else stats.finish_reason
-            stats.finish_reason = reason
-            stream.completion = Completion(detok.text[:emitted_len], tuple(tokens), stats.finish_reason, stats)
-            self._record(stats, time.perf_counter() - t0, ran=True)
+            self._record(stream.stats, ran=True)
+
+    def _submit(self, ids: list[int], config: GenerationConfig, stats: DecodeStats,
+                cancelled: Callable[[], bool] | None = None, namespace: str = "") -> Iterator[int] | None:
+        """The scheduler's token iterator for this generation; None if it was cancelled or the engine closed
+        before it started."""
+        if self._closed:
+            return None
+        try:
+            return self.scheduler.submit(ids, config, stats, cancelled, namespace)
+        except SpecDeployError:
+            if not self._closed:
+                raise
+            return None  # closed between the check and the queue: cancelled, like a closed slot
 
     def generate(self, prompt: str | None = None, messages: Sequence[dict] | None = None, **kwargs) -> Completion:
         """Generate to completion; returns text, token ids, finish reason and stats."""
@@ -397,25 +234,17 @@ class Engine:
     def generate_ids(self, ids: list[int], config: GenerationConfig, stats: DecodeStats | None = None) -> list[int]:
         """Token-level generation (no text handling), used by the bench."""
         stats = stats if stats is not None else DecodeStats()
-        if self._batch is not None:
-            if self._closed:
-                raise SpecDeployError("This engine is closed.")
-            t0 = time.perf_counter()
-            try:
-                return list(self._batch.submit(ids, config, stats))
-            finally:
-                self._record(stats, time.perf_counter() - t0, ran=True)
-        if not self._slot.acquire():
+        tokens = self._submit(ids, config, stats)
+        if tokens is None:
             raise SpecDeployError("This engine is closed.")
-        t0 = time.perf_counter()
         try:
-            return list(self.decoder.generate(ids, config, stats))
+            return list(tokens)
         finally:
-            self._slot.release()
-            self._record(stats, time.perf_counter() - t0, ran=True)
+            tokens.close()
+            self._record(stats, ran=True)
 
     # --- bookkeeping --------------------------------------------------------------------------
-    def _record(self, stats: DecodeStats, busy_s: float, ran: bool) -> None:
+    def _record(self, stats: DecodeStats, ran: bool) -> None:
         with self._mutex:
             t = self._totals
             t["generations"] += int(ran)
@@ -425,20 +254,15 @@ class Engine:
             t["new_tokens"] += stats.new_tokens
             t["steps"] += stats.steps
             t["step_tokens"] += sum(stats.accepted)
-            self._busy_s += busy_s
             if stats.new_tokens:
                 self._last = (stats.tokens_per_s, stats.mean_accepted)
 
     def stats(self) -> EngineStats:
         """A consistent snapshot of the totals and the queue."""
         with self._mutex:
-            if self._batch is not None:  # requests overlap: the scheduler's own busy time counts
-                return EngineStats(**self._totals, busy_s=self._batch.busy_s, queue_depth=self._batch.waiting,
-                                   running=self._batch.active, last_tokens_per_s=self._last[0],
-                                   last_tau=self._last[1])
-            return EngineStats(**self._totals, busy_s=self._busy_s, queue_depth=self._slot.depth,
-                               running=int(self._slot.busy), last_tokens_per_s=self._last[0],
-                               last_tau=self._last[1])
+            sched = self.scheduler
+            return EngineStats(**self._totals, busy_s=sched.busy_s, queue_depth=sched.waiting, running=sched.active,
+                               last_tokens_per_s=self._last[0], last_tau=self._last[1])
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -453,9 +277,7 @@ class Engine:
             streams = list(self._streams)
         for stream in streams:
             stream.close()
-        if self._batch is not None:
-            self._batch.close()
-        self._slot.close()
+        self.scheduler.close()
         self.backend.close()
 
     def __enter__(self) -> Self:
@@ -463,10 +285,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _no_op() -> None:
-    pass
 
 
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO, threads: int | None = None,

@@ -38,12 +38,12 @@ def test_batched_greedy_equals_alone(tiny_bundle, draft):
     # 300 new tokens pass the first cache bucket (256), so the shared cache is repacked and grown under load.
     kw = {"max_new_tokens": 300, "temperature": 0.0}
     with load(tiny_bundle, draft=draft, max_batch=4) as eng:
-        assert eng.max_batch == 4 and eng._batch.max_batch == 4
-        assert eng._batch.period in (1, 2, 4, 8, 16, 32, 64)
+        assert eng.max_batch == 4 and eng.scheduler.max_batch == 4
+        assert eng.scheduler.period in (1, 2, 4, 8, 16, 32, 64)
         alone = [eng.generate(p, **kw) for p in PROMPTS]
-        steps_before = eng._batch.steps
+        steps_before = eng.scheduler.steps
         batched = concurrently(eng, PROMPTS, **kw)
-        steps = eng._batch.steps - steps_before
+        steps = eng.scheduler.steps - steps_before
         deadline = time.monotonic() + 10  # a row leaves just after its caller got its last token
         while eng.stats().running and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -61,7 +61,7 @@ def test_batched_greedy_equals_alone(tiny_bundle, draft):
 
 def test_prompt_lookup_drafts_for_a_lone_sequence_and_not_in_a_shared_step(tiny_bundle):
     with load(tiny_bundle, draft="prompt-lookup", max_batch=2) as eng:
-        sched = eng._batch
+        sched = eng.scheduler
         assert sched.draft and sched.cost[1] == 1.0 and len(sched.cost) > 1  # T-row step costs, measured
         lone = eng.generate(PROMPTS[5], max_new_tokens=64)
         assert lone.stats.mean_accepted > 1.0 and max(lone.stats.tree_sizes) > 1
@@ -130,7 +130,7 @@ def test_cancel_and_queue_beyond_max_batch(tiny_bundle):
 
 def test_close_cancels_running_and_queued(tiny_bundle):
     eng = load(tiny_bundle, max_batch=1 + 1, draft=None)
-    sched = eng._batch
+    sched = eng.scheduler
     seen = []  # (active, waiting) as each request is finished
     finish = sched._finish
 
@@ -181,12 +181,12 @@ def test_probe_finds_an_alignment_and_a_failing_probe_turns_batching_off(tiny_bu
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with load(tiny_bundle, max_batch=4, draft=None) as eng:
-            assert eng._batch.max_batch == 1 and not eng._batch.lossy
+            assert eng.scheduler.max_batch == 1 and not eng.scheduler.lossy
             assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is False
     msgs = [str(w.message) for w in caught if issubclass(w.category, ExactnessWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("Batching is off:") and msgs[0].count(". ") == 0
     with load(tiny_bundle, max_batch=4, allow_inexact=True, draft=None) as eng:
-        assert eng._batch.max_batch == 4 and eng.batch_reason.startswith("LOSSY")
+        assert eng.scheduler.max_batch == 4 and eng.batch_reason.startswith("LOSSY")
         assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is True
 
 

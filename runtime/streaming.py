@@ -1,0 +1,105 @@
+"""Text out of token streams: what ``Engine.stream`` returns, and stop strings over incremental detokenizing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .decode import DecodeStats
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (closed before the end)
+    stats: DecodeStats
+
+
+class TextStream:
+    """Iterator of text deltas; ``completion`` is set once it ends (exhausted, stopped or closed).
+
+    ``close()`` may be called from any thread: a queued stream leaves the queue, and a running one
+    stops after its current decode step and hands the engine to the next caller.
+    """
+
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.stats = DecodeStats()  # filled in live while the generation runs
+        self.completion: Completion | None = None
+        self._cancel = threading.Event()
+        self._deltas: Iterator[str] = iter(())
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._deltas)
+        except ValueError as exc:
+            # close() from another thread raced this next(): the generator is being closed there.
+            if self._cancel.is_set() and "already executing" in str(exc):
+                raise StopIteration from None
+            raise
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def close(self) -> None:
+        """Stop generating (e.g. the client went away); releases the engine for the next caller."""
+        self._cancel.set()
+        close = getattr(self._deltas, "close", None)
+        try:
+            if close is not None:
+                close()
+        except ValueError:  # running in another thread, which sees the flag after this step
+            return
+        if self.completion is None:  # closed before it ever started
+            self.cancel_unstarted()
+
+    def cancel_unstarted(self) -> None:
+        """End a stream that never got to decode: cancelled, no text."""
+        self.stats.finish_reason = "cancelled"
+        self.completion = Completion("", (), "cancelled", self.stats)
+
+
+def text_deltas(tokens: Iterator[int], detok, stops: Sequence[str], stream: TextStream) -> Iterator[str]:
+    """The text deltas of ``tokens`` (a generation running for ``stream``), decoded by ``detok`` (a
+    :meth:`~.text.TextCodec.stream`). Text that might start a stop string is held back, and the first stop
+    string ends the text before it. ``stream.completion`` is set when this ends: exhausted, stopped,
+    cancelled, closed at a yield or failed; ``tokens`` is closed then, whatever the reason."""
+    stats = stream.stats
+    hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
+    emitted_len, ids, reason = 0, [], ""
+    try:
+        for tok in tokens:
+            if stream.cancelled:
+                reason = "cancelled"
+                break
+            ids.append(tok)
+            detok.push([tok])
+            text = detok.text
+            hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if hit >= 0:
+                if hit > emitted_len:
+                    yield text[emitted_len:hit]
+                emitted_len, reason = hit, "stop"
+                break
+            safe = len(text) - hold if stops else len(text)
+            if safe > emitted_len:
+                yield text[emitted_len:safe]
+                emitted_len = safe
+        else:
+            reason = stats.finish_reason
+            if len(detok.text) > emitted_len:
+                yield detok.text[emitted_len:]
+                emitted_len = len(detok.text)
+    finally:
+        # Also runs when the stream is closed at a yield (GeneratorExit): the generation always ends here.
+        tokens.close()
+        if not reason:  # closed at a yield, or an error escaped the decoder
+            reason = "cancelled" if stream.cancelled or not stats.finish_reason else stats.finish_reason
+        stats.finish_reason = reason
+        stream.completion = Completion(detok.text[:emitted_len], tuple(ids), stats.finish_reason, stats)
