@@ -227,7 +227,8 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
     """
     from specdeploy.runtime.batch import batch_draft, batch_refusal
     from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.server import ServerConfig, run_server
+    from specdeploy.runtime.server import ServerConfig
+    from specdeploy.runtime.server_run import run_server
 
     ray_options = {"--replicas": replicas, "--max-replicas": max_replicas, "--target-ongoing": target_ongoing,
                    "--cpus-per-replica": cpus_per_replica, "--ray-address": ray_address}

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -31,10 +30,11 @@ from typing import Any
 
 from .engine import Completion, Engine, TextStream
 from .errors import SpecDeployError
+from .server_front import FrontDoor
 from .server_metrics import Metrics
 
 try:
-    import uvicorn
+    import uvicorn  # noqa: F401 (run by .server_run; checked here with the rest of the extra)
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
@@ -94,7 +94,7 @@ async def _until_disconnect(request: Request) -> None:
 
 
 # --- the application -----------------------------------------------------------------------------
-class _Server:
+class AppServer:
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine = engine
         self.config = config
@@ -340,48 +340,13 @@ class _EventStream(StreamingResponse):
             self._end(False)
 
 
-class _FrontDoor:
-    """Pure ASGI wrapper (streaming-safe, unlike BaseHTTPMiddleware): API key, request metrics, one log line."""
-
-    def __init__(self, app: Any, server: _Server):
-        self.app, self.server = app, server
-        key = server.config.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
-
-    def _authorized(self, scope: dict) -> bool:
-        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        return hmac.compare_digest(got, self.expected or b"")
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t0 = time.perf_counter()
-        status = [500]
-
-        async def send_status(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            if self.expected is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
-                err = ApiError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key")
-                await err.response()(scope, receive, send_status)
-            else:
-                await self.app(scope, receive, send_status)
-        finally:
-            self.server.metrics.observe(scope["path"], status[0])
-            log.info("%s %s %d tokens=%d %.3fs%s", scope["method"], scope["path"], status[0],
-                     scope.get("specdeploy.tokens", 0), time.perf_counter() - t0, scope.get("specdeploy.note", ""))
-
-
 def create_app(engine: Engine, config: ServerConfig = ServerConfig()) -> Any:
     """The ASGI application serving ``engine``; closing the app (lifespan shutdown) closes the engine."""
-    return _build(_Server(engine, config))
+    return build_app(AppServer(engine, config))
 
 
-def _build(server: _Server) -> Any:
+def build_app(server: AppServer) -> Any:
+    """The routes and error handlers over ``server``, behind the front door (API key, metrics, log line)."""
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -406,29 +371,4 @@ def _build(server: _Server) -> Any:
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         lifespan=server.lifespan,
     )
-    return _FrontDoor(app, server)
-
-
-def run_server(engine: Engine, config: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests get ``config.shutdown_timeout`` seconds to finish."""
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    server = _Server(engine, config)
-    # uvicorn's own graceful timeout is only a backstop: ours ends the streams cleanly first.
-    uv = uvicorn.Config(_build(server), host=config.host, port=config.port, access_log=False, lifespan="on",
-                        timeout_graceful_shutdown=config.shutdown_timeout + 5.0, log_level="info")
-    _Uvicorn(uv, server).run()
-
-
-class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, app_server: _Server):
-        super().__init__(config)
-        self.app_server = app_server
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        self.app_server.begin_shutdown(self.app_server.config.shutdown_timeout)
-        await super().shutdown(sockets)
+    return FrontDoor(app, server.config.api_key, server.metrics)
