@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from specdeploy.exporter.cli_decode import bench, bench_serve, generate, serve
 from specdeploy.exporter.train.options import CHIMERA_DEFAULTS, HEADS_DEFAULTS
-from specdeploy.runtime.drafters.kinds import NGRAM, TRAINED_KINDS
+from specdeploy.runtime.drafters import kinds
 from specdeploy.runtime.errors import SpecDeployError
 from specdeploy.runtime.precision import (
     DRAFT_PRECISIONS,
@@ -114,7 +114,7 @@ def export_base_cmd(model: str | None, out: Path, force: bool, max_context: int 
 
 @export.command("draft")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice((*TRAINED_KINDS, NGRAM)), help="Draft kind.")
+@click.option("--kind", required=True, type=click.Choice((*kinds.TRAINED_KINDS, kinds.NGRAM)), help="Draft kind.")
 @click.option("--draft", "draft", required=True, type=click.Path(path_type=Path),
               help="Draft weights (.safetensors); for ngram, the base model's replies (.npz of 'train data').")
 @click.option("--calibration", default=None, type=click.Path(path_type=Path),
@@ -140,7 +140,7 @@ def export_draft_cmd(bundle: Path, kind: str, draft: Path, calibration: Path | N
       specdeploy export draft --kind cerberus --draft graphs/weights/cerberus.safetensors bundles/smollm2
       specdeploy export draft --kind ngram --draft graphs/weights/self-replies.npz bundles/smollm2
     """
-    if kind == NGRAM:
+    if kind == kinds.NGRAM:
         from specdeploy.exporter.export.ngram import export_ngram
 
         export_ngram(bundle, draft)
@@ -234,11 +234,10 @@ def _heads_train_options(fn):
 
 def _train_heads(kind: str, *, resume: str | None, calibrate: bool, bundle: Path | None, calib_prompts: int,
                  calib_tokens: int, **options) -> None:
-    """``train medusa|cerberus``: the options go to ``run_heads_training`` by name, then the calibration."""
-    from specdeploy.exporter.train.heads import run_heads_training
-
+    """``train medusa|cerberus``: the options go to the kind's trainer (``run_heads_training``) by name, then the
+    calibration."""
     log = lambda m: click.echo(m, err=True)
-    run_heads_training(kind, resume=resume or "auto", log=log, **options)
+    kinds.resolve(kinds.describe(kind).trainer)(kind, resume=resume or "auto", log=log, **options)
     if calibrate:
         from specdeploy.exporter.workflows import calibrate_with_bundle
 
@@ -246,7 +245,7 @@ def _train_heads(kind: str, *, resume: str | None, calibrate: bool, bundle: Path
                               options["threads"], log)
 
 
-@train.command("medusa")
+@train.command(kinds.MEDUSA)
 @_heads_train_options
 def train_medusa(**kw) -> None:
     """Train Medusa-1 heads (ResBlocks + the shared lm_head; head k predicts token t+2+k).
@@ -258,10 +257,10 @@ def train_medusa(**kw) -> None:
     Example:
       specdeploy train medusa --out medusa.safetensors --epochs 3
     """
-    _train_heads("medusa", **kw)
+    _train_heads(kinds.MEDUSA, **kw)
 
 
-@train.command("cerberus")
+@train.command(kinds.CERBERUS)
 @_heads_train_options
 def train_cerberus(**kw) -> None:
     """Train Cerberus heads (sequential blocks chain head k-1 into head k), then calibrate tree and gate.
@@ -273,7 +272,7 @@ def train_cerberus(**kw) -> None:
     Example:
       specdeploy train cerberus --out cerberus.safetensors --epochs 3
     """
-    _train_heads("cerberus", **kw)
+    _train_heads(kinds.CERBERUS, **kw)
 
 
 _FEATURE_LAYERS_OPTION = click.option(
@@ -282,7 +281,7 @@ _FEATURE_LAYERS_OPTION = click.option(
          "'eagle3' for its low, mid and high taps). The data keeps them; the bundle must be exported with the same.")
 
 
-@train.command("chimera")
+@train.command(kinds.CHIMERA)
 @click.option("--model", default=None, help="HF folder, .gguf file or a named model (default: embedded SmolLM2-135M; qwen2.5-coder-0.5b with the qwen extra).")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Weights file to write.")
 @click.option("--heads", default=CHIMERA_DEFAULTS.heads, show_default=True, type=int, help="Draft depth: residual heads.")
@@ -318,9 +317,8 @@ def train_chimera(resume: str | None, **options) -> None:
     Example:
       specdeploy train chimera --out chimera.safetensors
     """
-    from specdeploy.exporter.train.chimera import run_chimera_training
-
-    run_chimera_training(resume=resume or "auto", **options)  # the options by name: one list of them
+    train_fn = kinds.resolve(kinds.describe(kinds.CHIMERA).trainer)  # run_chimera_training
+    train_fn(resume=resume or "auto", **options)  # the options by name: one list of them
 
 
 @train.command("data")
@@ -369,7 +367,7 @@ def train_data(model: str | None, max_seqs: int, max_len: int, replies: str, rep
 
 @train.command("calibrate")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(TRAINED_KINDS))
+@click.option("--kind", required=True, type=click.Choice(kinds.TRAINED_KINDS))
 @click.option("--draft", "draft", required=True, type=click.Path(path_type=Path), help="Draft weights (.safetensors).")
 @click.option("--prompts", default=None, type=int,
               help="Held-in ShareGPT prompts (default: 24 to trace for heads, 6 to time for chimera).")
@@ -387,20 +385,12 @@ def train_calibrate(bundle: Path, kind: str, draft: Path, prompts: int | None, m
       specdeploy train calibrate bundles/smollm2 --kind cerberus --draft cerberus.safetensors
       specdeploy train calibrate bundles/smollm2 --kind chimera --draft graphs/weights/chimera.safetensors
     """
-    if kind == "chimera":
-        from specdeploy.exporter.calibrate.chimera import calibrate_chimera
-
-        calib = calibrate_chimera(bundle, draft, prompts=prompts or 6, max_new_tokens=max_new_tokens or 96,
-                                  threads=threads)
-        click.echo(f"Calibrated chimera: tree {calib['default_tree']} ({calib['speedup']}x plain on held-in prompts)")
-        return
-    prompts, max_new_tokens = prompts or 24, max_new_tokens or 128
-    from specdeploy.exporter.calibrate.heads import calibrate
-
-    calib = calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads)
+    given = {k: v for k, v in (("prompts", prompts), ("max_new_tokens", max_new_tokens)) if v}  # else its defaults
+    calib = kinds.resolve(kinds.describe(kind).calibrator)(bundle, kind, draft, threads=threads, **given)
+    speed = f" ({calib['speedup']}x plain on held-in prompts)" if "speedup" in calib else ""
     gate = calib.get("gate")
     tail = f", gate {gate['kind']} threshold {gate['threshold']}" if gate else ""
-    click.echo(f"Calibrated {kind}: tree {calib['default_tree']}{tail}")
+    click.echo(f"Calibrated {kind}: tree {calib['default_tree']}{speed}{tail}")
 
 
 # --- validate --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from specdeploy.exporter.bench.promptsets import SETS
 from specdeploy.runtime.backends import backend_names
-from specdeploy.runtime.drafters.kinds import AUTO, DRAFTS, draft_name_error
+from specdeploy.runtime.drafters.kinds import AUTO, DRAFTS, PROMPT_LOOKUP, draft_name_error
 
 BACKEND_CHOICE = click.Choice(list(backend_names()))
 DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
@@ -284,7 +284,7 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
 @click.option("--max-batch", "max_batches", default=f"1,{DEFAULT_SERVE_BATCH}", show_default=True,
               help="Comma-separated --max-batch settings; one server each, compared with the first.")
 @click.option("--concurrency", default="1,4,16,32", show_default=True, help="Comma-separated client counts.")
-@click.option("--draft", default="prompt-lookup", show_default=True, help="none, prompt-lookup or ngram.")
+@click.option("--draft", default=PROMPT_LOOKUP, show_default=True, help="none, prompt-lookup or ngram.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL prompts ({'prompt': ...} or MT-bench 'turns'); default: MT-bench first turns.")
 @click.option("--prompt-set", default=None, type=click.Choice(SETS),

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from specdeploy.exporter.calibrate.heads import calibrate
 from specdeploy.exporter.export.base import export_base
 from specdeploy.exporter.export.draft import export_draft
+from specdeploy.runtime.drafters.kinds import describe, resolve
 
 
 def calibrate_with_bundle(kind: str, draft: Path, model: str | None, bundle: Path | None, prompts: int,
@@ -24,6 +24,7 @@ def calibrate_with_bundle(kind: str, draft: Path, model: str | None, bundle: Pat
             log("exporting a temporary base bundle for calibration ...")
             export_base(model, bundle, max_context=2048, progress=lambda m: None)
         export_draft(bundle, kind, draft, model=model, progress=lambda m: None, use_calibration=False)
+        calibrate = resolve(describe(kind).calibrator)
         return calibrate(bundle, kind, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads,
                          progress=log)
     finally:

@@ -6,7 +6,7 @@ from .cerberus import CerberusHeads
 from .heads import HeadsConfig, HeadsModule
 from .medusa import MedusaHeads
 
-HEADS_BUILDERS = {"medusa": MedusaHeads, "cerberus": CerberusHeads}
+HEADS_BUILDERS = {cls.kind: cls for cls in (MedusaHeads, CerberusHeads)}  # each module names its kind
 
 
 def build_heads(config: HeadsConfig) -> HeadsModule:

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from .heads import HeadsConfig, HeadsModule, ResBlock
+from .kinds import CERBERUS
 
 
 class CerberusHeads(HeadsModule):
-    kind = "cerberus"
+    kind = CERBERUS
 
     def __init__(self, config: HeadsConfig):
         super().__init__(config)

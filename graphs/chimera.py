@@ -35,6 +35,7 @@ from torch import nn
 
 from .base_step import rms_norm
 from .heads import attach_draft_vocab, draft_topk
+from .kinds import CHIMERA
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class ChimeraConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
-        if self.kind != "chimera":
-            raise ValueError(f"a ChimeraConfig has kind 'chimera', not {self.kind!r}")
+        if self.kind != CHIMERA:
+            raise ValueError(f"a ChimeraConfig has kind '{CHIMERA}', not {self.kind!r}")
         if self.num_heads < 1 or self.hidden_size < 1 or self.vocab_size < 1 or self.head_dim < 2:
             raise ValueError(f"invalid chimera config {self}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -74,7 +75,7 @@ class ChimeraConfig:
         theta = getattr(c, "rope_theta", None)
         if theta is None:
             theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        return cls("chimera", int(num_heads), int(c.hidden_size), int(c.vocab_size), int(c.num_attention_heads),
+        return cls(CHIMERA, int(num_heads), int(c.hidden_size), int(c.vocab_size), int(c.num_attention_heads),
                    int(c.num_key_value_heads), int(head_dim), int(c.intermediate_size), float(c.rms_norm_eps),
                    float(theta), base_weight_sha, tuple(feature_layers))
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .heads import HeadsConfig, HeadsModule, ResBlock
+from .kinds import MEDUSA
 
 
 class MedusaHead(nn.Module):
@@ -24,7 +25,7 @@ class MedusaHead(nn.Module):
 
 
 class MedusaHeads(HeadsModule):
-    kind = "medusa"
+    kind = MEDUSA
 
     def __init__(self, config: HeadsConfig):
         super().__init__(config)

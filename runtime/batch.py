@@ -34,7 +34,7 @@ import numpy as np
 
 from .backends.base import StepInputs
 from .decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
-from .drafters.kinds import AUTO, NGRAM
+from .drafters.kinds import AUTO, KINDS, NGRAM, NONE, PROMPT_LOOKUP
 from .drafters.prompt_lookup import PromptLookupDrafter
 from .errors import BackendUnavailableError, BundleError, DraftMismatchError, SpecDeployError
 from .kvcache import KVCache, bucket_for
@@ -53,7 +53,7 @@ _HEADROOM = 64  # spare columns after a repack, so the shared cache is not repac
 MAX_DRAFT = 10  # longest lookup chain per row
 
 
-BATCH_DRAFTS = (None, "", "none", "prompt-lookup", NGRAM)
+BATCH_DRAFTS = (None, "", NONE, *(k.name for k in KINDS if k.batches))  # prompt-lookup, ngram
 
 
 def batch_draft(draft: str | None, manifest: BundleManifest) -> str | None:
@@ -61,7 +61,7 @@ def batch_draft(draft: str | None, manifest: BundleManifest) -> str | None:
     source batching has, the bundle's n-gram table where it has one, else prompt lookup."""
     if draft != AUTO:
         return draft
-    return NGRAM if any(d.kind == NGRAM for d in manifest.drafts) else "prompt-lookup"
+    return NGRAM if any(d.kind == NGRAM for d in manifest.drafts) else PROMPT_LOOKUP
 
 
 def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> SpecDeployError | None:
@@ -79,9 +79,9 @@ def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> 
 
 def batch_drafter(draft: str | None, bundle_dir: Path, manifest: BundleManifest) -> Callable[[], PromptLookupDrafter] | None:
     """What makes each batched sequence's drafter (one chain, at most ``MAX_DRAFT`` tokens), or None."""
-    if draft == "prompt-lookup":
+    if draft == PROMPT_LOOKUP:
         return lambda: PromptLookupDrafter(branches=1, num_tokens=MAX_DRAFT)
-    if draft == "ngram":
+    if draft == NGRAM:
         from .drafters.ngram import NgramDrafter, load_ngram_drafter
 
         table = load_ngram_drafter(bundle_dir, manifest).table  # one table, shared by every sequence

@@ -158,7 +158,63 @@ def test_runtime_drafter_modules_import_no_torch():
 
 def test_the_heads_kinds_the_graphs_build_are_the_runtime_kinds():
     """graphs/ cannot import the runtime's list of kinds, so the two are checked here."""
+    from specdeploy.graphs import kinds as graph_kinds
     from specdeploy.graphs.build import HEADS_BUILDERS
-    from specdeploy.runtime.drafters.kinds import HEADS_KINDS
+    from specdeploy.runtime.drafters.kinds import HEADS_KINDS, TRAINED_KINDS
 
     assert tuple(HEADS_BUILDERS) == HEADS_KINDS
+    assert {graph_kinds.CHIMERA, graph_kinds.MEDUSA, graph_kinds.CERBERUS} == set(TRAINED_KINDS)
+
+
+# The modules that may spell a draft kind's name: the descriptions themselves, and graphs/kinds.py, the names of
+# the kinds graphs/ builds (graphs/ cannot import the runtime; the test above ties them to the descriptions).
+KIND_NAME_HOMES = {"runtime/drafters/kinds.py", "graphs/kinds.py"}
+KIND_NAME_ELSEWHERE = {  # (module, string): a string equal to a kind's name that does not mean the kind
+    ("runtime/server_schema.py", "suffix"),  # the OpenAI completions request's `suffix` field, not the draft kind
+}
+
+
+def kind_name_literals(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, string) of every string constant in ``path`` equal to one of ``names``; docstrings do not count."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and node.value in names and id(node) not in docs]
+
+
+def test_only_the_descriptions_spell_a_draft_kind():
+    """Every module asks the draft-kind descriptions (runtime/drafters/kinds.py) rather than spelling a kind's name
+    (``"chimera"``, ``"cerberus-nogate"``, ...) in a string. ``"auto"`` is left out: it is also a value of
+    --device, --resume, --tree and --precision, and a string cannot tell which it means."""
+    from specdeploy.runtime.drafters.kinds import AUTO, KINDS
+
+    names = {k.name for k in KINDS} - {AUTO}
+    assert {"chimera", "medusa", "cerberus", "cerberus-nogate", "ngram", "prompt-lookup", "suffix", "hybrid"} <= names
+    found = []
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel not in KIND_NAME_HOMES:
+                found += [f"{rel}:{line}: {value!r}" for line, value in kind_name_literals(path, names)
+                          if (rel, value) not in KIND_NAME_ELSEWHERE]
+    assert not found, found
+    assert kind_name_literals(ROOT / "runtime/drafters/kinds.py", names)  # the reader finds the names where they are
+
+
+def test_each_draft_kind_names_code_that_resolves():
+    """A description's lazily named code (``"module:function"``) imports and is callable; a trained kind names all
+    of it, and every kind has a drafter and a bench variant."""
+    from specdeploy.exporter.bench.variants import OWN_VARIANTS
+    from specdeploy.runtime.drafters.kinds import KINDS, TRAINED_KINDS, resolve
+
+    code = ("drafter", "model", "builder", "trainer", "calibrator", "reference", "validate", "torch_drafter")
+    variants = {v.name for v in OWN_VARIANTS}
+    for kind in KINDS:
+        for field in code:
+            dotted = getattr(kind, field)
+            assert dotted is None or callable(resolve(dotted)), f"{kind.name}.{field} = {dotted}"
+        if kind.name in TRAINED_KINDS:
+            assert all(getattr(kind, field) for field in code), kind.name
+        assert kind.drafter and kind.bench_variant in variants, kind.name

@@ -54,7 +54,7 @@ from specdeploy.runtime.bundle import (
 )
 from specdeploy.runtime.capture import chain_feed
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
-from specdeploy.runtime.drafters import PromptLookupDrafter
+from specdeploy.runtime.drafters import PromptLookupDrafter, kinds
 from specdeploy.runtime.drafters.hybrid import HybridDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
 from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, choose
@@ -68,7 +68,7 @@ def _draft_config(path: Path) -> ChimeraConfig:
     """The shape (and taps) of the Chimera draft at ``path``."""
     from specdeploy.exporter.train.weights import load_draft_weights
 
-    return load_draft_weights(path, "chimera").config
+    return load_draft_weights(path, kinds.CHIMERA).config
 
 
 SMOLLM2_135M = StepShape(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -188,11 +188,11 @@ class Check:
             model = random_chimera(dataclasses.replace(cfg, feature_layers=()), embed, lm, self.device, dtype)
         else:
             s = self.shape
-            cfg = ChimeraConfig("chimera", 4, s.hidden_size, s.vocab_size, s.num_heads, s.num_kv_heads,
+            cfg = ChimeraConfig(kinds.CHIMERA, 4, s.hidden_size, s.vocab_size, s.num_heads, s.num_kv_heads,
                                 s.head_dim, s.intermediate_size, s.rms_norm_eps, s.rope_theta)
             model = random_chimera(cfg, embed, lm, self.device, dtype)
-        yield "chimera", model  # the decoder resets a drafter at each generation, so the hybrid reuses it
-        yield "hybrid", HybridDrafter(model)
+        yield kinds.CHIMERA, model  # the decoder resets a drafter at each generation, so the hybrid reuses it
+        yield kinds.HYBRID, HybridDrafter(model)
 
     def sync(self) -> None:
         if self.cuda:
@@ -425,7 +425,7 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                         entry = res.setdefault(prec, {})[name] = {
                             "tok_s": run["tok_s"], "vs_plain": round(run["tok_s"] / res_plain[prec], 2),
                             "plan": run["plan"], "tau_random_weights": run["tau"], "identical_to_plain": same}
-                        if name == "chimera":  # the draft's own cost, whatever the plan
+                        if name == kinds.CHIMERA:  # the draft's own cost, whatever the plan
                             entry["draft_call_ms"] = _sig(draft_call_ms(drafter, check.shape, ids[0], iters))
                         rep.save()
                         try:
@@ -468,7 +468,7 @@ def predict(steps: dict[str, Any], drafts: dict[str, Any], precisions: tuple[str
             if v.get("skipped") or not v.get("identical_to_ar"):
                 continue
             name, tau = v["name"], v["mean_accepted_tokens"]
-            device_ms = (here.get("chimera") or {}).get("draft_call_ms") if name in ("chimera", "hybrid") else None
+            device_ms = (here.get(kinds.CHIMERA) or {}).get("draft_call_ms") if name in (kinds.CHIMERA, kinds.HYBRID) else None
             draft_ms = device_ms if device_ms is not None else (v.get("profile") or {}).get("draft_call_ms") or 0.0
             step = t1 if name == "ar" else t16
             out[prec][name] = {"tau_cpu": round(tau, 3), "draft_ms": draft_ms,

@@ -20,38 +20,51 @@ import warnings
 from typing import Any
 
 from specdeploy.exporter.bench.spec import Runner, RunResult, Score, VariantSpec, score_logits
+from specdeploy.runtime.drafters.kinds import (
+    AUTO,
+    CERBERUS,
+    CERBERUS_NOGATE,
+    CHIMERA,
+    HYBRID,
+    MEDUSA,
+    NGRAM,
+    PROMPT_LOOKUP,
+    SUFFIX,
+    bench_variant,
+    bundle_draft,
+    hybrid_name,
+)
 
 _HF = ("torch", "transformers")
 _HF_INSTALL = "pip install torch transformers"
 
+
+def _ours(draft: str | None, description: str, name: str | None = None, **kw: Any) -> VariantSpec:
+    """Our runtime with ``--draft draft`` (None: plain), named by the draft kind's bench variant; a variant whose
+    drafter reads a bundle draft (the kind's description says which) needs that draft in the bundle."""
+    reads = bundle_draft(draft) if draft else None
+    return VariantSpec(name or bench_variant(draft), "ours", f"specdeploy ORT CPU, {description}", draft=draft,
+                       requires=("onnxruntime",), bundle_draft=reads is not None,
+                       draft_kind=reads if reads != draft else None, **kw)
+
+
 OWN_VARIANTS = (
-    VariantSpec("ar", "ours", "specdeploy ORT CPU, plain autoregressive (the baseline)",
-                requires=("onnxruntime",)),
-    VariantSpec("prompt-lookup", "ours", "specdeploy ORT CPU, prompt-lookup tree drafts",
-                draft="prompt-lookup", requires=("onnxruntime",)),
-    VariantSpec("prompt-lookup-inexact", "ours", "specdeploy ORT CPU, prompt lookup with --allow-inexact: where "
-                "the probe finds no exact step plan here, trees on the fastest plan anyway (LOSSY); else as prompt-lookup",
-                draft="prompt-lookup", options=(("allow_inexact", True),), requires=("onnxruntime",)),
-    VariantSpec("ngram", "ours", "specdeploy ORT CPU, prompt lookup or the model's own n-gram table, per step",
-                draft="ngram", requires=("onnxruntime",), bundle_draft=True),
-    VariantSpec("suffix", "ours", "specdeploy ORT CPU, suffix drafts from this prompt and earlier outputs (a cache "
-                "shared across the run's requests)", draft="suffix", requires=("onnxruntime",)),
-    VariantSpec("auto", "ours", "specdeploy ORT CPU, per step: lookup/n-grams, suffix, the bundle's trained draft "
-                "or a plain step, whichever is worth most per unit of cost", draft="auto", requires=("onnxruntime",)),
-    VariantSpec("chimera", "ours", "specdeploy ORT CPU, Chimera draft", draft="chimera",
-                requires=("onnxruntime",), bundle_draft=True),
-    VariantSpec("hybrid", "ours", "specdeploy ORT CPU, prompt lookup + the Chimera draft in one tree",
-                draft="hybrid", requires=("onnxruntime",), bundle_draft=True, draft_kind="chimera"),
-    VariantSpec("hybrid:medusa", "ours", "specdeploy ORT CPU, prompt lookup + the Medusa heads",
-                draft="hybrid:medusa", requires=("onnxruntime",), bundle_draft=True, draft_kind="medusa"),
-    VariantSpec("hybrid:cerberus", "ours", "specdeploy ORT CPU, prompt lookup + the Cerberus heads",
-                draft="hybrid:cerberus", requires=("onnxruntime",), bundle_draft=True, draft_kind="cerberus"),
-    VariantSpec("cerberus", "ours", "specdeploy ORT CPU, Cerberus heads with gate", draft="cerberus",
-                requires=("onnxruntime",), bundle_draft=True),
-    VariantSpec("cerberus-nogate", "ours", "specdeploy ORT CPU, Cerberus heads, gate off (always draft)",
-                draft="cerberus-nogate", requires=("onnxruntime",), bundle_draft=True, draft_kind="cerberus"),
-    VariantSpec("medusa", "ours", "specdeploy ORT CPU, Medusa heads", draft="medusa",
-                requires=("onnxruntime",), bundle_draft=True),
+    _ours(None, "plain autoregressive (the baseline)", name="ar"),
+    _ours(PROMPT_LOOKUP, "prompt-lookup tree drafts"),
+    _ours(PROMPT_LOOKUP, "prompt lookup with --allow-inexact: where the probe finds no exact step plan here, trees "
+          "on the fastest plan anyway (LOSSY); else as prompt-lookup", name=f"{bench_variant(PROMPT_LOOKUP)}-inexact",
+          options=(("allow_inexact", True),)),
+    _ours(NGRAM, "prompt lookup or the model's own n-gram table, per step"),
+    _ours(SUFFIX, "suffix drafts from this prompt and earlier outputs (a cache shared across the run's requests)"),
+    _ours(AUTO, "per step: lookup/n-grams, suffix, the bundle's trained draft or a plain step, whichever is worth "
+          "most per unit of cost"),
+    _ours(CHIMERA, "Chimera draft"),
+    _ours(HYBRID, "prompt lookup + the Chimera draft in one tree"),
+    _ours(hybrid_name(MEDUSA), "prompt lookup + the Medusa heads"),
+    _ours(hybrid_name(CERBERUS), "prompt lookup + the Cerberus heads"),
+    _ours(CERBERUS, "Cerberus heads with gate"),
+    _ours(CERBERUS_NOGATE, "Cerberus heads, gate off (always draft)"),
+    _ours(MEDUSA, "Medusa heads"),
     VariantSpec("hf", "hf", "transformers generate, greedy, fp32 torch", requires=_HF, install=_HF_INSTALL),
     VariantSpec("hf-prompt-lookup", "hf", "transformers assisted generation, prompt_lookup_num_tokens=10",
                 options=(("prompt_lookup_num_tokens", 10),), requires=_HF, install=_HF_INSTALL),

@@ -22,6 +22,7 @@ from typing import Any
 
 from specdeploy.exporter.train.weights import load_draft_weights
 from specdeploy.runtime.bundle import hash_files
+from specdeploy.runtime.drafters.kinds import CHIMERA
 
 # The registered trees are 4 deep; shallower ones save one draft call per level they drop, which pays
 # when the deeper heads are rarely accepted.
@@ -54,13 +55,13 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     from specdeploy.runtime.errors import DraftMismatchError
 
     bundle, draft = Path(bundle), Path(draft)
-    weights = load_draft_weights(draft, "chimera")
+    weights = load_draft_weights(draft, CHIMERA)
     sha = hash_files([draft])
     manifest = read_manifest(bundle)
-    current = next((d for d in manifest.drafts if d.kind == "chimera"), None)
+    current = next((d for d in manifest.drafts if d.kind == CHIMERA), None)
     if current is None or current.weights_sha != sha:
         progress("[1/3] adding these Chimera weights to the bundle ...")
-        export_draft(bundle, "chimera", draft, progress=lambda m: None, use_calibration=False)
+        export_draft(bundle, CHIMERA, draft, progress=lambda m: None, use_calibration=False)
     t0 = time.time()
     plain = load(bundle, draft=None, threads=threads)
     # A step plan that verifies chains only (measured on this machine, runtime/plan.py) gets chain
@@ -70,7 +71,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     engines = {}
     try:
         ids_all = heldin_prompts(lambda m: plain.encode(messages=m), prompts, source=source)
-        engines = {t: load(bundle, draft="chimera", tree=t, threads=threads) for t in trees}
+        engines = {t: load(bundle, draft=CHIMERA, tree=t, threads=threads) for t in trees}
         names = ["ar", *trees]
         totals = {n: {"tokens": 0, "seconds": 0.0, "steps": 0, "identical": 0} for n in names}
         progress(f"[2/3] timing {', '.join(trees)} against plain decoding on {len(ids_all)} held-in prompts "
@@ -113,7 +114,7 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
         old = read_calibration(path, weights) if path.is_file() else {}
     except DraftMismatchError:
         old = {}
-    head = {"kind": "chimera", "weights_sha": sha, "base_weight_sha": weights.config.base_weight_sha}
+    head = {"kind": CHIMERA, "weights_sha": sha, "base_weight_sha": weights.config.base_weight_sha}
     if row_exact:
         calib = {**(old or head), "row_exact": result}
     else:
@@ -126,5 +127,12 @@ def calibrate_chimera(bundle: str | Path, draft: str | Path, prompts: int = 6, m
     if result["speedup"] < 1.0:
         progress(f"note: no candidate beat plain decoding here ({result['speedup']}x at best); on this bundle and "
                  "machine, decoding without --draft chimera is faster.")
-    export_draft(bundle, "chimera", draft, progress=lambda m: None)
+    export_draft(bundle, CHIMERA, draft, progress=lambda m: None)
     return result
+
+
+def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 6, max_new_tokens: int = 96,
+              threads: int = 2, progress: Callable[[str], None] = _stderr) -> dict[str, Any]:
+    """The Chimera kind's calibrator, with the signature every ``DraftKind.calibrator`` has."""
+    return calibrate_chimera(bundle, draft, prompts=prompts, max_new_tokens=max_new_tokens, threads=threads,
+                             progress=progress)

@@ -6,13 +6,14 @@ import time
 
 import numpy as np
 from specdeploy.exporter.calibrate.traces import Trace, simulate
+from specdeploy.runtime.contract import HIDDEN_STATES, LOGITS
 
 
 def time_gate(gate_session, traces: list[Trace], vocab: int, repeats: int = 200) -> float:
     rng = np.random.default_rng(0)
     hidden = traces[0].hidden[:1][None].astype(np.float32)
     logits = rng.standard_normal((1, 1, vocab)).astype(np.float32)
-    feed = {"hidden_states": hidden, "logits": logits}
+    feed = {HIDDEN_STATES: hidden, LOGITS: logits}
     for _ in range(10):
         gate_session.run(None, feed)
     times = []

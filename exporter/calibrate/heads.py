@@ -44,7 +44,8 @@ from specdeploy.exporter.calibrate.gate import gate_probs, sweep_gate, time_gate
 from specdeploy.exporter.calibrate.traces import Trace, entropy_features, simulate
 from specdeploy.exporter.train.weights import load_draft_weights, save_draft_weights
 from specdeploy.runtime.bundle import hash_files
-from specdeploy.runtime.drafters.kinds import CERBERUS_NOGATE
+from specdeploy.runtime.contract import HIDDEN_STATES
+from specdeploy.runtime.drafters.kinds import NONE, always_draft, describe
 
 CANDIDATE_TREES = ("chain4", "tree8", "tree16", "tree32", "tree64", "dynamic:16", "dynamic:32")
 
@@ -113,7 +114,7 @@ def cached_traces(engine, prompts: list[list[int]], max_new_tokens: int, progres
 
 def run_heads(session, traces: list[Trace]) -> None:
     for tr in traces:
-        ids, logp = session.run(None, {"hidden_states": tr.hidden[None].astype(np.float32)})  # [1, S, K, k]
+        ids, logp = session.run(None, {HIDDEN_STATES: tr.hidden[None].astype(np.float32)})  # [1, S, K, k]
         tr.ids, tr.logp = ids[0], logp[0]
 
 
@@ -222,11 +223,11 @@ def time_heads(session, hidden_size: int, repeats: int = 200) -> float:
     """Median seconds of one heads-graph call on a single row (what a decode step runs)."""
     x = np.random.default_rng(0).standard_normal((1, 1, hidden_size)).astype(np.float32)
     for _ in range(10):
-        session.run(None, {"hidden_states": x})
+        session.run(None, {HIDDEN_STATES: x})
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        session.run(None, {"hidden_states": x})
+        session.run(None, {HIDDEN_STATES: x})
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -250,6 +251,7 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
 
     bundle, draft = Path(bundle), Path(draft)
     t0 = time.time()
+    gate_role = describe(kind).gate_role  # a gated kind (Cerberus) has its gate calibrated too
     weights = load_draft_weights(draft, kind)
     trims = tuple(dict.fromkeys(trims if trims is not None else (weights.vocab_trim, 8192)))
     hidden_size = weights.config.hidden_size
@@ -277,14 +279,14 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
         measured_trim = trims[-1]
 
         progress("[3/5] measuring step costs of the real loop (interleaved, median) ...")
-        draft_name = "medusa" if kind == "medusa" else CERBERUS_NOGATE
+        draft_name = always_draft(kind)
         cost_prompt = (confirm_ids or calib_ids)[0] + [int(t) for t in traces[0].ref[:64]]  # a mid-answer context
         measured = measure_step_costs(
             engine, lambda t: make_heads_drafter(draft_name, bundle, manifest, tree=t, threads=threads),
             list(trees), cost_prompt, progress=progress)
         gate_s = 0.0
-        if kind == "cerberus":
-            gate_session = make_session(bundle / draft_graph(entry, "cerberus-gate").file, "cpu", threads)
+        if gate_role:
+            gate_session = make_session(bundle / draft_graph(entry, gate_role.role).file, "cpu", threads)
             gate_s = time_gate(gate_session, traces, manifest.model.vocab_size)
 
         def cost(trim: int, tree: str) -> float:
@@ -318,7 +320,7 @@ def calibrate(bundle: str | Path, kind: str, draft: str | Path, prompts: int = 2
             "threads": threads,
         }
         best_row = rows[(best_trim, best_tree)]
-        if kind == "cerberus":
+        if gate_role:
             progress("[4/5] gate: entropy threshold sweep, learned gate fit and sweep ...")
             acc = accepts[(best_trim, best_tree)]
             costs = {"ar": measured["ar"], best_tree: cost(best_trim, best_tree)}
@@ -375,7 +377,7 @@ def confirm(bundle: Path, kind: str, prompts: list[list[int]], max_new_tokens: i
     from specdeploy.runtime import load
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 
-    names = ["none", "medusa"] if kind == "medusa" else ["none", CERBERUS_NOGATE, "cerberus"]
+    names = [NONE, *dict.fromkeys((always_draft(kind), kind))]  # plain, always draft, and gated where it has a gate
     engines = {n: load(bundle, draft=n, threads=threads) for n in names}
     totals = {n: [0, 0.0, 0, 0, 0] for n in names}  # tokens, seconds, steps, gate_ar, identical
     try:
@@ -394,7 +396,7 @@ def confirm(bundle: Path, kind: str, prompts: list[list[int]], max_new_tokens: i
     finally:
         for e in engines.values():
             e.close()
-    return {("ar" if n == "none" else n): {"tok_s": round(t[0] / max(t[1], 1e-9), 2), "tau": round(t[0] / max(t[2], 1), 3),
+    return {("ar" if n == NONE else n): {"tok_s": round(t[0] / max(t[1], 1e-9), 2), "tau": round(t[0] / max(t[2], 1), 3),
                                            "gate_ar_fraction": round(t[3] / max(t[2], 1), 3),
                                            "identical": f"{t[4]}/{len(prompts)}"}
             for n, t in totals.items()}

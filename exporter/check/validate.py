@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from specdeploy.runtime import draft_contract as dc
 from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.bundle import BundleManifest, read_manifest
 from specdeploy.runtime.contract import (
@@ -323,64 +324,74 @@ DRAFT_ATOL = {FP32: DRAFT_LOGPROB_ATOL, INT8: 0.5, INT4: 2.0}
 
 def compare_drafts(bundle_dir: Path, manifest: BundleManifest, loaded, prompt_ids: list[int],
                    progress: Callable[[str], None] = print) -> list[OutputCheck]:
-    """Torch vs ONNX Runtime on every draft graph, fed real base hidden states (and logits) of a prompt.
-
-    Heads graphs: max |delta| of the top-k log-probs, and the top-1 ids must agree wherever the
-    first two candidates are further apart than the tolerance (closer ones may swap). The gate
-    graph: entropy and gate probability.
-    """
+    """Torch vs ONNX Runtime on every draft graph, fed real base hidden states (and logits) of a prompt, by the
+    validate hook each draft kind's description names (:func:`compare_heads`, :func:`compare_chimera`)."""
     import torch
-    from specdeploy.exporter.export.draft import torch_draft_modules
-    from specdeploy.runtime.backends.ort import make_session
-    from specdeploy.runtime.drafters.kinds import HEADS_KINDS
+    from specdeploy.runtime.drafters.kinds import known, resolve
 
     with torch.no_grad():
         out = loaded.model.model(input_ids=torch.tensor([prompt_ids]))
         hidden = out.last_hidden_state  # [1, L, H]
         logits = loaded.model.lm_head(hidden)  # [1, L, V]
-    feeds = {"hidden_states": hidden.numpy().astype(np.float32), "logits": logits.numpy().astype(np.float32)}
-    lm_weight = loaded.model.lm_head.weight.detach()
+    feeds = {HIDDEN_STATES: hidden.numpy().astype(np.float32), LOGITS: logits.numpy().astype(np.float32)}
     checks: list[OutputCheck] = []
     for entry in manifest.drafts:
-        if entry.kind == "chimera":
-            progress("running torch and ONNX Runtime on the chimera draft step ...")
-            checks += _compare_chimera(bundle_dir, entry, loaded, prompt_ids, feeds["hidden_states"])
-            continue
-        if entry.kind not in HEADS_KINDS:
+        kind = known(entry.kind)
+        if kind is None or kind.validate is None:
             progress(f"draft '{entry.kind}': no parity check registered here, skipped")
             continue
-        progress(f"running torch and ONNX Runtime on the {entry.kind} draft graphs ...")
-        modules = torch_draft_modules(entry, lm_weight)
-        for g in entry.graphs:
-            # an int8 or int4 graph is checked against the fp32 heads
-            module = modules[entry.kind if g.precision in QUANTIZED_DRAFT_PRECISIONS else g.role]
-            names = [i.name for i in g.inputs]
-            session = make_session(bundle_dir / g.file, "cpu")
-            got = session.run(None, {n: feeds[n] for n in names})
-            with torch.no_grad():
-                ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in names))]
-            if g.role != f"{entry.kind}-gate":  # heads, any precision: (topk_ids, topk_logprobs)
-                atol = DRAFT_ATOL[g.precision]
-                delta = float(np.max(np.abs(ref[1] - got[1])))
-                gap = ref[1][..., 0] - ref[1][..., 1]  # [B, N, K]
-                clear = gap > atol * 10
-                agree = bool((ref[0][..., 0] == got[0][..., 0])[clear].all())
-                checks.append(OutputCheck(g.role, "topk_logprobs", delta, atol, agree))
-            else:
-                for name, a, b in zip([o.name for o in g.outputs], ref, got):
-                    checks.append(OutputCheck(g.role, name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))
+        checks += resolve(kind.validate)(bundle_dir, entry, loaded, prompt_ids, feeds, progress)
     return checks
 
 
-def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hidden: np.ndarray) -> list[OutputCheck]:
+def compare_heads(bundle_dir: Path, entry, loaded, prompt_ids: list[int], feeds: dict[str, np.ndarray],
+                  progress: Callable[[str], None] = print) -> list[OutputCheck]:
+    """A heads draft's graphs. Heads: max |delta| of the top-k log-probs, and the top-1 ids must agree wherever
+    the first two candidates are further apart than the tolerance (closer ones may swap). The gate graph:
+    entropy and gate probability."""
+    import torch
+    from specdeploy.exporter.export.draft import torch_draft_modules
+    from specdeploy.runtime.backends.ort import make_session
+    from specdeploy.runtime.drafters.kinds import describe
+
+    progress(f"running torch and ONNX Runtime on the {entry.kind} draft graphs ...")
+    modules = torch_draft_modules(entry, loaded.model.lm_head.weight.detach())
+    gate = describe(entry.kind).gate_role
+    checks: list[OutputCheck] = []
+    for g in entry.graphs:
+        # an int8 or int4 graph is checked against the fp32 heads
+        module = modules[entry.kind if g.precision in QUANTIZED_DRAFT_PRECISIONS else g.role]
+        names = [i.name for i in g.inputs]
+        session = make_session(bundle_dir / g.file, "cpu")
+        got = session.run(None, {n: feeds[n] for n in names})
+        with torch.no_grad():
+            ref = [t.numpy() for t in module(*(torch.from_numpy(feeds[n]) for n in names))]
+        if gate is None or g.role != gate.role:  # heads, any precision: (topk_ids, topk_logprobs)
+            atol = DRAFT_ATOL[g.precision]
+            delta = float(np.max(np.abs(ref[1] - got[1])))
+            gap = ref[1][..., 0] - ref[1][..., 1]  # [B, N, K]
+            clear = gap > atol * 10
+            agree = bool((ref[0][..., 0] == got[0][..., 0])[clear].all())
+            checks.append(OutputCheck(g.role, dc.TOPK_LOGPROBS, delta, atol, agree))
+        else:
+            for name, a, b in zip([o.name for o in g.outputs], ref, got):
+                checks.append(OutputCheck(g.role, name, float(np.max(np.abs(a - b))), DRAFT_LOGPROB_ATOL, None))
+    return checks
+
+
+def compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], feeds: dict[str, np.ndarray],
+                    progress: Callable[[str], None] = print) -> list[OutputCheck]:
     """One catch-up step over the prompt's real base states (head 2 on the last row), torch vs ORT."""
     import torch
     from specdeploy.exporter.export.draft import torch_draft_modules
     from specdeploy.graphs.chimera import trigram_ids
     from specdeploy.runtime.backends.ort import make_session
+    from specdeploy.runtime.drafters.kinds import describe
 
-    module = torch_draft_modules(entry, loaded.model.lm_head.weight.detach(),
-                                 loaded.model.model.embed_tokens.weight.detach())["chimera"]
+    progress(f"running torch and ONNX Runtime on the {entry.kind} draft step ...")
+    hidden = feeds[HIDDEN_STATES]
+    module = torch_draft_modules(entry, loaded.model.lm_head.weight.detach(), loaded.model.model.embed_tokens.weight
+                                 .detach())[describe(entry.kind).role(dc.CHIMERA_STEP).role]
     n = len(prompt_ids) - 1  # slots 0..n-1; slot j's trigram ends at token j+1
     cap = n + 4
     mask = np.full((1, 1, n, cap), np.finfo(np.float32).min, dtype=np.float32)
@@ -388,22 +399,22 @@ def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hid
     kv = (1, int(entry.setting("num_kv_heads")), cap, int(entry.setting("head_dim")))
     rng = np.random.default_rng(0)
     feeds = {
-        "hidden": hidden[:, :n].astype(np.float32),
-        "trigram_ids": np.asarray([trigram_ids(prompt_ids, range(n))], dtype=np.int64),
-        "position_ids": np.arange(n, dtype=np.int64)[None],
-        "attention_mask": mask,
-        "write_indices": np.arange(n, dtype=np.int64),
-        "base_hidden": hidden[:, n - 1].astype(np.float32),
-        "head_index": np.array([min(1, int(entry.setting("num_heads")) - 1)], dtype=np.int64),
-        "past_key": rng.standard_normal(kv).astype(np.float32),
-        "past_value": rng.standard_normal(kv).astype(np.float32),
+        dc.HIDDEN: hidden[:, :n].astype(np.float32),
+        dc.TRIGRAM_IDS: np.asarray([trigram_ids(prompt_ids, range(n))], dtype=np.int64),
+        dc.POSITION_IDS: np.arange(n, dtype=np.int64)[None],
+        dc.ATTENTION_MASK: mask,
+        dc.WRITE_INDICES: np.arange(n, dtype=np.int64),
+        dc.BASE_HIDDEN: hidden[:, n - 1].astype(np.float32),
+        dc.HEAD_INDEX: np.array([min(1, int(entry.setting("num_heads")) - 1)], dtype=np.int64),
+        dc.PAST_KEY: rng.standard_normal(kv).astype(np.float32),
+        dc.PAST_VALUE: rng.standard_normal(kv).astype(np.float32),
     }
     taps = parse_feature_layers(entry.setting("feature_layers"))
     if taps:  # a fusing draft's real slots read the tapped layers' states
         with torch.no_grad():
             states = loaded.model.model(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states
-        feeds["layer_states"] = torch.cat([states[i + 1][:, :n] for i in taps], dim=-1).numpy().astype(np.float32)
-        feeds["from_layers"] = np.ones(1, dtype=np.float32)
+        feeds[dc.LAYER_STATES] = torch.cat([states[i + 1][:, :n] for i in taps], dim=-1).numpy().astype(np.float32)
+        feeds[dc.FROM_LAYERS] = np.ones(1, dtype=np.float32)
     checks = []
     ref = None
     for graph in entry.graphs:
@@ -416,13 +427,13 @@ def _compare_chimera(bundle_dir: Path, entry, loaded, prompt_ids: list[int], hid
         atol = DRAFT_ATOL[graph.precision]
         out_names = [o.name for o in graph.outputs]
         for name, a, b in zip(out_names, ref, got):
-            if name == "topk_ids":
+            if name == dc.TOPK_IDS:
                 continue
             agree = None
-            if name == "topk_logprobs":
+            if name == dc.TOPK_LOGPROBS:
                 gap = a[..., 0] - a[..., 1]
                 clear = gap > atol * 10
-                ids_ref, ids_got = ref[out_names.index("topk_ids")], got[out_names.index("topk_ids")]
+                ids_ref, ids_got = ref[out_names.index(dc.TOPK_IDS)], got[out_names.index(dc.TOPK_IDS)]
                 agree = bool((ids_ref[..., 0] == ids_got[..., 0])[clear].all())
             checks.append(OutputCheck(graph.role, name, float(np.max(np.abs(a - b))), atol, agree))
     return checks

@@ -27,7 +27,8 @@ from specdeploy.runtime.bundle import (
     read_manifest,
     write_manifest,
 )
-from specdeploy.runtime.drafters.kinds import HEADS_KINDS, TRAINED_KINDS
+from specdeploy.runtime.draft_contract import CHIMERA_STEP, DYNAMIC_DIMS, GATE, HEADS, GraphContract
+from specdeploy.runtime.drafters.kinds import TRAINED_KINDS, always_draft, describe, known, resolve
 from specdeploy.runtime.errors import DraftMismatchError
 from specdeploy.runtime.precision import (
     DRAFT_PRECISIONS,
@@ -123,11 +124,39 @@ def _share(tmp: Path, manifest: BundleManifest, file: str, earlier: list[str], p
     store_once(tmp, file, [g.file for g in manifest.graphs] + earlier, progress)
 
 
+def _dynamic_shapes(contract: GraphContract, fused: bool = False) -> dict:
+    """``torch.export`` dynamic shapes of ``contract``'s inputs: one :class:`Dim` per dynamic dimension name."""
+    from torch.export import Dim
+
+    dims = {name: Dim(name) for name in DYNAMIC_DIMS}
+    return {name: None if axes is None else {i: dims[d] for i, d in axes.items()}
+            for name, axes in contract.dynamic_axes(fused).items()}
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in DRAFT_PRECISIONS:
+        raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
+
+
 def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
                  vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
                  progress: Callable[[str], None] = _stderr, use_calibration: bool = True,
                  precision: str = INT4) -> DraftEntry:
-    """Add a trained heads draft to ``bundle``; replaces a previous draft of the same kind.
+    """Add a trained draft of ``kind`` to ``bundle`` with the builder its description names
+    (:func:`export_heads`, :func:`export_chimera`); replaces a previous draft of the same kind."""
+    _check_precision(precision)
+    desc = known(kind)
+    if desc is None or desc.name not in TRAINED_KINDS:
+        raise DraftMismatchError(f"Unknown draft kind '{kind}'; choose one of {', '.join(TRAINED_KINDS)}.")
+    return resolve(desc.builder)(bundle, kind, draft, calibration=calibration, vocab_trim=vocab_trim, topk=topk,
+                                 model=model, progress=progress, use_calibration=use_calibration, precision=precision)
+
+
+def export_heads(bundle: str | Path, kind: str, draft: str | Path, calibration: str | Path | None = None,
+                 vocab_trim: int | None = None, topk: int = DEFAULT_TOPK, model: str | None = None,
+                 progress: Callable[[str], None] = _stderr, use_calibration: bool = True,
+                 precision: str = INT4) -> DraftEntry:
+    """Add a trained heads draft (Medusa, Cerberus) to ``bundle``; replaces a previous draft of the same kind.
 
     ``calibration`` defaults to ``<weights>.calibration.json`` when that exists; ``use_calibration``
     False ignores it (the calibration step itself exports the uncalibrated draft first).
@@ -135,22 +164,17 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
     ``<kind>-int8.onnx`` (MatMulNBits weights, int8 activations, as :func:`export_chimera` does), which
     the CPU drafter takes: its trimmed lm_head is most of a heads call, and 4-bit blocks read an eighth
     of the fp32 bytes. The fp32 ``<kind>.onnx`` is written as well where a TensorRT (``trt``) base graph
-    can use it, or alone with "fp32". The Cerberus gate graph (a 578 -> 32 -> 1 MLP) stays fp32.
+    can use it, or alone with "fp32". A gated kind's gate graph (a 578 -> 32 -> 1 MLP) stays fp32.
     """
-    if precision not in DRAFT_PRECISIONS:
-        raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
+    _check_precision(precision)
     import torch
     from specdeploy.exporter.export.staging import export_graph, graph_entry, updated_bundle
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.gate import example_gate_inputs
     from specdeploy.graphs.heads import example_hidden
-    from torch.export import Dim
 
-    if kind == "chimera":
-        return export_chimera(bundle, draft, vocab_trim=vocab_trim, topk=topk, model=model, progress=progress,
-                              precision=precision, calibration=calibration, use_calibration=use_calibration)
-    if kind not in HEADS_KINDS:
-        raise DraftMismatchError(f"Unknown draft kind '{kind}'; choose one of {', '.join(TRAINED_KINDS)}.")
+    desc = describe(kind)
+    role, gate_role = desc.role(HEADS).role, desc.gate_role  # role: the heads graph's (its file's) name
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     weights = load_draft_weights(draft, kind)
@@ -176,32 +200,31 @@ def export_draft(bundle: str | Path, kind: str, draft: str | Path, calibration: 
         if calib.get(key) is not None:
             settings[key] = calib[key]
     gate_cal = calib.get("gate") or {}
-    if kind == "cerberus" and gate_cal:
+    if gate_role and gate_cal:
         settings.update(gate_kind=gate_cal["kind"])  # the runtime gate decides per step from costs
-    elif kind == "cerberus":
-        progress("note: no gate calibration; 'cerberus' will refuse to load, 'cerberus-nogate' works.")
+    elif gate_role:
+        progress(f"note: no gate calibration; '{kind}' will refuse to load, '{always_draft(kind)}' works.")
 
     old = next((d for d in manifest.drafts if d.kind == kind), None)
     keep_fp32 = precision == FP32 or _has_trt_base(manifest)
     with updated_bundle(bundle) as tmp:
         _drop_graph_files(tmp, old, manifest)
         progress(f"[2/3] tracing the {kind} heads ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
-        batch, rows = Dim("batch"), Dim("rows")
-        fp32_file = f"{kind}.onnx" if keep_fp32 else f".{kind}-fp32.onnx"  # the latter only to quantize
+        fp32_file = f"{role}.onnx" if keep_fp32 else f".{role}-fp32.onnx"  # the latter only to quantize
         with torch.no_grad():
-            export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / fp32_file, ["hidden_states"],
-                         ["topk_ids", "topk_logprobs"], {"hidden_states": {0: batch, 1: rows}})
-        graphs = _draft_graphs(tmp, manifest, fp32_file, kind, precision, keep_fp32, progress)
-        if kind == "cerberus":
+            export_graph(graph, (example_hidden(cfg.hidden_size),), tmp / fp32_file, list(HEADS.input_names()),
+                         list(HEADS.output_names), _dynamic_shapes(HEADS))
+        graphs = _draft_graphs(tmp, manifest, fp32_file, role, precision, keep_fp32, progress)
+        if gate_role:
             gate, trained = gate_module(weights)
             if gate_cal and gate_cal["kind"] == "learned" and not trained:
                 raise DraftMismatchError(f"The calibration picks the learned gate but '{draft}' holds no gate weights.")
+            gate_file = f"{gate_role.role}.onnx"
             with torch.no_grad():
-                export_graph(gate, example_gate_inputs(cfg.hidden_size, cfg.vocab_size), tmp / "cerberus-gate.onnx",
-                             ["hidden_states", "logits"], ["entropy", "gate_prob"],
-                             {"hidden_states": {0: batch, 1: rows}, "logits": {0: batch, 1: rows}})
-            _share(tmp, manifest, "cerberus-gate.onnx", [g.file for g in graphs], progress)
-            graphs.append(graph_entry(tmp, "cerberus-gate", "cerberus-gate.onnx"))
+                export_graph(gate, example_gate_inputs(cfg.hidden_size, cfg.vocab_size), tmp / gate_file,
+                             list(GATE.input_names()), list(GATE.output_names), _dynamic_shapes(GATE))
+            _share(tmp, manifest, gate_file, [g.file for g in graphs], progress)
+            graphs.append(graph_entry(tmp, gate_role.role, gate_file))
             settings["gate_trained"] = trained
         entry = DraftEntry(kind, cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs), config_pairs(settings))
         drafts = tuple(d for d in manifest.drafts if d.kind != kind) + (entry,)
@@ -266,8 +289,8 @@ def _draft_graphs(tmp: Path, manifest: BundleManifest, fp32_file: str, role: str
     return graphs
 
 
-def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None = None, topk: int = DEFAULT_TOPK,
-                   model: str | None = None, progress: Callable[[str], None] = _stderr,
+def export_chimera(bundle: str | Path, kind: str, draft: str | Path, vocab_trim: int | None = None,
+                   topk: int = DEFAULT_TOPK, model: str | None = None, progress: Callable[[str], None] = _stderr,
                    precision: str = INT4, calibration: str | Path | None = None,
                    use_calibration: bool = True) -> DraftEntry:
     """Add a trained Chimera draft (``chimera.onnx``, one draft step with its own KV) to ``bundle``.
@@ -281,16 +304,15 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     or alone with ``precision`` "fp32". The
     embedding table is the base graph's own bytes, stored once (:mod:`.shared_data`).
     """
-    if precision not in DRAFT_PRECISIONS:
-        raise DraftMismatchError(f"Unknown draft precision '{precision}'; choose one of {', '.join(DRAFT_PRECISIONS)}.")
+    _check_precision(precision)
     import torch
     from specdeploy.exporter.export.staging import export_graph, updated_bundle
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.chimera import example_step_inputs
-    from torch.export import Dim
 
     bundle = Path(bundle)
-    weights = load_draft_weights(draft, "chimera")
+    weights = load_draft_weights(draft, kind)
+    role = describe(kind).role(CHIMERA_STEP).role
     manifest = read_manifest(bundle)
     taps = weights.config.feature_layers
     if taps:
@@ -312,7 +334,7 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     graph = chimera_graph_module(weights, embed, lm_weight, topk, trim)
     cfg = weights.config
     settings: dict[str, Any] = {
-        "kind": "chimera", "num_heads": cfg.num_heads, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+        "kind": kind, "num_heads": cfg.num_heads, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
         "num_kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "topk": topk, "vocab_trim": int(trim or 0),
         "weights_path": str(Path(draft).resolve()),
     }
@@ -323,9 +345,9 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
         calib = read_calibration(cal_path, weights)
         if calib.get("default_tree"):
             settings["default_tree"] = calib["default_tree"]
-    old = next((d for d in manifest.drafts if d.kind == "chimera"), None)
+    old = next((d for d in manifest.drafts if d.kind == kind), None)
     keep_fp32 = precision == FP32 or _has_trt_base(manifest)
-    roles = (["chimera"] if keep_fp32 else []) + ([f"chimera-{precision}"] if precision in QUANTIZED_DRAFT_PRECISIONS else [])
+    roles = ([role] if keep_fp32 else []) + ([f"{role}-{precision}"] if precision in QUANTIZED_DRAFT_PRECISIONS else [])
     if (old is not None and old.weights_sha == hash_files([weights.path]) and old.config == config_pairs(settings)
             and [g.role for g in old.graphs] == roles):
         progress(f"the Chimera draft in {bundle} is already these weights with these settings; nothing to do")
@@ -333,21 +355,14 @@ def export_chimera(bundle: str | Path, draft: str | Path, vocab_trim: int | None
     with updated_bundle(bundle) as tmp:
         _drop_graph_files(tmp, old, manifest)
         progress(f"[2/3] tracing the Chimera draft step ({cfg.num_heads} heads, vocabulary {trim or 'full'}) ...")
-        batch, rows, cap = Dim("batch"), Dim("rows"), Dim("capacity")
-        names = ["hidden", *(["layer_states", "from_layers"] if taps else []), "trigram_ids", "position_ids",
-                 "attention_mask", "write_indices", "base_hidden", "head_index", "past_key", "past_value"]
-        dims = {"hidden": {0: batch, 1: rows}, **({"layer_states": {0: batch, 1: rows}, "from_layers": None}
-                                                  if taps else {}), "trigram_ids": {0: batch, 1: rows}, "position_ids": {0: batch, 1: rows},
-                "attention_mask": {0: batch, 2: rows, 3: cap}, "write_indices": {0: rows}, "base_hidden": {0: batch},
-                "head_index": None, "past_key": {0: batch, 2: cap}, "past_value": {0: batch, 2: cap}}
-        fp32_file = "chimera.onnx" if keep_fp32 else ".chimera-fp32.onnx"  # the latter only to quantize
+        fp32_file = f"{role}.onnx" if keep_fp32 else f".{role}-fp32.onnx"  # the latter only to quantize
         with torch.no_grad():
-            export_graph(graph, example_step_inputs(cfg), tmp / fp32_file, names,
-                         ["feature", "topk_ids", "topk_logprobs", "present_key", "present_value"], dims)
-        graphs = _draft_graphs(tmp, manifest, fp32_file, "chimera", precision, keep_fp32, progress)
-        entry = DraftEntry("chimera", cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs),
+            export_graph(graph, example_step_inputs(cfg), tmp / fp32_file, list(CHIMERA_STEP.input_names(bool(taps))),
+                         list(CHIMERA_STEP.output_names), _dynamic_shapes(CHIMERA_STEP, bool(taps)))
+        graphs = _draft_graphs(tmp, manifest, fp32_file, role, precision, keep_fp32, progress)
+        entry = DraftEntry(kind, cfg.base_weight_sha, hash_files([weights.path]), tuple(graphs),
                            config_pairs(settings))
-        drafts = tuple(d for d in manifest.drafts if d.kind != "chimera") + (entry,)
+        drafts = tuple(d for d in manifest.drafts if d.kind != kind) + (entry,)
         write_manifest(tmp, manifest.replace(drafts=drafts))
         progress(f"[3/3] added {', '.join(g.file for g in graphs)} to {bundle}")
     return entry
@@ -366,15 +381,24 @@ def _entry_weights(entry: DraftEntry) -> DraftWeights:
 
 
 def torch_draft_modules(entry: DraftEntry, lm_weight, embed_weight=None) -> dict[str, Any]:
-    """Torch references of a draft's graphs, by role, from the weights the manifest names."""
+    """Torch references of a draft's graphs, by role, from the weights the manifest names (the kind's
+    ``reference``: :func:`chimera_modules`, :func:`heads_modules`)."""
+    return resolve(describe(entry.kind).reference)(entry, lm_weight, embed_weight)
+
+
+def chimera_modules(entry: DraftEntry, lm_weight, embed_weight=None) -> dict[str, Any]:
+    if embed_weight is None:
+        raise ValueError("the Chimera reference needs the base embedding")
+    role = describe(entry.kind).role(CHIMERA_STEP).role
+    return {role: chimera_graph_module(_entry_weights(entry), embed_weight, lm_weight, int(entry.setting("topk")),
+                                       int(entry.setting("vocab_trim", 0)))}
+
+
+def heads_modules(entry: DraftEntry, lm_weight, embed_weight=None) -> dict[str, Any]:
     weights = _entry_weights(entry)
-    if entry.kind == "chimera":
-        if embed_weight is None:
-            raise ValueError("the Chimera reference needs the base embedding")
-        return {"chimera": chimera_graph_module(weights, embed_weight, lm_weight, int(entry.setting("topk")),
-                                                int(entry.setting("vocab_trim", 0)))}
-    mods = {entry.kind: draft_graph_module(weights, lm_weight, int(entry.setting("topk")),
-                                           int(entry.setting("vocab_trim", 0)))}
-    if entry.kind == "cerberus":
-        mods["cerberus-gate"] = gate_module(weights)[0]
+    desc = describe(entry.kind)
+    mods = {desc.role(HEADS).role: draft_graph_module(weights, lm_weight, int(entry.setting("topk")),
+                                                      int(entry.setting("vocab_trim", 0)))}
+    if desc.gate_role:
+        mods[desc.gate_role.role] = gate_module(weights)[0]
     return mods

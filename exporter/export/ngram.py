@@ -151,3 +151,10 @@ def export_ngram(bundle: str | Path, replies_path: str | Path, max_order: int = 
         progress(f"[3/3] added {TABLE_FILE} to {bundle} ({sum(len(k) for k in table.keys)} contexts, "
                  f"held-out top-1 {stats['heldout_top1']})")
     return entry
+
+
+def build_ngram(bundle: str | Path, kind: str, draft: str | Path, progress: Callable[[str], None] = _stderr,
+                **_options) -> DraftEntry:
+    """The ngram kind's builder, with the signature every ``DraftKind.builder`` has: the table of the replies
+    ``draft`` (the trained drafts' options do not apply)."""
+    return export_ngram(bundle, draft, progress=progress)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from specdeploy.graphs.chimera import ChimeraConfig, ChimeraDraft, ChimeraStepGraph
 from specdeploy.runtime.drafters.chimera import ChimeraDrafter
+from specdeploy.runtime.drafters.kinds import CHIMERA
 from specdeploy.runtime.errors import DraftMismatchError
 from specdeploy.runtime.tree import TreeSpec, parse_tree_arg
 
@@ -95,7 +96,7 @@ def load_chimera(path, embed_weight: torch.Tensor, lm_weight: torch.Tensor, devi
     from specdeploy.exporter.export.draft import chimera_graph_module
     from specdeploy.exporter.train.weights import load_draft_weights
 
-    weights = load_draft_weights(path, "chimera")
+    weights = load_draft_weights(path, CHIMERA)
     cfg = weights.config
     if cfg.feature_layers:
         raise DraftMismatchError("The torch Chimera drafter runs drafts without base-layer fusion only.")
@@ -133,21 +134,47 @@ class TorchSession:
 
 def bundle_drafter(name: str, manifest, embed_weight: torch.Tensor, lm_weight: torch.Tensor, device,
                    dtype: torch.dtype, tree: str | None, chains: bool):
-    """The bundle's draft ``name`` (chimera, medusa, cerberus, cerberus-nogate) in torch on ``device``."""
-    from specdeploy.exporter.export.draft import torch_draft_modules
-    from specdeploy.runtime.drafters.heads import HeadsDrafter, check_entry, gate_from_entry, resolve_tree
+    """The bundle's trained draft ``name`` (chimera, medusa, cerberus, cerberus-nogate) in torch on ``device``,
+    by the ``torch_drafter`` its kind's description names."""
+    from specdeploy.runtime.drafters.kinds import describe, resolve
 
-    kind = "cerberus" if name.startswith("cerberus") else name
-    entry = manifest.draft(kind)
+    return resolve(describe(name).torch_drafter)(name, manifest, embed_weight, lm_weight, device, dtype, tree, chains)
+
+
+def _entry_tree(name: str, manifest, tree: str | None, chains: bool):
+    """(description, entry, num_heads, topk, spec, dynamic) of the bundle draft that ``name`` runs."""
+    from specdeploy.runtime.drafters.heads import check_entry, resolve_tree
+    from specdeploy.runtime.drafters.kinds import describe
+
+    desc = describe(name)
+    entry = manifest.draft(desc.bundle_kind)
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
-    spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
+    return (desc, entry, num_heads, topk, *resolve_tree(tree, entry, manifest, num_heads, chains))
+
+
+def chimera_bundle_drafter(name: str, manifest, embed_weight: torch.Tensor, lm_weight: torch.Tensor, device,
+                           dtype: torch.dtype, tree: str | None, chains: bool) -> TorchChimeraDrafter:
+    from specdeploy.exporter.export.draft import torch_draft_modules
+    from specdeploy.runtime.draft_contract import CHIMERA_STEP
+
+    desc, entry, _, topk, spec, dynamic = _entry_tree(name, manifest, tree, chains)
+    if entry.setting("feature_layers"):
+        raise DraftMismatchError("The torch Chimera drafter runs drafts without base-layer fusion only.")
+    module = torch_draft_modules(entry, lm_weight, embed_weight)[desc.role(CHIMERA_STEP).role]
+    return TorchChimeraDrafter(module, device, dtype, spec, topk, dynamic)
+
+
+def heads_bundle_drafter(name: str, manifest, embed_weight: torch.Tensor, lm_weight: torch.Tensor, device,
+                         dtype: torch.dtype, tree: str | None, chains: bool):
+    from specdeploy.exporter.export.draft import torch_draft_modules
+    from specdeploy.runtime.draft_contract import GATE, HEADS
+    from specdeploy.runtime.drafters.heads import HeadsDrafter, gate_from_entry
+
+    desc, entry, num_heads, topk, spec, dynamic = _entry_tree(name, manifest, tree, chains)
     modules = torch_draft_modules(entry, lm_weight, embed_weight)
-    if kind == "chimera":
-        if entry.setting("feature_layers"):
-            raise DraftMismatchError("The torch Chimera drafter runs drafts without base-layer fusion only.")
-        return TorchChimeraDrafter(modules["chimera"], device, dtype, spec, topk, dynamic)
-    gate = gate_from_entry(entry) if name == "cerberus" else None
-    gate_session = TorchSession(modules["cerberus-gate"], ("hidden_states", "logits"), device, dtype) if gate else None
-    return HeadsDrafter(kind, TorchSession(modules[kind], ("hidden_states",), device, dtype), num_heads, topk, spec,
-                        dynamic, gate, gate_session)
+    gate = gate_from_entry(entry) if desc.gated else None
+    gate_session = (TorchSession(modules[desc.gate_role.role], GATE.input_names(), device, dtype)
+                    if gate else None)
+    heads = TorchSession(modules[desc.role(HEADS).role], HEADS.input_names(), device, dtype)
+    return HeadsDrafter(entry.kind, heads, num_heads, topk, spec, dynamic, gate, gate_session)

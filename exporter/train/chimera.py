@@ -38,6 +38,7 @@ from specdeploy.exporter.train.weights import (
     train,
     training_vocab,
 )
+from specdeploy.runtime.drafters.kinds import CHIMERA
 from specdeploy.runtime.errors import TrainingError
 
 
@@ -64,7 +65,7 @@ class ChimeraTrainConfig:
 
 
 class ChimeraTask(DraftTask):
-    kind = "chimera"
+    kind = CHIMERA
     device_tensors = ("embed", "lm_weight", "final_norm", "remap", "train_weight32")
 
     def __init__(self, cache, embed_weight, lm_weight, final_norm_weight, base_config, base_weight_sha: str,
@@ -234,7 +235,7 @@ class ChimeraTask(DraftTask):
         return out
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"chimera": asdict(self.chimera_config), "train": asdict(self.cfg), "data": self.cache.meta["config"],
+        return {CHIMERA: asdict(self.chimera_config), "train": asdict(self.cfg), "data": self.cache.meta["config"],
                 "data_tokens": self.cache.num_tokens}
 
     def save(self, model, out: Path, summary: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from specdeploy.exporter.train.options import bf16_fast
+from specdeploy.runtime.drafters.kinds import CHIMERA
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
 
 WEIGHTS_FORMAT = "specdeploy-draft"
@@ -113,7 +114,7 @@ def load_draft_weights(path: str | os.PathLike, kind: str | None = None) -> Draf
     try:
         raw = json.loads(header["config"])
         meta = json.loads(header.get("meta", "{}"))
-        if raw.get("kind") == "chimera":
+        if raw.get("kind") == CHIMERA:
             from specdeploy.graphs.chimera import ChimeraConfig
 
             config = ChimeraConfig(**raw)

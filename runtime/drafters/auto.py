@@ -24,6 +24,7 @@ import numpy as np
 from ..tree import DraftTree
 from .base import DraftContext, Drafter
 from .hybrid import RETRY_EVERY, HybridDrafter
+from .kinds import AUTO, SUFFIX
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
 
@@ -53,11 +54,11 @@ class _SuffixCacheView:
 class FreeSources(_SuffixCacheView, Drafter):
     """Prompt lookup (or n-grams) and the suffix drafter: the better proposal each step."""
 
-    kind = "auto"
+    kind = AUTO
 
     def __init__(self, lookup: PromptLookupDrafter, suffix: SuffixDrafter):
         self.lookup, self.suffix = lookup, suffix
-        self.sources = {"lookup": 0, "suffix": 0, "plain": 0}
+        self.sources = {"lookup": 0, SUFFIX: 0, "plain": 0}
         self._used: Drafter | None = None
         self._value = 1.0
 
@@ -87,7 +88,7 @@ class FreeSources(_SuffixCacheView, Drafter):
         by_suffix = self.suffix.propose(ctx)
         v_suffix = self.suffix.last_value
         plain = self.lookup.worth(None, 0, 1)
-        best, value, used = max(((by_lookup, v_lookup, "lookup"), (by_suffix, v_suffix, "suffix")),
+        best, value, used = max(((by_lookup, v_lookup, "lookup"), (by_suffix, v_suffix, SUFFIX)),
                                 key=lambda c: c[1])
         if best.num_nodes == 1 or value <= plain:
             self._used, self._value = None, plain
@@ -120,7 +121,7 @@ class AutoDrafter(_SuffixCacheView, HybridDrafter):
 
     def __init__(self, model: Drafter, free: FreeSources, chains: bool = False):
         super().__init__(model, lookup=free, chains=chains)
-        self.kind = f"auto:{model.kind}"
+        self.kind = f"{AUTO}:{model.kind}"
 
     def _suffix(self) -> SuffixDrafter:
         return self.lookup.suffix

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import draft_contract as dc
 from ..bundle import BundleManifest, DraftEntry
 from ..contract import parse_feature_layers
 from ..errors import DraftMismatchError
@@ -34,12 +35,13 @@ from ..tree import DraftTree, TreeSpec
 from .base import DraftContext, Drafter
 from .depth import ChainPolicy
 from .heads import check_entry, check_tree_choice, cpu_graph_role, draft_graph, resolve_tree, tree_from_topk
+from .kinds import CHIMERA
 
 MIN_CAPACITY = 256
 
 
 class ChimeraDrafter(Drafter):
-    kind = "chimera"
+    kind = CHIMERA
 
     def __init__(self, session, num_heads: int, num_kv_heads: int, head_dim: int, topk: int,
                  tree: TreeSpec | None = None, dynamic_nodes: int | None = None, depth: int | None = None,
@@ -115,25 +117,25 @@ class ChimeraDrafter(Drafter):
         b = self._binding
         if b is None:  # made once per cache buffer set: a call then rebinds only its small inputs and outputs
             b = self._binding = self.session.io_binding()
-            b.bind_ortvalue_input("past_key", self._ov[0])
-            b.bind_ortvalue_input("past_value", self._ov[1])
-            b.bind_ortvalue_output("present_key", self._ov[0])  # in place; outputs 0 and 1
-            b.bind_ortvalue_output("present_value", self._ov[1])
-        for name in ("feature", "topk_ids", "topk_logprobs"):  # outputs 2..4, fresh each call
+            b.bind_ortvalue_input(dc.PAST_KEY, self._ov[0])
+            b.bind_ortvalue_input(dc.PAST_VALUE, self._ov[1])
+            b.bind_ortvalue_output(dc.PRESENT_KEY, self._ov[0])  # in place; outputs 0 and 1
+            b.bind_ortvalue_output(dc.PRESENT_VALUE, self._ov[1])
+        for name in (dc.FEATURE, dc.TOPK_IDS, dc.TOPK_LOGPROBS):  # outputs 2..4, fresh each call
             b.bind_output(name)
-        b.bind_cpu_input("hidden", np.ascontiguousarray(hidden, dtype=np.float32)[None])
+        b.bind_cpu_input(dc.HIDDEN, np.ascontiguousarray(hidden, dtype=np.float32)[None])
         if self.feature_layers:
             real = layers is not None
             if not real:
                 layers = np.zeros((t, len(self.feature_layers) * hidden.shape[1]), dtype=np.float32)
-            b.bind_cpu_input("layer_states", np.ascontiguousarray(layers, dtype=np.float32)[None])
-            b.bind_cpu_input("from_layers", np.array([1.0 if real else 0.0], dtype=np.float32))
-        b.bind_cpu_input("trigram_ids", np.ascontiguousarray(trigrams, dtype=np.int64)[None])
-        b.bind_cpu_input("position_ids", np.arange(start, start + t, dtype=np.int64)[None])
-        b.bind_cpu_input("attention_mask", mask)
-        b.bind_cpu_input("write_indices", np.arange(start, start + t, dtype=np.int64))
-        b.bind_cpu_input("base_hidden", np.ascontiguousarray(base_hidden, dtype=np.float32)[None])
-        b.bind_cpu_input("head_index", np.array([head], dtype=np.int64))
+            b.bind_cpu_input(dc.LAYER_STATES, np.ascontiguousarray(layers, dtype=np.float32)[None])
+            b.bind_cpu_input(dc.FROM_LAYERS, np.array([1.0 if real else 0.0], dtype=np.float32))
+        b.bind_cpu_input(dc.TRIGRAM_IDS, np.ascontiguousarray(trigrams, dtype=np.int64)[None])
+        b.bind_cpu_input(dc.POSITION_IDS, np.arange(start, start + t, dtype=np.int64)[None])
+        b.bind_cpu_input(dc.ATTENTION_MASK, mask)
+        b.bind_cpu_input(dc.WRITE_INDICES, np.arange(start, start + t, dtype=np.int64))
+        b.bind_cpu_input(dc.BASE_HIDDEN, np.ascontiguousarray(base_hidden, dtype=np.float32)[None])
+        b.bind_cpu_input(dc.HEAD_INDEX, np.array([head], dtype=np.int64))
         t0 = time.perf_counter()
         self.session.run_with_iobinding(b)
         if self.policy is not None:
@@ -204,7 +206,7 @@ def make_chimera_drafter(bundle_dir: Path, manifest: BundleManifest, tree: str |
     """The bundle's Chimera drafter; its graph as :func:`cpu_graph_role` picks it (``precision``)."""
     from ..backends.ort import make_draft_session
 
-    entry: DraftEntry = manifest.draft("chimera")
+    entry: DraftEntry = manifest.draft(CHIMERA)
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)

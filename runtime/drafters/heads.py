@@ -28,15 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from ..bundle import BundleManifest, DraftEntry, GraphEntry
+from ..contract import HIDDEN_STATES, LOGITS
+from ..draft_contract import HEADS
 from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
 from ..precision import QUANTIZED_DRAFT_PRECISIONS
 from ..tree import STATIC_TREES, DraftTree, TreeSpec, select_dynamic, tree_choice
 from ..tree_cost import CPU_COST_CURVE, DEFAULT_ACCEPT, choose_default_tree
 from .base import DraftContext, Drafter
 from .depth import ChainPolicy, CostAwareGate
-from .kinds import CERBERUS_NOGATE, HEADS_KINDS
+from .kinds import TRAINED_DRAFTS, describe
 
-HEADS_DRAFTS = (*HEADS_KINDS, CERBERUS_NOGATE)
+HEADS_DRAFTS = tuple(k for k in TRAINED_DRAFTS if describe(k).role(HEADS))  # medusa, cerberus, cerberus-nogate
 GATE_KINDS = ("entropy", "learned")
 
 
@@ -91,14 +93,14 @@ class HeadsDrafter(Drafter):
             return True
         hidden = np.ascontiguousarray(ctx.hidden[-1:], dtype=np.float32)[None]  # [1, 1, H]
         logits = np.ascontiguousarray(ctx.root_logits, dtype=np.float32).reshape(1, 1, -1)  # [1, 1, V]
-        entropy, prob = self.gate_session.run(None, {"hidden_states": hidden, "logits": logits})
+        entropy, prob = self.gate_session.run(None, {HIDDEN_STATES: hidden, LOGITS: logits})
         rows = None if self.adaptive else (self.tree.num_nodes if self.tree else self.dynamic_nodes)
         return self.gate_policy.drafts(self.gate.signal(float(entropy[0, 0]), float(prob[0, 0])), rows)
 
     def head_topk(self, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``hidden [H]`` -> (ids ``[K, k]``, log-probs ``[K, k]``) of every head, best first."""
         x = np.ascontiguousarray(hidden, dtype=np.float32).reshape(1, 1, -1)  # [1, 1, H]
-        ids, logp = self.session.run(None, {"hidden_states": x})  # [1, 1, K, k] each
+        ids, logp = self.session.run(None, {HIDDEN_STATES: x})  # [1, 1, K, k] each
         return ids[0, 0], logp[0, 0]
 
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -259,17 +261,18 @@ def make_heads_drafter(name: str, bundle_dir: Path, manifest: BundleManifest, tr
 
     if name not in HEADS_DRAFTS:
         raise DraftMismatchError(f"Unknown heads draft '{name}'; choose one of {', '.join(HEADS_DRAFTS)}.")
-    kind = "cerberus" if name.startswith("cerberus") else "medusa"
+    desc = describe(name)
+    kind = desc.bundle_kind
     entry = manifest.draft(kind)
     check_entry(entry, manifest)
     num_heads, topk = int(entry.setting("num_heads")), int(entry.setting("topk"))
-    gate = gate_from_entry(entry) if name == "cerberus" else None
+    gate = gate_from_entry(entry) if desc.gated else None
 
     spec, dynamic = resolve_tree(tree, entry, manifest, num_heads, chains)
 
     session = make_draft_session(Path(bundle_dir) / draft_graph(entry, cpu_graph_role(entry, precision)).file)
     gate_session = None
     if gate is not None:
-        gate_session = make_draft_session(Path(bundle_dir) / draft_graph(entry, f"{kind}-gate").file)
+        gate_session = make_draft_session(Path(bundle_dir) / draft_graph(entry, desc.gate_role.role).file)
     return HeadsDrafter(kind, session, num_heads, topk, spec, dynamic, gate, gate_session)
 

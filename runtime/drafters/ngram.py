@@ -140,7 +140,7 @@ class NgramTable:
 class NgramDrafter(PromptLookupDrafter):
     """Prompt lookup or the model's n-gram table, per step, whichever drafts more tokens per unit of cost."""
 
-    kind = "ngram"
+    kind = NGRAM
 
     def __init__(self, table: NgramTable, **lookup_options):
         self.table = table

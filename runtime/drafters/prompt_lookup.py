@@ -23,6 +23,7 @@ import numpy as np
 from ..tree import DraftTree
 from ..tree_cost import CPU_COST_CURVE, step_cost
 from .base import DraftContext, Drafter
+from .kinds import PROMPT_LOOKUP
 
 
 class ChainAcceptance:
@@ -60,7 +61,7 @@ class ChainAcceptance:
 
 
 class PromptLookupDrafter(Drafter):
-    kind = "prompt-lookup"
+    kind = PROMPT_LOOKUP
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, branches: int = 2,
                  max_nodes: int | None = None, cost_curve: Mapping[int, float] = CPU_COST_CURVE,

@@ -203,6 +203,22 @@ def heads_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
     return bundle
 
 
+def test_the_heads_and_gate_graphs_follow_the_draft_contract(heads_bundle):
+    """Every exported heads graph (any precision) and Cerberus' gate graph has the contract's inputs and outputs."""
+    from specdeploy.runtime.bundle import read_manifest
+    from specdeploy.runtime.draft_contract import GATE, HEADS
+    from specdeploy.runtime.drafters.kinds import describe
+    from test_draft_contract import follows
+
+    roles = []
+    for entry in read_manifest(heads_bundle).drafts:
+        gate = describe(entry.kind).gate_role
+        for graph in entry.graphs:
+            follows(graph, GATE if gate and graph.role == gate.role else HEADS)
+            roles.append(graph.role)
+    assert "cerberus-gate" in roles and any(r.startswith("medusa") for r in roles)
+
+
 def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
     from specdeploy.exporter.check.validate import compare_drafts
     from specdeploy.runtime.bundle import read_manifest
