@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from .errors import TreeSpecError
-from .tree import STATIC_TREES, TreeSpec
+from .tree import TreeSpec
+from .tree_table import STATIC_TREES
 
 # P(rank-k candidate is the right token | its parent was right), the same at every depth: top-1 at
 # 0.6 (so a top-1 chain survives d levels with 0.6**d), lower ranks sharing a decaying remainder.

@@ -154,7 +154,7 @@ def dynamic_acceptance(tr: Trace, nodes: int) -> np.ndarray:
 
 
 def acceptance(traces: list[Trace], tree: str) -> list[np.ndarray]:
-    from specdeploy.runtime.tree import parse_tree_arg
+    from specdeploy.runtime.tree_table import parse_tree_arg
 
     if tree.startswith("dynamic"):
         nodes = int(tree.split(":", 1)[1])

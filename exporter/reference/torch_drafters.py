@@ -24,7 +24,8 @@ from specdeploy.graphs.chimera import ChimeraConfig, ChimeraDraft, ChimeraStepGr
 from specdeploy.runtime.drafters.chimera import ChimeraDrafter
 from specdeploy.runtime.drafters.kinds import CHIMERA
 from specdeploy.runtime.errors import DraftMismatchError
-from specdeploy.runtime.tree import TreeSpec, parse_tree_arg
+from specdeploy.runtime.tree import TreeSpec
+from specdeploy.runtime.tree_table import parse_tree_arg
 
 DEFAULT_TOPK = 10
 

@@ -32,8 +32,9 @@ from ..contract import HIDDEN_STATES, LOGITS
 from ..draft_contract import HEADS
 from ..errors import DraftMismatchError, SpecDeployError, TreeSpecError
 from ..precision import QUANTIZED_DRAFT_PRECISIONS
-from ..tree import STATIC_TREES, DraftTree, TreeSpec, select_dynamic, tree_choice
+from ..tree import DraftTree, TreeSpec, select_dynamic
 from ..tree_cost import CPU_COST_CURVE, DEFAULT_ACCEPT, choose_default_tree
+from ..tree_table import STATIC_TREES, tree_choice
 from .base import DraftContext, Drafter
 from .depth import ChainPolicy, CostAwareGate
 from .kinds import TRAINED_DRAFTS, describe

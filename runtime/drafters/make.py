@@ -13,7 +13,8 @@ from pathlib import Path
 from ..backends.base import Backend
 from ..bundle import BundleManifest
 from ..errors import DraftMismatchError
-from ..tree import TreeSpec, tree_choice
+from ..tree import TreeSpec
+from ..tree_table import tree_choice
 from .base import Drafter
 from .kinds import AUTO_MODELS, NGRAM, TRAINED_DRAFTS, describe, draft_name_error, hybrid_model, resolve
 from .prompt_lookup import PromptLookupDrafter

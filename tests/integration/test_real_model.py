@@ -108,7 +108,8 @@ def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, tmp
 def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
     """Static trees filled with the true continuation on random branches (see test_decode.OracleDrafter)."""
     from specdeploy.runtime.drafters.base import Drafter
-    from specdeploy.runtime.tree import STATIC_TREES, DraftTree
+    from specdeploy.runtime.tree import DraftTree
+    from specdeploy.runtime.tree_table import STATIC_TREES
 
     spec = STATIC_TREES[tree]
     rng = np.random.default_rng(1)

@@ -15,15 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from specdeploy.runtime.errors import TreeSpecError
-from specdeploy.runtime.tree import (
-    STATIC_TREES,
-    DraftTree,
-    TreeSpec,
-    build_buffers,
-    parse_tree_arg,
-    select_dynamic,
-)
+from specdeploy.runtime.tree import DraftTree, TreeSpec, build_buffers, select_dynamic
 from specdeploy.runtime.tree_cost import CPU_COST_CURVE, choose_default_tree, expected_tokens
+from specdeploy.runtime.tree_table import STATIC_TREES, parse_tree_arg
 from specdeploy.runtime.verify import (
     greedy_accept,
     sample_accept,
@@ -280,7 +274,7 @@ def test_runtime_modules_import_only_numpy():
 
 def test_tree_choice_is_the_one_parser_of_tree_arguments():
     """Static names, chains, JSON paths and dynamic budgets, checked against a bundle's limits in one place."""
-    from specdeploy.runtime.tree import DYNAMIC_DEFAULT_NODES, tree_choice
+    from specdeploy.runtime.tree_table import DYNAMIC_DEFAULT_NODES, tree_choice
 
     spec, dyn = tree_choice("chain3", max_tree=64, max_depth=4)
     assert dyn is None and spec.depth == 3 and spec.num_nodes == 4
