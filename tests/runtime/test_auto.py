@@ -208,7 +208,7 @@ def test_auto_is_the_default_and_declines_quietly(tiny_bundle, recwarn):
     batched, it drafts with the free source batching has (no n-gram table here: prompt lookup)."""
     import inspect
 
-    from specdeploy.exporter.cli_decode import generate, serve
+    from specdeploy.exporter.cli.decode import generate, serve
     from specdeploy.runtime.errors import ExactnessWarning
 
     assert inspect.signature(load).parameters["draft"].default == "auto"

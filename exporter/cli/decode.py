@@ -1,7 +1,7 @@
 """The decoding commands of the ``specdeploy`` CLI: ``generate``, ``bench`` and ``serve``.
 
 ``generate`` and ``serve`` import only the lean runtime (no torch). The ``specdeploy`` group
-(:mod:`specdeploy.exporter.cli`) adds these commands to itself.
+(:mod:`specdeploy.exporter.cli`) adds these commands to itself; their shared options are in :mod:`.options`.
 """
 
 from __future__ import annotations
@@ -11,49 +11,12 @@ from pathlib import Path
 
 import click
 from specdeploy.exporter.bench.promptsets import SETS
-from specdeploy.runtime.backends import backend_names
-from specdeploy.runtime.drafters.kinds import AUTO, DRAFTS, PROMPT_LOOKUP, draft_name_error
+from specdeploy.exporter.cli.options import decode_options
+from specdeploy.runtime.drafters.kinds import PROMPT_LOOKUP
 
-BACKEND_CHOICE = click.Choice(list(backend_names()))
 DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
 
 
-class DraftName(click.ParamType):
-    """``--draft``: a name of ``kinds.DRAFTS``, or ``hybrid:KIND`` (refused in one sentence otherwise)."""
-
-    name = "draft"
-
-    def get_metavar(self, param, ctx=None) -> str:
-        return "[" + "|".join(DRAFTS) + "|hybrid:KIND]"
-
-    def convert(self, value, param, ctx):
-        if (why := draft_name_error(value)) is not None:
-            self.fail(why, param, ctx)
-        return value
-
-
-def decode_options(command):
-    """The options ``generate`` and ``serve`` share: the draft, its tree, the backend, threads, --allow-inexact."""
-    options = [
-        click.option("--draft", default=AUTO, show_default=True, type=DraftName(),
-                     help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, "
-                          "whichever pays most here), none (plain), prompt-lookup, ngram, suffix, a draft kind in the "
-                          "bundle, or hybrid[:KIND] (lookup + that draft; chimera)."),
-        click.option("--tree", default=None,
-                     help="Tree name (tree8/16/32/64, chain4...) or JSON choices for the draft; default auto."),
-        click.option("--backend", default="ort-cpu", show_default=True, type=BACKEND_CHOICE),
-        click.option("--threads", default=None, type=click.IntRange(min=1),
-                     help="Intra-op threads (default: all cores)."),
-        click.option("--allow-inexact", is_flag=True,
-                     help="LOSSY: speculate even where no step plan is bitwise exact on this machine "
-                          "(output labelled lossy)."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
-# --- generate --------------------------------------------------------------------------------
 @click.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", required=True, help="Prompt text.")

@@ -1,0 +1,5 @@
+"""``python -m specdeploy.exporter.cli``: the ``specdeploy`` command."""
+
+from specdeploy.exporter.cli import main
+
+main()
