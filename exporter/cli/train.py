@@ -62,15 +62,17 @@ def _heads_train_options(fn):
 
 def _train_heads(kind: str, *, resume: str | None, calibrate: bool, bundle: Path | None, calib_prompts: int,
                  calib_tokens: int, **options) -> None:
-    """``train medusa|cerberus``: the options go to the kind's trainer (``run_heads_training``) by name, then the
-    calibration."""
+    """``train medusa|cerberus``: the options make the run's config (``TrainRun``) for the kind's trainer
+    (``run_heads_training``), then the calibration."""
+    from specdeploy.exporter.train.run import TrainRun
+
     log = lambda m: click.echo(m, err=True)
-    kinds.resolve(kinds.describe(kind).trainer)(kind, resume=resume or "auto", log=log, **options)
+    run = TrainRun.for_kind(HEADS_DEFAULTS, **options)
+    kinds.resolve(kinds.describe(kind).trainer)(kind, run, resume=resume or "auto", log=log)
     if calibrate:
         from specdeploy.exporter.workflows import calibrate_with_bundle
 
-        calibrate_with_bundle(kind, options["out"], options["model"], bundle, calib_prompts, calib_tokens,
-                              options["threads"], log)
+        calibrate_with_bundle(kind, run.out, run.model, bundle, calib_prompts, calib_tokens, run.threads, log)
 
 
 @train.command(kinds.MEDUSA)
@@ -139,8 +141,10 @@ def train_chimera(resume: str | None, **options) -> None:
     Example:
       specdeploy train chimera --out chimera.safetensors
     """
+    from specdeploy.exporter.train.run import TrainRun
+
     train_fn = kinds.resolve(kinds.describe(kinds.CHIMERA).trainer)  # run_chimera_training
-    train_fn(resume=resume or "auto", **options)  # the options by name: one list of them
+    train_fn(kinds.CHIMERA, TrainRun.for_kind(CHIMERA_DEFAULTS, **options), resume=resume or "auto")
 
 
 @train.command("data")

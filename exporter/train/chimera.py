@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.exporter.train.options import CHIMERA_DEFAULTS as D
 from specdeploy.exporter.train.options import resolve_device, resolve_feature_layers
+from specdeploy.exporter.train.run import TrainRun
 from specdeploy.exporter.train.weights import (
     VOCAB_ORDER_SIZE,
     DraftTask,
-    LoopConfig,
     TrainResult,
     draft_weights_meta,
     save_draft_weights,
@@ -249,40 +248,30 @@ class ChimeraTask(DraftTask):
         save_draft_weights(out, self.chimera_config, tensors, meta)
 
 
-def run_chimera_training(model: str | None, out: Path, heads: int = D.heads, epochs: int = D.epochs,
-                         batch_size: int = D.batch_size, lr: float = D.lr, max_seqs: int = D.max_seqs,
-                         max_len: int = D.max_len, vocab_trim: int = D.vocab_trim, feature_weight: float = 0.1,
-                         data_dir: Path | None = None, threads: int = D.threads, seed: int = D.seed,
-                         resume: str = "auto", show_progress: bool = True,
-                         log: Callable[[str], None] | None = None, replies: str = D.replies,
-                         reply_tokens: int = D.reply_tokens, device: str = "auto", engine: str | None = None,
-                         replies_file: str | None = None, feature_layers: str | tuple[int, ...] = (),
-                         time_limit: float | None = None) -> TrainResult:
-    """Cache the base features (once), then train; resumes from the last checkpoint automatically.
-
-    ``time_limit`` (minutes) caps the training, not the data: the run then stops, evaluates and saves."""
+def run_chimera_training(kind: str, run: TrainRun, resume: str = "auto", show_progress: bool = True,
+                         log: Callable[[str], None] | None = None) -> TrainResult:
+    """Cache the base features (once), then train a Chimera (``kind``); resumes from the last checkpoint
+    automatically. ``run.time_limit`` (minutes) caps the training, not the data: the run then stops,
+    evaluates and saves."""
     import torch
     from specdeploy.exporter.source import load_model
-    from specdeploy.exporter.train.data import data_config, training_cache, vocab_order
+    from specdeploy.exporter.train.data import training_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    device = resolve_device(device)  # before any slow step: a missing GPU is said at once
-    cfg = ChimeraTrainConfig(num_heads=heads, vocab_trim=vocab_trim, feature_weight=feature_weight)  # checked now
-    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, warmup_steps=20,
-                      ckpt_every=25, device=device, time_limit_s=None if time_limit is None else 60.0 * time_limit)
-    torch.set_num_threads(max(1, threads))
+    device = resolve_device(run.device)  # before any slow step: a missing GPU is said at once
+    cfg = ChimeraTrainConfig(num_heads=run.heads, vocab_trim=run.vocab_trim, feature_weight=run.feature_weight)
+    loop = run.loop(device, warmup_steps=20, ckpt_every=25)
+    torch.set_num_threads(max(1, run.threads))
     log("loading the base model ...")
-    loaded = load_model(model)
-    taps = resolve_feature_layers(feature_layers, loaded.model.config)
+    loaded = load_model(run.model)
+    taps = resolve_feature_layers(run.feature_layers, loaded.model.config)
     cfg = replace(cfg, feature_layers=taps)  # --feature-layers needs the base's depth
-    config = data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file,
-                         feature_layers=taps)
-    cache = training_cache(loaded, config, data_dir, engine, threads=threads, show_progress=show_progress,
-                           device=device, log=log)
+    cache = training_cache(loaded, run.data(taps), run.data_dir, run.engine, threads=run.threads,
+                           show_progress=show_progress, device=device, log=log)
     order = vocab_order(cache, loaded.tokenizer)
     m = loaded.model
     task = ChimeraTask(cache, m.model.embed_tokens.weight, m.lm_head.weight, m.model.norm.weight, m.config,
                        loaded.weight_sha, cfg, order)
-    result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)
-    log(f"wrote {out} ({result.steps} steps, {result.seconds:.0f} s)")
+    result = train(task, run.out, loop, resume=resume, show_progress=show_progress, log=log)
+    log(f"wrote {run.out} ({result.steps} steps, {result.seconds:.0f} s)")
     return result

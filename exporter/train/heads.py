@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.exporter.train.options import HEADS_DEFAULTS as D
 from specdeploy.exporter.train.options import resolve_device
+from specdeploy.exporter.train.run import TrainRun
 from specdeploy.exporter.train.weights import (
     TRIM_EVAL_SIZES,
     VOCAB_ORDER_SIZE,
     DraftTask,
-    LoopConfig,
     TrainResult,
     draft_weights_meta,
     save_draft_weights,
@@ -163,33 +162,26 @@ class HeadsTask(DraftTask):
         save_draft_weights(out, self.heads_config, tensors, meta)
 
 
-def run_heads_training(kind: str, model: str | None, out: Path, heads: int = D.heads, layers: int = 1,
-                       epochs: int = D.epochs, batch_size: int = D.batch_size, lr: float = D.lr,
-                       max_seqs: int = D.max_seqs, max_len: int = D.max_len, vocab_trim: int = D.vocab_trim,
-                       data_dir: Path | None = None, threads: int = D.threads, seed: int = D.seed,
-                       resume: str = "auto", show_progress: bool = True,
-                       log: Callable[[str], None] | None = None, replies: str = D.replies,
-                       reply_tokens: int = D.reply_tokens, device: str = "auto", engine: str | None = None,
-                       replies_file: str | None = None, time_limit: float | None = None) -> TrainResult:
+def run_heads_training(kind: str, run: TrainRun, resume: str = "auto", show_progress: bool = True,
+                       log: Callable[[str], None] | None = None) -> TrainResult:
     """``specdeploy train medusa|cerberus``: cache the data and train (calibration is a separate step).
 
-    ``time_limit`` (minutes) caps the training, not the data: the run then stops, evaluates and saves."""
+    ``run.time_limit`` (minutes) caps the training, not the data: the run then stops, evaluates and saves."""
     import torch
     from specdeploy.exporter.source import load_model
-    from specdeploy.exporter.train.data import data_config, training_cache, vocab_order
+    from specdeploy.exporter.train.data import training_cache, vocab_order
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    device = resolve_device(device)  # before any slow step: a missing GPU is said at once
-    heads_cfg = HeadsTrainConfig(kind, num_heads=heads, layers=layers, vocab_trim=vocab_trim)
-    loop = LoopConfig(epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, threads=threads, device=device,
-                      time_limit_s=None if time_limit is None else 60.0 * time_limit)
-    torch.set_num_threads(max(1, threads))
+    device = resolve_device(run.device)  # before any slow step: a missing GPU is said at once
+    heads_cfg = HeadsTrainConfig(kind, num_heads=run.heads, layers=run.layers, vocab_trim=run.vocab_trim)
+    loop = run.loop(device)
+    torch.set_num_threads(max(1, run.threads))
     log("loading the base model ...")
-    loaded = load_model(model)
-    cache = training_cache(loaded, data_config(max_seqs, max_len, seed, replies, reply_tokens, replies_file=replies_file),
-                           data_dir, engine, threads=threads, show_progress=show_progress, device=device, log=log)
+    loaded = load_model(run.model)
+    cache = training_cache(loaded, run.data(), run.data_dir, run.engine, threads=run.threads,
+                           show_progress=show_progress, device=device, log=log)
     order = vocab_order(cache, loaded.tokenizer)
     task = HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, heads_cfg, order)
-    result = train(task, out, loop, resume=resume, show_progress=show_progress, log=log)
-    log(f"wrote {out} ({result.steps} steps, {result.seconds:.0f} s)")
+    result = train(task, run.out, loop, resume=resume, show_progress=show_progress, log=log)
+    log(f"wrote {run.out} ({result.steps} steps, {result.seconds:.0f} s)")
     return result

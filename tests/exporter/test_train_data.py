@@ -215,3 +215,34 @@ def test_data_config_rejects_unknown_reply_sources():
     for k in ("shard_size", "replies", "reply_tokens", "engine", "replies_file", "feature_layers"):
         d.pop(k)
     assert DataConfig().key() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def test_the_cli_builds_one_train_run_for_the_kinds_trainer(monkeypatch, tmp_path):
+    """`train chimera|medusa|cerberus`: every option lands in the ``TrainRun`` the kind's trainer gets, over
+    that kind's defaults (``HEADS_DEFAULTS`` / ``CHIMERA_DEFAULTS``, the only place they are written)."""
+    from click.testing import CliRunner
+    from specdeploy.exporter.cli import main
+    from specdeploy.exporter.train.options import CHIMERA_DEFAULTS, HEADS_DEFAULTS
+    from specdeploy.runtime.drafters import kinds
+
+    got = {}
+
+    def trainer(kind, run, resume="auto", show_progress=True, log=None):
+        got[kind] = (run, resume)
+
+    monkeypatch.setattr(kinds, "resolve", lambda name: trainer)
+    r = CliRunner().invoke(main, ["train", "cerberus", "--out", str(tmp_path / "c.safetensors"), "--epochs", "5",
+                                  "--time-limit", "2.5", "--no-calibrate", "--layers", "2"])
+    assert r.exit_code == 0, r.output
+    run, resume = got["cerberus"]
+    assert (run.epochs, run.time_limit, run.layers, resume) == (5, 2.5, 2, "auto")
+    assert (run.batch_size, run.max_seqs, run.replies) == (HEADS_DEFAULTS.batch_size, HEADS_DEFAULTS.max_seqs,
+                                                           HEADS_DEFAULTS.replies)
+    r = CliRunner().invoke(main, ["train", "chimera", "--out", str(tmp_path / "x.safetensors"), "--restart",
+                                  "--feature-layers", "eagle3", "--max-seqs", "64"])
+    assert r.exit_code == 0, r.output
+    run, resume = got["chimera"]
+    assert (run.max_seqs, run.feature_layers, resume) == (64, "eagle3", "restart")
+    assert (run.epochs, run.vocab_trim, run.batch_size) == (CHIMERA_DEFAULTS.epochs, CHIMERA_DEFAULTS.vocab_trim,
+                                                            CHIMERA_DEFAULTS.batch_size)
+    assert run.loop("cpu").time_limit_s is None and run.data().max_seqs == 64
