@@ -19,14 +19,29 @@ def tiny_setup(tiny_model_factory, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def chimera_weights(tiny_setup, tmp_path_factory):
-    """A tiny Chimera trained on ``tiny_setup`` (3 epochs)."""
+def tiny_draft(tiny_setup, tmp_path_factory):
+    """``tiny_draft(kind)``: the weights of a tiny draft of ``kind`` trained on ``tiny_setup``, once per run
+    (``tiny_training.tiny_draft_task`` says how)."""
     from specdeploy.exporter.train.weights import train
-    from tiny_training import CHIMERA_LOOP, chimera_task
+    from tiny_training import tiny_draft_task
 
-    out = tmp_path_factory.mktemp("chimera_w") / "chimera.safetensors"
-    train(chimera_task(tiny_setup), out, CHIMERA_LOOP, show_progress=False, log=lambda m: None)
-    return out
+    made = {}
+
+    def make(kind: str):
+        if kind not in made:
+            out = tmp_path_factory.mktemp(f"tiny_{kind}") / f"{kind}.safetensors"
+            task, loop = tiny_draft_task(tiny_setup, kind)
+            train(task, out, loop, show_progress=False, log=lambda m: None)
+            made[kind] = out
+        return made[kind]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def chimera_weights(tiny_draft):
+    """The tiny Chimera's weights."""
+    return tiny_draft("chimera")
 
 
 @pytest.fixture(scope="session")

@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.train.heads import HeadsTask, HeadsTrainConfig
-from specdeploy.exporter.train.weights import LoopConfig, load_draft_weights, train
+from specdeploy.exporter.train.weights import load_draft_weights, train
 from specdeploy.graphs.build import build_heads
 from specdeploy.graphs.heads import DraftHeadsGraph, HeadsConfig, ResBlock
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import DraftMismatchError, TrainingError
+from tiny_training import HEADS_LOOP as TINY_LOOP
 from tiny_training import TINY_DATA
+from tiny_training import heads_task as _task
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
-TINY_LOOP = LoopConfig(epochs=2, batch_size=64, lr=3e-3, warmup_steps=2, ckpt_every=3, threads=2)
 
 
 # --- graphs ---------------------------------------------------------------------------------------
@@ -89,39 +89,22 @@ def test_cerberus_heads_depend_on_earlier_heads_only():
 
 
 # --- training ---------------------------------------------------------------------------------------
-def _task(tiny_setup, kind: str, **kw) -> HeadsTask:
-    loaded, cache = tiny_setup
-    return HeadsTask(cache, loaded.model.lm_head.weight, loaded.weight_sha, HeadsTrainConfig(kind, **kw))
-
-
-@pytest.fixture(scope="module")
-def tiny_weights(tiny_setup, tmp_path_factory):
-    """Trained tiny medusa and cerberus weights (2 epochs each)."""
-    out = tmp_path_factory.mktemp("heads_w")
-    paths = {}
-    for kind, trim in (("medusa", 0), ("cerberus", 4096)):  # the full shared lm_head, and a trimmed one
-        paths[kind] = out / f"{kind}.safetensors"
-        train(_task(tiny_setup, kind, vocab_trim=trim), paths[kind], TINY_LOOP, show_progress=False,
-              log=lambda m: None)
-    return paths
-
-
-def test_training_lowers_the_loss_and_logs_heldout_accuracy(tiny_setup, tiny_weights):
+def test_training_lowers_the_loss_and_logs_heldout_accuracy(tiny_setup, tiny_draft):
     task = _task(tiny_setup, "cerberus", vocab_trim=4096)
     torch.manual_seed(0)
     model = task.build()
     idx = np.arange(min(256, task.num_examples()))
     before = float(task.loss(model, idx)[0].detach())
-    w = load_draft_weights(tiny_weights["cerberus"], "cerberus")
+    w = load_draft_weights(tiny_draft("cerberus"), "cerberus")
     from specdeploy.exporter.train.modules import heads_from_weights
 
     after = float(task.loss(heads_from_weights(w), idx)[0].detach())
     assert after < before
-    log = json.loads(tiny_weights["cerberus"].with_name("cerberus.train.json").read_text())
+    log = json.loads(tiny_draft("cerberus").with_name("cerberus.train.json").read_text())
     assert len(log["history"]) == TINY_LOOP.epochs and len(log["final"]["top1"]) == 4
     assert w.config.base_weight_sha == tiny_setup[0].weight_sha and w.config.num_heads == 4
     assert w.meta["data"]["sequences"] == TINY_DATA.max_seqs
-    assert not tiny_weights["cerberus"].with_name("cerberus.safetensors.ckpt").exists()
+    assert not tiny_draft("cerberus").with_name("cerberus.safetensors.ckpt").exists()
 
 
 def test_resume_continues_with_identical_state(tiny_setup, tmp_path):
@@ -170,9 +153,9 @@ def test_corrupt_checkpoint_and_mismatched_settings(tiny_setup, tmp_path):
               show_progress=False, log=lambda m: None)
 
 
-def test_weights_file_errors(tiny_weights, tmp_path):
+def test_weights_file_errors(tiny_draft, tmp_path):
     with pytest.raises(DraftMismatchError, match="not a cerberus draft"):
-        load_draft_weights(tiny_weights["medusa"], "cerberus")
+        load_draft_weights(tiny_draft("medusa"), "cerberus")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not safetensors at all")
     with pytest.raises(DraftMismatchError, match="corrupt"):
@@ -188,18 +171,18 @@ def test_weights_file_errors(tiny_weights, tmp_path):
 
 # --- export, parity, drafters -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def heads_bundle(tiny_bundle_factory, tiny_weights, tmp_path_factory):
+def heads_bundle(tiny_bundle_factory, tiny_draft, tmp_path_factory):
     """A copy of the tiny bundle with both drafts; Cerberus gets a hand-made calibration."""
     from specdeploy.exporter.export.draft import calibration_path, export_draft
     from specdeploy.runtime.bundle import hash_files
 
     bundle = tmp_path_factory.mktemp("heads_bundle") / "b"
     shutil.copytree(tiny_bundle_factory("llama"), bundle)
-    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
-    cal = calibration_path(tiny_weights["cerberus"])
-    cal.write_text(json.dumps({"kind": "cerberus", "weights_sha": hash_files([tiny_weights["cerberus"]]),
+    export_draft(bundle, "medusa", tiny_draft("medusa"), progress=lambda m: None)
+    cal = calibration_path(tiny_draft("cerberus"))
+    cal.write_text(json.dumps({"kind": "cerberus", "weights_sha": hash_files([tiny_draft("cerberus")]),
                                "default_tree": "tree16", "gate": {"kind": "entropy", "threshold": 6.0}}))
-    export_draft(bundle, "cerberus", tiny_weights["cerberus"], progress=lambda m: None)
+    export_draft(bundle, "cerberus", tiny_draft("cerberus"), progress=lambda m: None)
     return bundle
 
 
@@ -240,7 +223,7 @@ def test_export_records_draft_entries_and_ort_parity(heads_bundle, tiny_setup):
     assert {c.case: c.atol for c in checks if c.output == "topk_logprobs"}["medusa"] == 1e-3
 
 
-def test_the_cpu_drafter_runs_the_int4_heads_and_fp32_only_exports_have_none(heads_bundle, tiny_weights, tmp_path):
+def test_the_cpu_drafter_runs_the_int4_heads_and_fp32_only_exports_have_none(heads_bundle, tiny_draft, tmp_path):
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters.heads import cpu_graph_role
@@ -251,17 +234,17 @@ def test_the_cpu_drafter_runs_the_int4_heads_and_fp32_only_exports_have_none(hea
     assert Path(used).name == "medusa-int4.onnx" and cpu_graph_role(manifest.draft("medusa"), "fp32") == "medusa"
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
-    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="fp32")
+    export_draft(bundle, "medusa", tiny_draft("medusa"), progress=lambda m: None, precision="fp32")
     entry = read_manifest(bundle).draft("medusa")
     assert [g.role for g in entry.graphs] == ["medusa"] and not (bundle / "medusa-int4.onnx").exists()
     assert cpu_graph_role(entry) == "medusa"
     with pytest.raises(DraftMismatchError, match="no int8 graph"):
         cpu_graph_role(entry, "int8")
     with pytest.raises(DraftMismatchError, match="Unknown draft precision"):
-        export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="int2")
+        export_draft(bundle, "medusa", tiny_draft("medusa"), progress=lambda m: None, precision="int2")
 
 
-def test_an_int8_heads_graph_on_request(heads_bundle, tiny_weights, tiny_setup, tmp_path):
+def test_an_int8_heads_graph_on_request(heads_bundle, tiny_draft, tiny_setup, tmp_path):
     """``--precision int8`` writes ``<kind>-int8.onnx`` instead of the default int4 graph; "auto" runs it,
     and the output stays plain decoding's."""
     from specdeploy.exporter.check.validate import compare_drafts
@@ -271,7 +254,7 @@ def test_an_int8_heads_graph_on_request(heads_bundle, tiny_weights, tiny_setup, 
 
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
-    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None, precision="int8")
+    export_draft(bundle, "medusa", tiny_draft("medusa"), progress=lambda m: None, precision="int8")
     manifest = read_manifest(bundle)
     entry = manifest.draft("medusa")
     assert [(g.role, g.precision) for g in entry.graphs] == [("medusa", "fp32"), ("medusa-int8", "int8")]
@@ -289,14 +272,14 @@ def test_an_int8_heads_graph_on_request(heads_bundle, tiny_weights, tiny_setup, 
     assert len(checks) == 1 and checks[0].atol == 0.5 and checks[0].passed, checks
 
 
-def test_an_ort_only_bundle_gets_only_the_int4_heads(tiny_model_factory, tiny_weights, tmp_path):
+def test_an_ort_only_bundle_gets_only_the_int4_heads(tiny_model_factory, tiny_draft, tmp_path):
     from specdeploy.exporter.export.base import export_base
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
 
     bundle = tmp_path / "ort"
     export_base(str(tiny_model_factory("llama")), bundle, max_context=512, target="ort", progress=lambda m: None)
-    export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
+    export_draft(bundle, "medusa", tiny_draft("medusa"), progress=lambda m: None)
     assert [g.role for g in read_manifest(bundle).draft("medusa").graphs] == ["medusa-int4"]
     assert not (bundle / "medusa.onnx").exists() and not list(bundle.glob(".medusa*"))
     with load(bundle, draft=None) as plain, load(bundle, draft="medusa", tree="chain4") as spec:
@@ -373,7 +356,7 @@ def test_the_torch_backend_runs_heads_drafts_on_its_device_as_onnx_does(heads_bu
         assert isinstance(hybrid.model.session, TorchSession)
 
 
-def test_unknown_gate_and_missing_calibration(heads_bundle, tiny_weights, tmp_path):
+def test_unknown_gate_and_missing_calibration(heads_bundle, tiny_draft, tmp_path):
     from specdeploy.runtime.bundle import config_pairs, read_manifest, write_manifest
     from specdeploy.runtime.drafters.heads import GateConfigError, GateSpec
 
@@ -392,19 +375,19 @@ def test_unknown_gate_and_missing_calibration(heads_bundle, tiny_weights, tmp_pa
     load(bundle, draft="cerberus-nogate").close()
 
 
-def test_wrong_kind_and_wrong_base_get_one_sentence(heads_bundle, tiny_weights, tmp_path):
+def test_wrong_kind_and_wrong_base_get_one_sentence(heads_bundle, tiny_draft, tmp_path):
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest, write_manifest
 
     with pytest.raises(DraftMismatchError, match="not a cerberus draft"):
-        export_draft(heads_bundle, "cerberus", tiny_weights["medusa"], progress=lambda m: None)
+        export_draft(heads_bundle, "cerberus", tiny_draft("medusa"), progress=lambda m: None)
     # a bundle of another base model (its weight hash differs): refused at export and at load
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
     m = read_manifest(bundle)
     write_manifest(bundle, m.replace(source=m.source.__class__(m.source.path, m.source.format, "f" * 64)))
     with pytest.raises(DraftMismatchError, match="another base model"):
-        export_draft(bundle, "medusa", tiny_weights["medusa"], progress=lambda m: None)
+        export_draft(bundle, "medusa", tiny_draft("medusa"), progress=lambda m: None)
     with pytest.raises(DraftMismatchError, match="another base model"):
         load(bundle, draft="medusa")
     write_manifest(bundle, m.replace(drafts=tuple(d for d in m.drafts if d.kind == "medusa")))
@@ -414,13 +397,13 @@ def test_wrong_kind_and_wrong_base_get_one_sentence(heads_bundle, tiny_weights, 
         load(bundle, draft="hydra")
 
 
-def test_calibration_picks_tree_and_gate_on_the_tiny_bundle(heads_bundle, tiny_weights, tmp_path):
+def test_calibration_picks_tree_and_gate_on_the_tiny_bundle(heads_bundle, tiny_draft, tmp_path):
     from specdeploy.exporter.calibrate.heads import calibrate
 
     bundle = tmp_path / "b"
     shutil.copytree(heads_bundle, bundle)
     draft = tmp_path / "cerberus.safetensors"
-    shutil.copy(tiny_weights["cerberus"], draft)
+    shutil.copy(tiny_draft("cerberus"), draft)
     calib = calibrate(bundle, "cerberus", draft, prompts=2, max_new_tokens=12, confirm_prompts=1,
                       trees=("chain4", "tree8"), trims=(4096,), progress=lambda m: None, show_progress=False)
     assert calib["default_tree"] in ("chain4", "tree8") and calib["gate"]["kind"] in ("entropy", "learned")
@@ -442,7 +425,7 @@ def test_a_heads_task_moves_its_frozen_tensors_to_its_device(tiny_setup):
     assert all(t.device.type == "meta" for t in task._batch(task.train_pos[:4]))
 
 
-def test_compact_draft_weights_round_trip(tiny_weights, tmp_path):
+def test_compact_draft_weights_round_trip(tiny_draft, tmp_path):
     """int8 rows with fp16 scales load back as float32 within half a step of each row's scale; the ids stay
     whole; the calibration follows the new file; the shipped drafts are stored so."""
     from safetensors import safe_open
@@ -451,7 +434,7 @@ def test_compact_draft_weights_round_trip(tiny_weights, tmp_path):
     from specdeploy.exporter.train.weights import SCALE_SUFFIX
     from specdeploy.runtime.bundle import hash_files
 
-    src = tiny_weights["cerberus"]
+    src = tiny_draft("cerberus")
     calibration_path(src).write_text(json.dumps({"kind": "cerberus", "weights_sha": hash_files([src])}))
     dst = tmp_path / "cerberus.safetensors"
     compact_draft_weights(src, dst)
