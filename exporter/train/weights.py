@@ -324,8 +324,9 @@ def train(task: DraftTask, out: str | os.PathLike, cfg: LoopConfig, resume: str 
                 g["lr"] = _lr_at(step, total, cfg)
             loss, stats = task.loss(model, index)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            if loss.requires_grad:  # a batch without one target position (none in the draft vocabulary) teaches nothing
+                loss.backward()
+                opt.step()
             step += 1
             loss_value = float(loss.detach())
             bar.update(1)

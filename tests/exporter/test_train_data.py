@@ -246,3 +246,25 @@ def test_the_cli_builds_one_train_run_for_the_kinds_trainer(monkeypatch, tmp_pat
     assert (run.epochs, run.vocab_trim, run.batch_size) == (CHIMERA_DEFAULTS.epochs, CHIMERA_DEFAULTS.vocab_trim,
                                                             CHIMERA_DEFAULTS.batch_size)
     assert run.loop("cpu").time_limit_s is None and run.data().max_seqs == 64
+
+
+def test_a_batch_without_a_target_position_is_skipped_not_fatal(tiny_setup, tmp_path):
+    """A batch whose every label falls outside the draft vocabulary has a constant loss (no gradient): the loop
+    skips its update and goes on (it once ended a Qwen Chimera run at step 268 with a RuntimeError)."""
+    import torch
+    from specdeploy.exporter.train.weights import load_draft_weights, train
+    from tiny_training import HEADS_LOOP, heads_task
+
+    task = heads_task(tiny_setup, "medusa", vocab_trim=1024)
+    real, calls = task.loss, []
+
+    def loss(model, index):
+        calls.append(len(index))
+        if len(calls) == 2:  # the second batch: nothing to learn from
+            return torch.zeros(()), {}
+        return real(model, index)
+
+    task.loss = loss
+    result = train(task, tmp_path / "m.safetensors", HEADS_LOOP, show_progress=False, log=lambda m: None)
+    assert len(calls) == result.steps > 2
+    assert load_draft_weights(tmp_path / "m.safetensors").meta["train"]["steps"] == result.steps
