@@ -164,9 +164,10 @@ class BatchScheduler:
         return len(self.rows) + len(self._joining)
 
     def submit(self, ids: list[int], config: GenerationConfig, stats: DecodeStats,
-               cancelled: Callable[[], bool] | None = None, namespace: str = "") -> Iterator[int]:
-        """Queue a generation; the iterator yields its tokens as the batch makes them. (``namespace`` is the
-        :class:`~.scheduler.Scheduler`'s: batched rows draft from their own context only.)"""
+               cancelled: Callable[[], bool] | None = None, namespace: str = "") -> Iterator[int] | None:
+        """Queue a generation; the iterator yields its tokens as the batch makes them, None once the scheduler
+        closed. (``namespace`` is the :class:`~.scheduler.Scheduler`'s: batched rows draft from their own context
+        only.)"""
         cancelled = cancelled or (lambda: False)
         self.decoder.check_prompt(ids, config)
         stats.prompt_tokens = len(ids)
@@ -177,7 +178,7 @@ class BatchScheduler:
         seq = _Seq(ids, config, stats, cancelled, drafter)
         with self._cv:
             if self._closed:
-                raise SpecDeployError("This engine is closed.")
+                return None
             self._waiting.append(seq)
             self._cv.notify()
         return self._tokens(seq)

@@ -211,14 +211,7 @@ class Engine:
                 cancelled: Callable[[], bool] | None = None, namespace: str = "") -> Iterator[int] | None:
         """The scheduler's token iterator for this generation; None if it was cancelled or the engine closed
         before it started."""
-        if self._closed:
-            return None
-        try:
-            return self.scheduler.submit(ids, config, stats, cancelled, namespace)
-        except SpecDeployError:
-            if not self._closed:
-                raise
-            return None  # closed between the check and the queue: cancelled, like a closed slot
+        return None if self._closed else self.scheduler.submit(ids, config, stats, cancelled, namespace)
 
     def generate(self, prompt: str | None = None, messages: Sequence[dict] | None = None, **kwargs) -> Completion:
         """Generate to completion; returns text, token ids, finish reason and stats."""

@@ -148,6 +148,10 @@ class SerialScheduler:
             self.decoder.drafter.namespace = namespace
         return _Held(self, self.decoder.generate(ids, config, stats))
 
+    def release(self) -> None:
+        """Hand the slot to the next caller (a generation's tokens do it when they end)."""
+        self._slot.release()
+
     def close(self) -> None:
         self._slot.close()
 
@@ -178,4 +182,4 @@ class _Held:
             self._gen.close()
         finally:
             self._scheduler.busy_s += time.perf_counter() - self._t0
-            self._scheduler._slot.release()
+            self._scheduler.release()

@@ -67,7 +67,7 @@ def _train_heads(kind: str, *, resume: str | None, calibrate: bool, bundle: Path
     from specdeploy.exporter.train.run import TrainRun
 
     log = lambda m: click.echo(m, err=True)
-    run = TrainRun.for_kind(HEADS_DEFAULTS, **options)
+    run = TrainRun.with_defaults(HEADS_DEFAULTS, **options)
     kinds.resolve(kinds.describe(kind).trainer)(kind, run, resume=resume or "auto", log=log)
     if calibrate:
         from specdeploy.exporter.workflows import calibrate_with_bundle
@@ -144,7 +144,7 @@ def train_chimera(resume: str | None, **options) -> None:
     from specdeploy.exporter.train.run import TrainRun
 
     train_fn = kinds.resolve(kinds.describe(kinds.CHIMERA).trainer)  # run_chimera_training
-    train_fn(kinds.CHIMERA, TrainRun.for_kind(CHIMERA_DEFAULTS, **options), resume=resume or "auto")
+    train_fn(kinds.CHIMERA, TrainRun.with_defaults(CHIMERA_DEFAULTS, **options), resume=resume or "auto")
 
 
 @train.command("data")

@@ -12,7 +12,7 @@ from specdeploy.exporter.train.weights import LoopConfig
 
 @dataclass(frozen=True)
 class TrainRun:
-    """One training run as the CLI builds it (``TrainRun.for_kind``), whatever the kind: the data it trains on,
+    """One training run as the CLI builds it (``TrainRun.with_defaults``), whatever the kind: the data it trains on,
     the draft's shape and the loop. The trainers (``run_heads_training``, ``run_chimera_training``) read it all
     from here; the per-kind defaults are :data:`HEADS_DEFAULTS` and :data:`CHIMERA_DEFAULTS`."""
 
@@ -39,7 +39,7 @@ class TrainRun:
     time_limit: float | None = None  # minutes of training (the data is made first, without it)
 
     @classmethod
-    def for_kind(cls, defaults: TrainDefaults, out: str | Path, **options) -> TrainRun:
+    def with_defaults(cls, defaults: TrainDefaults, out: str | Path, **options) -> TrainRun:
         """A run with ``defaults`` (a kind's), overridden by ``options`` (the CLI's, by name)."""
         base = {f.name: getattr(defaults, f.name) for f in fields(defaults)}
         return cls(out=Path(out), **{**base, **options})
