@@ -3,22 +3,27 @@
 A scheduler thread owns the backend. Requests wait in arrival order and join at step boundaries: a
 joining prompt is prefilled alone (batch 1, as it would be with no one else), its K/V copied into a
 free row of the shared cache, and from then on each step runs every active sequence as one row of the
-batch dimension of the bundle's standard-op graph. A sequence that ends (EOS, its token budget, the
-context, or its caller went away) leaves after that step and its row goes to the next request.
+batch dimension of the bundle's batching graph (``BundleManifest.batch_graph``: the base step with a
+sequence length per row). A sequence that ends (EOS, its token budget, the context, or its caller went
+away) leaves after that step and its row goes to the next request.
 
-**Layout.** The graph writes a step's T new rows at columns shared by the whole batch, so each
-sequence keeps its tokens at the columns the shared write pointer gives it. Whether that changes a
-row's arithmetic is measured at load (:mod:`.batch_probe`): on the machines measured, only the
-columns' alignment modulo a small period ``p`` matters. So the scheduler keeps every sequence's token
-``i`` at a column congruent to ``i`` modulo ``p``: a prompt joins only when the write pointer has its
-length's residue (at most ``p - 1`` steps' wait), and a repack moves rows only in ways that keep it.
-A greedy request then gives, token for token, the output it gives alone on this engine.
+**Layout.** Each sequence keeps its token ``i`` at cache column ``i`` of its row, as it does alone: a
+step writes every row at its own columns (the batching graph shifts row b's by its position's offset
+from row 0's, see ``contract.WRITE_INDICES``) and attends over its own length, and a joining prompt's
+K/V is copied into the first columns of a free row. The sums over a sequence's cache columns then meet
+its keys in the order they meet them alone (measured on an AMD EPYC with ONNX Runtime 1.32, a sequence
+shifted by any number of columns short of 256 computed other logits). What remains (the batch size, the
+other rows, the cache's capacity) is probed bit for bit at load (:mod:`.batch_probe`). A greedy request
+then gives, token for token, the output it gives alone on this engine.
 
 **Speculation that adapts to load.** With a ``prompt-lookup`` or ``ngram`` draft, a sequence that has
 the batch to itself drafts a lookup (or n-gram table) chain, sized by the measured cost of T-row steps,
-exactly as alone. Two or more rows decode plainly: a batch already reads the weights once for many
-tokens, and rows that accept different numbers of tokens would need the shared write pointer to advance
-by different amounts.
+exactly as alone, where the step plan verifies chains without padding rows (``StepPlan.min_rows`` 1):
+ONNX Runtime's attention takes several sequences of one row each, or one sequence of several rows, so
+a padded plan's plain steps could not batch, and a sequence's rows must be computed the same way alone
+and in a batch. Two or more rows decode plainly: a batch already reads the weights once for many
+tokens, and a step of several rows per sequence multiplies its work where the batch is already bound
+by arithmetic.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
 
 _END = object()
 _IDLE_POLL_S = 0.05  # how often an idle scheduler looks at waiting callers' cancel flags
-_HEADROOM = 64  # spare columns after a repack, so the shared cache is not repacked every step
+_HEADROOM = 128  # spare columns when the cache grows, so that it does not grow every few steps
 MAX_DRAFT = 10  # longest lookup chain per row
 
 
@@ -71,10 +76,16 @@ def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> 
     if draft not in BATCH_DRAFTS:
         return DraftMismatchError(f"Batching (max_batch > 1) drafts with prompt lookup or ngram only; the '{draft}' "
                                   "draft needs max_batch 1.")
-    if manifest.find_graph("base", "trt") is None:
-        return BundleError("The bundle has no standard-op base graph, which batching needs (ONNX Runtime's fused "
-                           "attention takes one sequence at a time); export it with --target all, or use max_batch 1.")
+    if manifest.batch_graph() is None:
+        return BundleError("The bundle has no batching graph; re-export its base with this specdeploy (--target ort "
+                           "or all), or use max_batch 1.")
     return None
+
+
+def lone_row_drafts(plan: StepPlan) -> bool:
+    """Whether a sequence alone in the batch may draft: where the step plan verifies exact chains without
+    padding rows, as batched plain steps of one row per sequence run."""
+    return plan.speculate and plan.min_rows == 1
 
 
 def batch_drafter(draft: str | None, bundle_dir: Path, manifest: BundleManifest) -> Callable[[], PromptLookupDrafter] | None:
@@ -90,10 +101,10 @@ def batch_drafter(draft: str | None, bundle_dir: Path, manifest: BundleManifest)
 
 
 def batch_backend(bundle_dir: Path, manifest: BundleManifest, threads: int | None) -> Backend:
-    """The backend batching runs: ONNX Runtime on the CPU with the bundle's standard-op base graph."""
+    """The backend batching runs: ONNX Runtime on the CPU with the bundle's batching graph."""
     from .backends.ort import OrtBackend
 
-    return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=manifest.graph("base", "trt"))
+    return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=manifest.batch_graph())
 
 
 class _Seq:
@@ -119,27 +130,25 @@ class _Seq:
 class BatchScheduler:
     """N decode slots over one backend; ``submit`` returns a token iterator, like ``Decoder.generate``."""
 
-    def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int, period: int,
+    def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int,
                  drafter: Callable[[], PromptLookupDrafter] | None = None, lossy: bool = False):
         self.backend, self.manifest, self.plan = backend, manifest, plan
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
-        self.max_batch, self.period = max_batch, period
+        self.max_batch = max_batch
         self.lossy = lossy  # batched rows are not bitwise a lone row's here (allow_inexact)
         self.decoder = Decoder(backend, manifest, None, plan=plan)  # prefills and prompt checks
         self.limit = manifest.limits.max_context
-        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if drafter is not None and plan.speculate else 1
+        lone_drafts = drafter is not None and lone_row_drafts(plan)
+        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if lone_drafts else 1
         self.draft = self.max_rows > 1
         self._new_drafter = drafter  # a lookup drafter per sequence (its state is the sequence's)
-        # Capacities in steps of 64 columns, not doublings: every row attends over the whole capacity, and
-        # at 32 rows a step over 1024 columns took 1.8x one over 320 (AMD EPYC, fp32).
-        top = self.limit + self.max_rows + _HEADROOM
-        self.buckets = (*range(2 * _HEADROOM, top, _HEADROOM), top)
+        # Capacities in steps of 64 columns, not doublings: the cache holds max_batch rows of fp32 K/V.
+        top = self.limit + self.max_rows
+        self.buckets = (*range(64, top, 64), top)
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
         self._full = backend.new_cache(max_batch, self.buckets[0])
         self._view: KVCache | None = None
-        self._seen = np.zeros((max_batch, self._full.capacity), dtype=bool)  # per row, the columns it attends
-        self.col = 0  # the next write column, shared by every row
         self.rows: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._joining: list[_Seq] = []  # taken from the queue, not yet rows
@@ -242,28 +251,16 @@ class BatchScheduler:
         seq.out.put(_END)
 
     def _admit(self) -> None:
-        """Cancelled waiters leave; aligned ones join, oldest first, while a row is free."""
+        """Cancelled waiters leave; waiting ones join, oldest first, while a row is free."""
         with self._cv:
             for seq in [s for s in self._waiting if s.cancelled()]:
                 self._waiting.remove(seq)
                 self._finish(seq, "cancelled")
-            joining = self._joining
-            for seq in list(self._waiting):
-                if len(self.rows) + len(joining) == self.max_batch:
-                    break
-                n = len(seq.tokens)
-                if (self.rows or joining) and (self.col - n) % self.period:
-                    continue  # not this step: its tokens would sit off the alignment
-                if not self.rows and not joining:
-                    self.col = n
-                self._waiting.remove(seq)
-                joining.append(seq)
-        if joining:  # room for the longest prompt and the steps ahead: one repack for all of them
-            end = max(len(s.tokens) for s in joining)  # of the write pointer's residue, like each joiner's
-            if not self.rows:  # an empty batch: a cache sized for these prompts (it may have grown before)
-                self.col = max(self.col, end)
-            if not self.rows or end > self.col or self.col + self.max_rows + 2 > self._full.capacity:
-                self._repack(min_col=end)
+            while self._waiting and len(self.rows) + len(self._joining) < self.max_batch:
+                self._joining.append(self._waiting.popleft())
+        joining = self._joining
+        if joining:  # room for the longest prompt and the steps ahead: at most one resize for all of them
+            self._fit(max(len(s.tokens) for s in joining) + self.max_rows)
         while joining:
             self._join(joining[0])
             joining.pop(0)
@@ -282,11 +279,8 @@ class BatchScheduler:
             self._finish(seq, reason)
             return
         r = len(self.rows)
-        s = self.col - n
         for dst, src in zip(self._full.buffers(), state.cache.buffers()):
-            dst[r, :, s : self.col] = src[0, :, :n]
-        self._seen[r] = False
-        self._seen[r, s : self.col] = True
+            dst[r, :, :n] = src[0, :, :n]  # its token i at column i, as alone
         seq.committed, seq.root = n, first
         self.rows.append(seq)
         self._view = None
@@ -325,9 +319,8 @@ class BatchScheduler:
     def _draft(self) -> tuple[int, list[int]]:
         """A lone greedy sequence's lookup chain (matched n-gram size, tokens), sized by its cost curve.
 
-        Rows that accept different numbers of tokens would need their caches to advance by different
-        amounts, which the shared write pointer cannot do without leaving a row off the alignment; so two
-        or more rows decode plainly, and a batch already reads the weights once for many tokens.
+        Two or more rows decode plainly: a batch already reads the weights once for many tokens, and a
+        step of several rows per sequence multiplies its arithmetic.
         """
         if not self.draft or len(self.rows) != 1:
             return 0, []
@@ -344,27 +337,25 @@ class BatchScheduler:
             return
         n, chain = self._draft()
         b = len(self.rows)
-        t = max(1 + len(chain), self.plan.min_rows)
-        if self.col + max(t, 2) > self._full.capacity:
-            self._repack(min_col=0, extra=t)
+        t = 1 + len(chain)  # a lone row drafts only where plain steps need no padding (lone_row_drafts)
+        committed = np.array([seq.committed for seq in self.rows])
+        self._fit(int(committed.max()) + t)
         ids = np.empty((b, t), dtype=np.int64)
         for r, seq in enumerate(self.rows):
             feed = [seq.root] + chain  # chain is empty unless this is the only row
             ids[r, : len(feed)], ids[r, len(feed) :] = feed, feed[-1]
-        pos = np.array([seq.committed for seq in self.rows])[:, None] + np.arange(t)
-        cap, col = self._full.capacity, self.col
-        mask = np.empty((b, 1, t, cap), dtype=self.backend.mask_dtype)
-        mask[:] = np.where(self._seen[:b, None, None, :], 0.0, self._neg)
-        mask[:, 0, :, col : col + t] = np.where(np.tril(np.ones((t, t), dtype=bool)), 0.0, self._neg)
+        pos = committed[:, None] + np.arange(t)  # [b, t]: also each row's columns
+        visible = np.arange(self._full.capacity)[None, None, :] <= pos[:, :, None]  # its past, causal in the step
+        mask = np.where(visible, 0.0, self._neg).astype(self.backend.mask_dtype)[:, None]
         if self._view is None:
             self._view = KVCache([k[:b] for k in self._full.keys], [v[:b] for v in self._full.values], 0,
                                  self._full.allocate)
         tb = time.perf_counter()
-        out = self.backend.step(StepInputs(ids, pos, mask, np.arange(col, col + t), np.arange(t)), self._view)
+        out = self.backend.step(StepInputs(ids, pos, mask, pos[0], np.arange(t)), self._view)
         took = time.perf_counter() - tb
         self.steps += 1
         top = out.logits.argmax(-1)  # [b, t]
-        advance, done = 1, []
+        done = []
         for r, seq in enumerate(self.rows):
             a = 0
             if seq.config.sampling.greedy:
@@ -375,7 +366,6 @@ class BatchScheduler:
                 nxt = self._pick(seq, out.logits[r, 0])
             if chain:
                 seq.drafter.record(n, a, len(chain))
-                advance = 1 + a  # the lone row's root and accepted tokens keep their K/V
             st = seq.stats
             st.steps += 1
             st.backend_s += took
@@ -384,12 +374,10 @@ class BatchScheduler:
             reason = self._emit(seq, chain[:a] + [nxt])
             st.accepted.append(st.new_tokens - before)
             if reason is None:
-                self._seen[r, col : col + advance] = True
-                seq.committed += advance
+                seq.committed += 1 + a  # the root and the accepted tokens keep their K/V
                 seq.root = nxt
             else:
                 done.append((seq, reason))
-        self.col = col + advance
         for seq, reason in done:
             self._leave(seq, reason)
 
@@ -397,32 +385,28 @@ class BatchScheduler:
         """Drop a row (the last row moves into its place, one row's copy), then finish its request."""
         r, last = self.rows.index(seq), len(self.rows) - 1
         if r != last:
+            n = self.rows[last].committed
             for buf in self._full.buffers():
-                buf[r] = buf[last]
-            self._seen[r] = self._seen[last]
+                buf[r, :, :n] = buf[last, :, :n]
             self.rows[r] = self.rows[last]
         self.rows.pop()
         self._view = None
         self.backend.forget_buffers()
         self._finish(seq, reason)
 
-    def _repack(self, min_col: int, extra: int = 0) -> None:
-        """Move every row's attended columns together, ending at the new write pointer, keeping their alignment.
-
-        Every row's next token index is congruent to the write pointer modulo the period, so the largest
-        committed length (or ``min_col``, of the same residue) is a pointer every row can end at.
-        """
-        end = max([min_col] + [s.committed for s in self.rows])
-        need = end + max(extra, self.max_rows, 2) + _HEADROOM
-        cap = bucket_for(min(need, self.buckets[-1]), self.buckets)
+    def _fit(self, need: int) -> None:
+        """A cache of at least ``need`` columns: grown (rows copied) when it has fewer, and re-sized to fit the
+        coming prompts when the batch is empty (a capacity that earlier requests needed would hold memory and
+        widen every step's mask)."""
+        if self.rows and need <= self._full.capacity:
+            return
+        cap = bucket_for(min(need + (_HEADROOM if self.rows else 0), self.buckets[-1]), self.buckets)
+        if not self.rows and cap == self._full.capacity:
+            return
         new = self.backend.new_cache(self.max_batch, cap)
-        seen = np.zeros((self.max_batch, cap), dtype=bool)
         for r, seq in enumerate(self.rows):
-            cols = np.flatnonzero(self._seen[r])
-            start = end - len(cols)
             for dst, src in zip(new.buffers(), self._full.buffers()):
-                dst[r, :, start:end] = src[r][:, cols]
-            seen[r, start:end] = True
-        self._full, self._seen, self.col = new, seen, end
+                dst[r, :, : seq.committed] = src[r, :, : seq.committed]
+        self._full = new
         self._view = None
         self.backend.forget_buffers()

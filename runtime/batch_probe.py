@@ -1,16 +1,14 @@
 """Whether a sequence's rows are the same, bit for bit, in a batch as alone: the batch probe.
 
 Continuous batching (:mod:`.batch`) runs every active sequence as one row of the batch dimension of
-the bundle's standard-op graph, with one cache whose write columns all rows share. So a sequence's
-tokens sit at other cache columns than they would alone, next to other sequences' rows, in a cache of
-another capacity. Whether that changes its arithmetic depends on the kernels: measured on an AVX2 EPYC with ONNX
-Runtime 1.32, the batch size, the other rows, the capacity and a shift of the columns by a multiple
-of 4 change nothing, while a shift by 1 changes the logits by 5e-5 (the attention's vector lanes see
-the keys in another order). So nothing is assumed: for each candidate alignment period ``p``
-(1, 2, 4, ..., 64) the probe runs one sequence alone (batch 1, from column 0) and the same sequence as
-row 0 of a 3-row batch whose other rows hold other text, starting at column ``p``, in a cache of twice
-the capacity, with a 2-row chain as its last step (as a lone row's draft is verified).
-The smallest ``p`` whose rows agree bit for bit is the batch layout's alignment; the verdict is cached
+the bundle's batching graph. Each sequence keeps its tokens at the cache columns they hold alone, so
+what differs from a lone run is the batch size, the other rows beside it and the cache's capacity
+(the batch's longest sequence sets it). Whether any of that changes a row's arithmetic is the kernels'
+business, so nothing is assumed: the probe runs one sequence alone (batch 1, a cache just large enough)
+and the same sequence as row 0 of a 3-row batch whose other rows hold other text of other lengths, in a
+cache of another capacity, then as the batch's only row: with a 2-row chain where a lone row drafts (as
+the scheduler verifies its draft), else a plain step. The context is long enough to cross 256 columns, where ONNX Runtime's matrix
+products block their sums. Every logit and hidden state must agree bit for bit; the verdict is cached
 per machine like the step plan's (:mod:`.plan`).
 """
 
@@ -22,36 +20,32 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .backends.base import StepInputs
-from .plan import PROBE_PROMPT, Candidate, ProbeCheck, ProbeResult, cached_verdict, store_verdict, verdict_key
+from .kvcache import KVCache
+from .plan import Candidate, ProbeCheck, ProbeResult, cached_verdict, store_verdict, verdict_key
 from .probe import _gap
 
 if TYPE_CHECKING:
     from .backends.base import Backend
     from .bundle import BundleManifest
 
-PERIODS = (1, 2, 4, 8, 16, 32, 64)
-_CAPACITY = 128
+PROBE_CONTEXT = 300  # tokens of the probed sequence's prompt (fewer where the bundle's context is shorter)
+_OTHERS = (-37, 23)  # the other rows' prompt lengths, against the probed one's
 
 
 @dataclass(frozen=True)
 class BatchVerdict:
-    """The alignment batched rows need to equal a lone row, or None where no period up to 64 does."""
+    """Whether batched rows equal a lone row bit for bit on this machine, with the probe's checks."""
 
-    period: int | None
+    exact: bool
     results: tuple[ProbeResult, ...]
 
     @property
-    def exact(self) -> bool:
-        return self.period is not None
-
-    @property
     def reason(self) -> str:
-        if self.period is not None:
-            return (f"exact batching: a sequence's rows in a batch equal its rows alone bit for bit when its cache "
-                    f"columns keep their alignment modulo {self.period} (probed on this machine).")
+        if self.exact:
+            return ("exact batching: a sequence's rows in a batch equal its rows alone bit for bit (probed on this "
+                    "machine).")
         worst = max((c for r in self.results for c in r.checks), key=lambda c: c.max_abs)
-        return (f"batched rows differ from a lone sequence's on this machine at every alignment up to "
-                f"{PERIODS[-1]} (by {worst.max_abs:.2g})")
+        return f"batched rows differ from a lone sequence's on this machine (by {worst.max_abs:.2g} at {worst.what})"
 
 
 def _prompt(manifest: BundleManifest, seed: int, n: int) -> np.ndarray:
@@ -59,83 +53,70 @@ def _prompt(manifest: BundleManifest, seed: int, n: int) -> np.ndarray:
     return np.array([(seed + 7919 * i) % v for i in range(n)], dtype=np.int64)
 
 
-class _Run:
-    """Feeds steps to one cache: row r's tokens, each with its own positions and visible columns."""
-
-    def __init__(self, backend: Backend, batch: int, capacity: int):
-        self.backend, self.cache = backend, backend.new_cache(batch, capacity)
-        self.neg = np.finfo(backend.mask_dtype).min
-        self.seen = np.zeros((batch, capacity), dtype=bool)
-
-    def step(self, ids: np.ndarray, pos: np.ndarray, col: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``ids`` [B, T] written at columns col..col+T-1, causal within the step; logits of every row."""
-        b, t = ids.shape
-        cap = self.cache.capacity
-        mask = np.full((b, 1, t, cap), self.neg, dtype=self.backend.mask_dtype)
-        mask[:, 0] = np.where(self.seen[:, None, :], 0.0, self.neg)
-        for j in range(t):
-            mask[:, 0, j, col : col + j + 1] = 0.0
-        out = self.backend.step(StepInputs(ids, pos, mask, np.arange(col, col + t), np.arange(t)), self.cache)
-        self.seen[:, col : col + t] = True
-        return out.logits, out.hidden_states
+def _step(backend: Backend, cache: KVCache, ids: np.ndarray, past: np.ndarray):
+    """Rows ``ids`` [B, T] after ``past[b]`` tokens each, at columns (and positions) past[b]..past[b]+T-1."""
+    t = ids.shape[1]
+    pos = past[:, None] + np.arange(t)
+    visible = np.arange(cache.capacity)[None, None, :] <= pos[:, :, None]
+    mask = np.where(visible, 0.0, np.finfo(backend.mask_dtype).min).astype(backend.mask_dtype)[:, None]
+    out = backend.step(StepInputs(ids, pos, mask, pos[0], np.arange(t)), cache)
+    return out.logits, out.hidden_states
 
 
-def _alone(backend: Backend, manifest: BundleManifest, tokens: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+def _prefilled(backend: Backend, manifest: BundleManifest, seed: int, n: int, capacity: int) -> KVCache:
+    cache = backend.new_cache(1, capacity)
+    _step(backend, cache, _prompt(manifest, seed, n)[None], np.array([0]))
+    return cache
+
+
+def _alone(backend: Backend, manifest: BundleManifest, tokens: np.ndarray, n: int) -> list[tuple]:
     """The probe sequence alone: prefill, then plain steps t0, t1, t2."""
-    run = _Run(backend, 1, _CAPACITY)
-    prompt = _prompt(manifest, 17, PROBE_PROMPT)
-    n = len(prompt)
-    run.step(prompt[None], np.arange(n)[None], 0)
+    cache = _prefilled(backend, manifest, 17, n, n + 8)
     out = []
     for i, tok in enumerate(tokens[:3]):
-        lg, hd = run.step(np.array([[tok]]), np.array([[n + i]]), n + i)
+        lg, hd = _step(backend, cache, np.array([[tok]]), np.array([n + i]))
         out.append((lg[0, 0], hd[0, 0]))
     return out
 
 
-def _batched(backend: Backend, manifest: BundleManifest, tokens: np.ndarray, p: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """The same sequence as row 0 of a 3-row batch at column ``p``, then a 2-row chain (a lone row's draft)."""
-    n = PROBE_PROMPT
-    run = _Run(backend, 3, 2 * _CAPACITY)
-    # Row 0's prompt from a lone prefill (as the scheduler does), the others' from a batched one at column p.
-    pre = _Run(backend, 1, _CAPACITY)
-    pre.step(_prompt(manifest, 17, n)[None], np.arange(n)[None], 0)
-    others = np.stack([_prompt(manifest, 17, n), _prompt(manifest, 5, n), _prompt(manifest, 911, n)])
-    run.step(others, np.tile(np.arange(n), (3, 1)), p)
-    for dst, src in zip(run.cache.buffers(), pre.cache.buffers()):
-        dst[0, :, p : p + n] = src[0, :, :n]
-    col, out = p + n, []
-    lg, hd = run.step(np.array([[tokens[0]], [3], [4]]), np.full((3, 1), n), col)
+def _batched(backend: Backend, manifest: BundleManifest, tokens: np.ndarray, n: int, chains: bool) -> list[tuple]:
+    """The same sequence as row 0 of a 3-row batch (each prompt prefilled alone and copied in, as the scheduler
+    does), then the batch's only row: verifying a 2-row chain (t2 and a draft token), or plain."""
+    lengths = np.array([n, *(n + d for d in _OTHERS)])
+    cache = backend.new_cache(3, 2 * (n + 64))
+    for r, (seed, m) in enumerate(zip((17, 5, 911), lengths)):
+        alone = _prefilled(backend, manifest, seed, int(m), int(m) + 8)
+        for dst, src in zip(cache.buffers(), alone.buffers()):
+            dst[r, :, :m] = src[0, :, :m]
+        backend.forget_buffers()
+    out = []
+    for i in range(2):
+        lg, hd = _step(backend, cache, np.array([[tokens[i]], [3 + i], [5 + i]]), lengths + i)
+        out.append((lg[0, 0], hd[0, 0]))
+    backend.forget_buffers()
+    lone = KVCache([k[:1] for k in cache.keys], [v[:1] for v in cache.values], 0, cache.allocate)
+    lg, hd = _step(backend, lone, np.array([tokens[2:4] if chains else tokens[2:3]]), np.array([n + 2]))
     out.append((lg[0, 0], hd[0, 0]))
-    col += 1
-    lg, hd = run.step(np.array([[tokens[1]], [5], [6]]), np.full((3, 1), n + 1), col)
-    out.append((lg[0, 0], hd[0, 0]))
-    col += 1
-    chain = np.array([[tokens[2], tokens[3]], [7, 8], [9, 10]])
-    lg, hd = run.step(chain, np.tile(np.array([n + 2, n + 3]), (3, 1)), col)
-    out.append((lg[0, 0], hd[0, 0]))
+    backend.forget_buffers()
     return out
 
 
-def probe_batch(backend: Backend, manifest: BundleManifest, use_cache: bool = True) -> BatchVerdict:
-    """The smallest alignment period at which batched rows equal lone rows bit for bit (cached per machine)."""
+def probe_batch(backend: Backend, manifest: BundleManifest, chains: bool = True, use_cache: bool = True
+                ) -> BatchVerdict:
+    """Whether batched rows equal lone rows bit for bit on this machine (cached per machine); ``chains``: with a
+    lone row's chain verified (where lone rows draft)."""
     v = manifest.model.vocab_size
     tokens = np.array([(101 + 104729 * i) % v for i in range(4)], dtype=np.int64)
-    alone: list | None = None
-    results = []
-    for p in PERIODS:
-        cand = Candidate(f"batch-align-{p}", False, 1)
-        key = verdict_key(backend, manifest, cand, 3)
-        res = cached_verdict(key) if use_cache else None
-        if res is None:
-            alone = alone or _alone(backend, manifest, tokens)
-            got = _batched(backend, manifest, tokens, p)
-            checks = tuple(ProbeCheck(f"batch row, step {i + 1}", max(_gap(a[0], b[0]), _gap(a[1], b[1])))
-                           for i, (a, b) in enumerate(zip(alone, got)))
-            res = ProbeResult(cand, checks, 0.0)
-            if use_cache:
-                store_verdict(key, res)
-        results.append(res)
-        if res.chains_exact:
-            return BatchVerdict(p, tuple(results))
-    return BatchVerdict(None, tuple(results))
+    n = max(8, min(PROBE_CONTEXT, manifest.limits.max_context - max(_OTHERS) - 8))
+    cand = Candidate(f"batch-rows-{n}{'-chains' if chains else ''}", False, 1)
+    key = verdict_key(backend, manifest, cand, 3)
+    res = cached_verdict(key) if use_cache else None
+    if res is None:
+        alone = _alone(backend, manifest, tokens, n)
+        got = _batched(backend, manifest, tokens, n, chains)
+        checks = tuple(ProbeCheck(f"batch row, step {i + 1}", max(_gap(a[0], b[0]), _gap(a[1], b[1])))
+                       for i, (a, b) in enumerate(zip(alone, got)))
+        res = ProbeResult(cand, checks, 0.0)
+        if use_cache:
+            store_verdict(key, res)
+    return BatchVerdict(res.chains_exact, (res,))

@@ -20,6 +20,7 @@ from .precision import GGUF_Q4_1_BLOCKS
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+BATCH_TARGET = "ort-batch"  # the target of the base graph batching runs, beside an "ort" graph (GraphEntry.target)
 _HASH_CHUNK = 1 << 22
 
 
@@ -60,7 +61,9 @@ class GraphEntry:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     opset: int
-    target: str = "trt"  # "trt": standard ops only; "ort": may use ONNX Runtime contrib ops
+    # "trt": standard ops only; "ort": may use ONNX Runtime contrib ops; BATCH_TARGET: the "ort" graph with a
+    # sequence length per row, which batching runs (exporter/export/ort_graph.py)
+    target: str = "trt"
     precision: str = "fp32"
     # The fewest rows the graph's attention runs: 2 when it pads a 1-row step itself (the ``ort``
     # graph, see ``exporter/ort_graph.py``), which makes a 1-row step's attention row 0 of a 2-row
@@ -185,6 +188,11 @@ class BundleManifest:
             return self.graph("base")
         wanted = [g for g in ort if (g.precision == GGUF_Q4_1_BLOCKS) != multi_row]
         return (wanted or ort)[0]
+
+    def batch_graph(self) -> GraphEntry | None:
+        """The base graph batching runs (target ``BATCH_TARGET``: each row its own sequence length), or None
+        where the bundle has none (written before batching had one)."""
+        return self.find_graph("base", BATCH_TARGET)
 
     def base_graph(self, prefer: str) -> GraphEntry:
         """The base graph of target ``prefer`` when the bundle has one, else its other base graph.

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Self
 
 from .backends import make_backend
-from .batch import BatchScheduler, batch_backend, batch_draft, batch_drafter, batch_refusal
+from .batch import BatchScheduler, batch_backend, batch_draft, batch_drafter, batch_refusal, lone_row_drafts
 from .batch_probe import probe_batch
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
@@ -135,10 +135,13 @@ class Engine:
 
     def _batching(self, max_batch: int, allow_inexact: bool, progress: Callable[[str], None] | None
                   ) -> BatchScheduler:
-        """The continuous-batching scheduler, with the layout the batch probe measured on this machine."""
+        """The continuous-batching scheduler, where the batch probe finds batched rows exact on this machine (or
+        labelled lossy with ``allow_inexact``)."""
         if progress is not None:
             progress("probing whether batched rows equal lone rows on this machine ...")
-        verdict = probe_batch(self.backend, self.manifest)
+        lone_drafts = lone_row_drafts(self.plan)
+        drafter = batch_drafter(self.draft_name, self.bundle_dir, self.manifest) if lone_drafts else None
+        verdict = probe_batch(self.backend, self.manifest, chains=drafter is not None)
         self.batch_reason = verdict.reason
         if not verdict.exact:
             if not allow_inexact:
@@ -148,8 +151,12 @@ class Engine:
                 max_batch = 1
             else:
                 self.batch_reason = f"LOSSY batching (allow_inexact): {verdict.reason}."
-        return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, verdict.period or 1,
-                              drafter=batch_drafter(self.draft_name, self.bundle_dir, self.manifest),
+        if self.draft_name != "none" and not lone_drafts:
+            why = (self.plan.reason.rstrip(".") if not self.plan.speculate else
+                   f"this machine's exact step plan pads plain steps to {self.plan.min_rows} rows, and a batched step "
+                   "takes one row per sequence")
+            self.batch_reason += f" A request alone in the batch decodes plainly too: {why}."
+        return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafter,
                               lossy=not verdict.exact and max_batch > 1)
 
     @property
@@ -298,8 +305,8 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO,
     anyway, and every generation's ``stats.lossy`` says so. ``progress`` receives a line while probing.
 
     ``max_batch`` > 1 batches up to that many concurrent generations in every step (``ort-cpu`` and a
-    bundle with a standard-op graph; drafts: prompt lookup, ngram or none). It runs that graph for every
-    step, so its outputs are that graph's; a batched greedy request equals the same request alone on
+    bundle with a batching graph, which ``export base`` writes; drafts: prompt lookup, ngram or none). It
+    runs that graph for every step, so its outputs are that graph's; a batched greedy request equals the same request alone on
     the engine, bit for bit, where the batch probe says so (else batching is off, with a warning).
 
     ``draft="suffix"`` drafts from the prompt and from earlier generations' outputs, kept in a cache that

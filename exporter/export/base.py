@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specdeploy.exporter.export.ort_graph import ATTENTION_BATCHED, ATTENTION_FUSED
 from specdeploy.exporter.export.shared_data import store_once
 from specdeploy.exporter.export.staging import (
     export_graph,
@@ -25,6 +26,7 @@ from specdeploy.exporter.export.staging import (
 from specdeploy.runtime import contract
 from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.bundle import (
+    BATCH_TARGET,
     BundleManifest,
     Limits,
     ModelConfig,
@@ -167,10 +169,13 @@ def export_base(
                 "--precision int4 or int8 instead.")
         with staged_bundle(out, force) as tmp:
             # q4_1 keeps the fp32 embedding table, which the main job's Chimera draft shares with it
-            _write_gguf_blocks_base(step, weights, tmp, ctx + max_tree, progress, embedding=precision == GGUF)
+            for attention in (ATTENTION_FUSED, ATTENTION_BATCHED):
+                _write_gguf_blocks_base(step, weights, tmp, ctx + max_tree, progress, embedding=precision == GGUF,
+                                        attention=attention)
             del weights
             gc.collect()
-            entries = [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision)]
+            entries = [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision),
+                       graph_entry(tmp, "base", BATCH_BASE_FILE, target=BATCH_TARGET, precision=precision)]
             return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision,
                                   target, None, t0, progress)
     with staged_bundle(out, force) as tmp:
@@ -183,6 +188,9 @@ def export_base(
                 embedding = read_gguf_embedding(loaded.path, hf)
             _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress, embedding)
             entries.append(graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision))
+            # batching runs a form of it that takes several sequences a step (ort_graph.ATTENTION_BATCHED)
+            _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress, embedding, ATTENTION_BATCHED)
+            entries.append(graph_entry(tmp, "base", BATCH_BASE_FILE, target=BATCH_TARGET, precision=precision))
             blocks = None
             if qconfig is None and gguf_blocks and loaded.format == "gguf":
                 from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
@@ -232,6 +240,7 @@ def _finish_bundle(tmp: Path, entries: list, loaded, mcfg, ctx: int, max_tree: i
 
 
 ORT_BASE_FILE = "base-ort.onnx"
+BATCH_BASE_FILE = "base-batch.onnx"  # the ort graph with a sequence length per row, which batching runs
 GGUF_BASE_FILE = "base-q4.onnx"  # the ort graph holding the source GGUF's own Q4_1 blocks
 
 
@@ -261,45 +270,72 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
 
 
 def _write_gguf_blocks_base(step, weights, tmp: Path, max_positions: int, progress: Progress,
-                            embedding: bool = True) -> None:
+                            embedding: bool = True, attention: str = ATTENTION_FUSED) -> None:
     """The ``q4_1`` and ``gguf`` precisions: the GGUF's own blocks with int8 activations, the embedding
-    rows decoded from its blocks, the lm_head from its blocks at 8 bits (``gguf_blocks.py``)."""
-    from specdeploy.exporter.export.ort_graph import WEIGHT_BLOCKS_KEY, export_ort_graph
+    rows decoded from its blocks, the lm_head from its blocks at 8 bits (``gguf_blocks.py``).
 
+    ``attention`` batched writes the batching graph (``BATCH_BASE_FILE``), whose weights are the fused
+    graph's, stored once."""
+    from specdeploy.exporter.export.ort_graph import export_ort_graph
+
+    if attention == ATTENTION_BATCHED:
+        progress("      the same graph with a sequence length per row, which batching runs ...")
+        export_ort_graph(step, tmp / BATCH_BASE_FILE, max_positions, blocks=weights.linears, block_accuracy=4,
+                         embedding=weights.embedding if embedding else None, lm_head=weights.lm_head,
+                         props=_blocks_props(weights, embedding), attention=attention)
+        store_once(tmp, BATCH_BASE_FILE, [ORT_BASE_FILE], progress, min_bytes=1)
+        return
     kept = ", ".join(f"{n} {kind}" for kind, n in sorted(weights.kept().items()))
     progress(f"[2/4] writing the ONNX Runtime graph from the GGUF's own blocks ({kept}; int8 activations) ...")
     if again := weights.requantized():
         progress(f"      {len(again)} tensors cannot keep their blocks and are re-quantized to 8 bits "
                  f"({', '.join(again[:4])}{' ...' if len(again) > 4 else ''})")
-    held = weights.held
-    if not embedding:
-        held = tuple((name, "fp32" if name == "token_embd.weight" else how) for name, how in held)
-    elif weights.embedding is None:
+    if embedding and weights.embedding is None:
         progress("      the embedding's blocks do not decode exactly: it stays an fp32 table")
     export_ort_graph(step, tmp / ORT_BASE_FILE, max_positions, progress=progress, blocks=weights.linears,
                      block_accuracy=4, embedding=weights.embedding if embedding else None, lm_head=weights.lm_head,
-                     props={WEIGHT_BLOCKS_KEY: json.dumps([list(pair) for pair in held])})
+                     props=_blocks_props(weights, embedding))
     progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
              "identical to plain on the machine (see runtime/plan.py)")
 
 
-def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress, embedding=None) -> None:
-    """The ``ort`` target: the op-by-op fused graph, weight-quantized when ``qconfig`` is given."""
+def _blocks_props(weights, embedding: bool) -> dict[str, str]:
+    """The model metadata saying how each GGUF tensor is held (``GraphEntry.weight_blocks``)."""
+    from specdeploy.exporter.export.ort_graph import WEIGHT_BLOCKS_KEY
+
+    held = weights.held
+    if not embedding:
+        held = tuple((name, "fp32" if name == "token_embd.weight" else how) for name, how in held)
+    return {WEIGHT_BLOCKS_KEY: json.dumps([list(pair) for pair in held])}
+
+
+def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress, embedding=None,
+                    attention: str = ATTENTION_FUSED) -> None:
+    """The ``ort`` target: the op-by-op fused graph, weight-quantized when ``qconfig`` is given; with
+    ``attention`` batched, the batching graph (``BATCH_BASE_FILE``), its weights stored once with the fused
+    graph's."""
     from specdeploy.exporter.export.ort_graph import export_ort_graph
     from specdeploy.exporter.export.quantize import quantize_file
 
-    progress("[2/4] writing the ONNX Runtime graph (fused GQA, rotary and norms) ...")
+    batch = attention == ATTENTION_BATCHED
+    file = BATCH_BASE_FILE if batch else ORT_BASE_FILE
+    progress("      the same graph with a sequence length per row, which batching runs ..." if batch else
+             "[2/4] writing the ONNX Runtime graph (fused GQA, rotary and norms) ...")
     if qconfig is None:
-        export_ort_graph(step, tmp / ORT_BASE_FILE, max_positions, progress=progress)
-        return
-    (tmp / "fp32").mkdir()
-    if embedding is not None:
-        progress(f"      the embedding keeps the GGUF's {embedding.kind} blocks (rows decoded in the graph)")
-    export_ort_graph(step, tmp / "fp32" / ORT_BASE_FILE, max_positions, progress=progress, embedding=embedding)
-    progress(f"[2/4] quantizing MatMul weights to {qconfig.bits} bits (MatMulNBits, block "
-             f"{qconfig.block_size}, lm_head {qconfig.lm_head_bits or 'fp32'}-bit) ...")
-    quantize_file(tmp / "fp32" / ORT_BASE_FILE, tmp / ORT_BASE_FILE, qconfig)
-    shutil.rmtree(tmp / "fp32")
-    if qconfig.accuracy_level == 4:
+        export_ort_graph(step, tmp / file, max_positions, progress=None if batch else progress, attention=attention)
+    else:
+        (tmp / "fp32").mkdir()
+        if embedding is not None and not batch:
+            progress(f"      the embedding keeps the GGUF's {embedding.kind} blocks (rows decoded in the graph)")
+        export_ort_graph(step, tmp / "fp32" / file, max_positions, progress=None if batch else progress,
+                         embedding=embedding, attention=attention)
+        if not batch:
+            progress(f"[2/4] quantizing MatMul weights to {qconfig.bits} bits (MatMulNBits, block "
+                     f"{qconfig.block_size}, lm_head {qconfig.lm_head_bits or 'fp32'}-bit) ...")
+        quantize_file(tmp / "fp32" / file, tmp / file, qconfig)
+        shutil.rmtree(tmp / "fp32")
+    if batch:
+        store_once(tmp, file, [ORT_BASE_FILE], progress, min_bytes=1)
+    elif qconfig is not None and qconfig.accuracy_level == 4:
         progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
                  "identical to plain on the machine (see runtime/plan.py)")

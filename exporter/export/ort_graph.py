@@ -26,6 +26,13 @@ dropped right after the attention. A 1-row step then computes bitwise row 0 of a
 the cost of a 1-row step; the model metadata records it (``GraphEntry.attention_rows``), and the
 runtime then needs no dummy rows of its own (see ``Decoder``).
 
+Batching (``attention`` "batched", the bundle's ``BATCH_TARGET`` graph): the same graph without the
+padding, and with each row's own sequence length, so that GQA takes several sequences of one row each
+in a step (or one sequence of several rows; it refuses several sequences of several rows when there is
+a past). Row b's slots are ``write_indices`` shifted by ``position_ids[b, 0] - position_ids[0, 0]``
+(``contract.WRITE_INDICES``): each sequence of a batch keeps its tokens at the cache columns they hold
+alone, and GQA attends over each row's own length.
+
 The graph requires what the runtime always sends: ``write_indices`` is ``past .. past+T-1``
 (contiguous), so ``past + T = write_indices[-1] + 1``; the parity tests in ``validate`` and
 ``tests/exporter/test_ort_graph.py`` check every output against the torch reference.
@@ -41,6 +48,7 @@ from specdeploy.runtime import contract
 
 MS = "com.microsoft"
 ATTENTION_ROWS = 2  # the fewest rows the graph's attention runs (a 1-row step is padded inside)
+ATTENTION_FUSED, ATTENTION_BATCHED = "fused", "batched"  # build_ort_graph's attention forms
 ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
 WEIGHT_BLOCKS_KEY = "specdeploy.weight_blocks"  # model metadata (JSON): what GraphEntry.weight_blocks records
 
@@ -215,7 +223,8 @@ def rotary_tables(step, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_ort_graph(step, max_positions: int, data=None, location: str = "", blocks: dict | None = None,
-                    block_accuracy: int = 0, pad_attention: bool = True, embedding=None, lm_head=None):
+                    block_accuracy: int = 0, pad_attention: bool = True, embedding=None, lm_head=None,
+                    attention: str = ATTENTION_FUSED):
     """An ``onnx.ModelProto`` of the base step of ``step`` (a :class:`BaseStep`).
 
     With ``data`` (a binary file opened for writing), the weights go there as external data named
@@ -223,7 +232,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     ``linears`` of :func:`gguf_blocks.read_gguf_weights`) keeps the decoder-layer weights as the source
     GGUF's own blocks instead of fp32; ``embedding`` and ``lm_head`` (:class:`gguf_blocks.Blocks`) do the
     same for the token table (rows decoded in the graph) and the logits MatMul (at ``block_accuracy``).
-    ``pad_attention`` False leaves out the padding of
+    ``attention`` "batched" writes the batching graph (each row its own sequence length, no padding; see
+    the module's notes). ``pad_attention`` False leaves out the padding of
     1-row steps' attention (the control in the tests). Blocks at accuracy level 0 are never padded:
     ``MatMulNBits`` with fp32 activations has its own 1-row path, so padding the attention would cost
     time and buy no exactness (that graph serves plain steps of non-row-exact decoding only).
@@ -241,7 +251,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
     write, positions = contract.WRITE_INDICES, contract.POSITION_IDS
-    pad_attention = pad_attention and (blocks is None or block_accuracy == 4)
+    rows_apart = attention == ATTENTION_BATCHED
+    pad_attention = pad_attention and not rows_apart and (blocks is None or block_accuracy == 4)
     if pad_attention:
         # GQA runs >= ATTENTION_ROWS rows: a 1-row step gets a dummy copy of its row inside the graph
         # (``pad`` = [0, 0]), written to the next cache slot and dropped after the attention. GQA's
@@ -257,15 +268,24 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         positions = g.one("Gather", [positions, pad], axis=1)
     # Shared per-step scalars: total = past + T = write_indices[-1] + 1 (T after padding).
     last = g.one("Gather", [write, g.const(-1)], axis=0)  # int64 scalar
-    total = g.one("Add", [last, g.const(1)])
+    if rows_apart:  # row b's last slot: write_indices[-1] + position_ids[b, 0] - position_ids[0, 0]
+        first = g.one("Reshape", [g.one("Slice", [positions, g.const([0]), g.const([1]), g.const([1])]),
+                                  g.const([-1])])  # [B]
+        last = g.one("Add", [g.one("Sub", [first, g.one("Gather", [first, g.const(0)], axis=0)]), last])  # [B]
+        total = g.one("Add", [g.one("ReduceMax", [last, g.const([0])], keepdims=0), g.const(1)])
+    else:
+        total = g.one("Add", [last, g.const(1)])
     total_1d = g.one("Unsqueeze", [total, g.const([0])])  # [1]
     mask = g.one("Slice", [contract.ATTENTION_MASK, g.const([0]), total_1d, g.const([3])])  # [B, 1, T, past+T]
     if pad_attention:
         mask = g.one("Gather", [mask, pad], axis=2)
-    batch = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(0)], axis=0)
-    batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
     total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
-    seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
+    if rows_apart:
+        seqlens = g.one("Cast", [last], to=TensorProto.INT32)  # [B]: each row's past + T - 1
+    else:
+        batch = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(0)], axis=0)
+        batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
+        seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
 
     def linear(x: str, name: str, weight, parts: list[str]) -> str:
         """x @ W.T, from fp32 weights or from the GGUF blocks of the transformers modules ``parts``."""
@@ -386,7 +406,7 @@ def save_graph(model, path: Path) -> None:
 
 def export_ort_graph(step, path: Path, max_positions: int, progress: Callable[[str], None] | None = None,
                      blocks: dict | None = None, block_accuracy: int = 0, embedding=None, lm_head=None,
-                     props: dict[str, str] | None = None) -> None:
+                     props: dict[str, str] | None = None, attention: str = ATTENTION_FUSED) -> None:
     """Build the ``ort``-target base graph of ``step`` at ``path``, weights streamed to ``<path>.data``."""
     import onnx
 
@@ -394,7 +414,8 @@ def export_ort_graph(step, path: Path, max_positions: int, progress: Callable[[s
     data = path.with_name(path.name + ".data")
     with open(data, "wb") as f:
         model = build_ort_graph(step, max_positions, data=f, location=data.name, blocks=blocks,
-                                block_accuracy=block_accuracy, embedding=embedding, lm_head=lm_head)
+                                block_accuracy=block_accuracy, embedding=embedding, lm_head=lm_head,
+                                attention=attention)
     if props:
         from onnx import helper
 

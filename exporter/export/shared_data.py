@@ -41,23 +41,24 @@ def _external_tensors(proto) -> list:
     return [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
 
 
-def share_weights(bundle_dir: Path, file: str, others: list[str]) -> int:
+def share_weights(bundle_dir: Path, file: str, others: list[str], min_bytes: int = MIN_SHARED_BYTES) -> int:
     """Point ``file``'s external tensors that one of the graphs ``others`` holds at that graph's bytes.
 
     ``file``'s own data file is rewritten with only the tensors it keeps (or removed when it keeps
-    none). Returns the bytes saved.
+    none). Tensors under ``min_bytes`` are kept as they are (a second form of the same graph shares them
+    all: its per-layer 4-bit blocks are a few hundred KiB each). Returns the bytes saved.
     """
     import onnx
 
     bundle_dir = Path(bundle_dir)
     proto = onnx.load(str(bundle_dir / file), load_external_data=False)
     mine = _external_tensors(proto)
-    shapes = {(t.data_type, tuple(t.dims)) for t in mine if int(_external(t).get("length", 0)) >= MIN_SHARED_BYTES}
+    shapes = {(t.data_type, tuple(t.dims)) for t in mine if int(_external(t).get("length", 0)) >= min_bytes}
     held: dict[tuple, dict[str, str]] = {}
     for other in others:
         for t in _external_tensors(onnx.load(str(bundle_dir / other), load_external_data=False)):
             ext = _external(t)
-            if (t.data_type, tuple(t.dims)) in shapes and int(ext.get("length", 0)) >= MIN_SHARED_BYTES:
+            if (t.data_type, tuple(t.dims)) in shapes and int(ext.get("length", 0)) >= min_bytes:
                 held.setdefault((t.data_type, tuple(t.dims), hashlib.sha256(_read(bundle_dir, ext)).digest()), ext)
     if not held:
         return 0
@@ -95,9 +96,9 @@ def share_weights(bundle_dir: Path, file: str, others: list[str]) -> int:
         tmp.unlink(missing_ok=True)
 
 
-def store_once(bundle_dir: Path, file: str, others: list[str], progress) -> int:
+def store_once(bundle_dir: Path, file: str, others: list[str], progress, min_bytes: int = MIN_SHARED_BYTES) -> int:
     """:func:`share_weights`, with one progress line saying how much was shared."""
-    saved = share_weights(bundle_dir, file, others)
+    saved = share_weights(bundle_dir, file, others, min_bytes)
     if saved:
         progress(f"      {file}: {saved / 2**20:.0f} MiB of weights already in {', '.join(others)}; stored once")
     return saved

@@ -3,7 +3,7 @@
     python scripts/experiments/batch_ceiling.py BUNDLE [--clients 32] [--max-new-tokens 128] [--baseline TOKS]
 
 Times plain steps of B rows (B = 1..32, past 200, capacity 320) and prefills of T tokens on the bundle's
-standard-op graph (the one batching runs), 2 threads, median of 7 (prefills: 3). Then, from the
+batching graph (``BundleManifest.batch_graph``), 2 threads, median of 7 (prefills: 3). Then, from the
 chat-templated lengths of the first ``--clients`` MT-bench prompts, the ceiling of ``--clients`` clients
 × ``--max-new-tokens``: every prompt prefilled once and every token decoded in a full batch of B rows,
 with no scheduling cost at all. With ``--baseline`` (the ``--max-batch 1`` server's tok/s in a
@@ -57,7 +57,9 @@ def main() -> None:
     args = ap.parse_args()
 
     manifest = read_manifest(args.bundle)
-    graph = next(g for g in manifest.graphs if g.role == "base" and g.target == "trt")
+    graph = manifest.batch_graph()
+    if graph is None:
+        raise SystemExit(f"{args.bundle} has no batching graph; re-export its base.")
     backend = OrtBackend(args.bundle, manifest, provider="cpu", threads=2, graph=graph)
     steps = {}
     for b in (1, 2, 4, 8, 16, 24, 32):

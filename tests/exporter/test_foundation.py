@@ -37,7 +37,7 @@ def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
     assert base.inputs[0].shape == ("batch", "tree") and base.inputs[5].shape[2] == "capacity"
     lines: list[str] = []
     checks = validate_bundle(bundle, str(tiny_model_factory(arch)), progress=lines.append)
-    assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]")}
+    assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]", "[ort-batch]")}
     assert all(c.passed for c in checks)
     assert all(c.argmax_agree for c in checks if c.output == "logits")
     # The step-plan probe's report: every candidate, then the runtime's choice (runtime/plan.py).

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from specdeploy.runtime import load
-from specdeploy.runtime.bundle import read_manifest
+from specdeploy.runtime.bundle import BATCH_TARGET, read_manifest
 from specdeploy.runtime.contract import present_names
 from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BundleError
@@ -47,8 +47,27 @@ def _run_aliased(path, feed: dict[str, np.ndarray]):
     return logits, hidden, past
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_ort_graph_parity(arch, tiny_model_factory, tmp_path):
+def _batch_of_three(feed: dict[str, np.ndarray], vocab: int) -> dict[str, np.ndarray]:
+    """``feed`` (batch 1) as row 0 of a batch of three whose other rows hold other tokens and caches."""
+    rng = np.random.default_rng(1)
+    out = {}
+    for k, v in feed.items():
+        if k in ("write_indices", "logits_index"):
+            out[k] = v
+        elif k == "input_ids":
+            out[k] = np.concatenate([v, rng.integers(0, vocab, (2, v.shape[1]))])
+        elif k.startswith("past_"):
+            out[k] = np.concatenate([v, rng.standard_normal((2, *v.shape[1:])).astype(v.dtype)])
+        else:
+            out[k] = np.concatenate([v] * 3)
+    return out
+
+
+@pytest.mark.parametrize("arch,attention", [("llama", "fused"), ("mistral", "fused"), ("qwen2", "fused"),
+                                            ("llama", "batched"), ("qwen2", "batched")])
+def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
+    """Both attention forms against torch on prefill, step and tree; the batching form on a batch of three
+    one-row steps as well, whose row 0 is the batch-1 step."""
     import torch
     from specdeploy.exporter.check.validate import _FlatStep, base_cases
     from specdeploy.exporter.export.base import model_config
@@ -58,9 +77,10 @@ def test_ort_graph_parity(arch, tiny_model_factory, tmp_path):
 
     loaded = load_model(str(tiny_model_factory(arch)))
     step = BaseStep(loaded.model).eval()
-    model = build_ort_graph(step, max_positions=128)
+    model = build_ort_graph(step, max_positions=128, attention=attention)
     ops = {n.op_type for n in model.graph.node}
     assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Split" in ops
+    assert ("ReduceMax" in ops) == (attention == "batched")  # the batch's longest row
     save_graph(model, tmp_path / "base.onnx")
 
     class _Manifest:  # base_cases reads only the model config
@@ -68,7 +88,11 @@ def test_ort_graph_parity(arch, tiny_model_factory, tmp_path):
 
     flat = _FlatStep(step)
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog again")["input_ids"][:12]
-    for case, feed in base_cases(_Manifest, flat, list(ids)):
+    cases = base_cases(_Manifest, flat, list(ids))
+    if attention == "batched":  # GQA takes several sequences of one row each
+        cases += [(case + " x3", _batch_of_three(feed, _Manifest.model.vocab_size)) for case, feed in cases
+                  if feed["input_ids"].shape[1] == 1]
+    for case, feed in cases:
         with torch.no_grad():
             ref = [o.numpy() for o in flat(**{k: torch.from_numpy(v) for k, v in feed.items()})]
         logits, hidden, past = _run_aliased(tmp_path / "base.onnx", feed)
@@ -81,6 +105,40 @@ def test_ort_graph_parity(arch, tiny_model_factory, tmp_path):
             assert np.abs(got[:, :, :valid] - want[:, :, :valid]).max() < 1e-4, (case, name)
         if case == "tree":  # the tree case branches: a plain causal mask would fail these rows
             assert feed["attention_mask"][0, 0, 2, valid - 6] < -1e30
+
+
+def test_batched_graph_keeps_each_row_at_its_own_columns(tiny_model_factory, tmp_path):
+    """The batching graph: three sequences of other lengths in one step, each at its own columns (row b's
+    write_indices shifted by its position's offset from row 0's), equal each sequence's step alone, and
+    write nowhere else."""
+    from specdeploy.exporter.export.ort_graph import build_ort_graph, save_graph
+    from specdeploy.exporter.source import load_model
+    from specdeploy.graphs.base_step import BaseStep
+
+    step = BaseStep(load_model(str(tiny_model_factory("llama"))).model).eval()
+    save_graph(build_ort_graph(step, max_positions=128, attention="batched"), tmp_path / "b.onnx")
+    rng = np.random.default_rng(0)
+    cap, lengths, toks = 48, np.array([20, 7, 33]), np.array([[11], [22], [33]])
+    past = {f"past_{k}_{i}": rng.standard_normal((3, step.num_kv_heads, cap, step.head_dim)).astype(np.float32)
+            for i in range(step.num_layers) for k in ("key", "value")}
+    neg = np.finfo(np.float32).min
+
+    def feed(rows: list[int]) -> dict[str, np.ndarray]:
+        n = lengths[rows]
+        mask = np.where(np.arange(cap)[None, None, None, :] <= n[:, None, None, None], 0.0, neg).astype(np.float32)
+        return {"input_ids": toks[rows], "position_ids": n[:, None], "attention_mask": mask,
+                "write_indices": n[:1], "logits_index": np.array([0]),
+                **{k: v[rows].copy() for k, v in past.items()}}
+
+    logits, hidden, caches = _run_aliased(tmp_path / "b.onnx", feed([0, 1, 2]))
+    for r in range(3):
+        lone_logits, lone_hidden, lone_caches = _run_aliased(tmp_path / "b.onnx", feed([r]))
+        np.testing.assert_allclose(logits[r], lone_logits[0], atol=1e-5)
+        np.testing.assert_allclose(hidden[r], lone_hidden[0], atol=1e-5)
+        for k, v in past.items():
+            np.testing.assert_allclose(caches[k][r], lone_caches[k][0], atol=1e-6)
+            written = np.flatnonzero((caches[k][r] != v[r]).any(axis=(0, 2)))
+            assert written.tolist() == [lengths[r]], (k, r)  # its own next column, nothing else
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
@@ -128,12 +186,15 @@ def test_padded_attention_is_recorded_and_one_row_steps_match_two_row_steps(prec
 def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
     manifest = read_manifest(tiny_bundle)
     bases = {g.target: g for g in manifest.graphs if g.role == "base"}
-    assert set(bases) == {"trt", "ort"}
+    assert set(bases) == {"trt", "ort", BATCH_TARGET}
     assert bases["trt"].file == "base.onnx" and bases["ort"].file == "base-ort.onnx"
+    assert manifest.batch_graph().file == "base-batch.onnx"
     fused = onnx.load(str(tiny_bundle / "base-ort.onnx"), load_external_data=False)
     assert any(n.op_type == "GroupQueryAttention" for n in fused.graph.node)
-    assert bases["ort"].inputs == bases["trt"].inputs  # one contract, two graphs
-    assert [s.name for s in bases["ort"].outputs] == [s.name for s in bases["trt"].outputs]
+    for other in ("ort", BATCH_TARGET):  # one contract, three graphs
+        assert bases[other].inputs == bases["trt"].inputs
+        assert [s.name for s in bases[other].outputs] == [s.name for s in bases["trt"].outputs]
+    assert bases[BATCH_TARGET].data_files == ("base-ort.onnx.data",)  # the batching graph's weights: stored once
     with load(tiny_bundle, draft=None) as engine:
         assert engine.backend.graph.file == "base-ort.onnx"
 
@@ -164,12 +225,15 @@ def test_ort_only_bundle(tiny_model_factory, tmp_path):
     export_base(str(tiny_model_factory("llama")), out, max_context=256, target="ort", progress=lambda m: None)
     assert not (out / "base.onnx").exists()
     manifest = read_manifest(out)
-    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort")]
+    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort"), ("base", BATCH_TARGET)]
     with pytest.raises(BundleError, match="no 'base' graph for target 'trt'.*--target all"):
         manifest.graph("base", "trt")
     assert all(r.skipped for r in lint_bundle(out))
     with load(out, draft=None) as engine:
         assert len(engine.generate_ids(engine.encode(PROMPTS[0]), GenerationConfig(8))) == 8
+    with load(out, draft=None, max_batch=2) as engine:  # batching needs no traced graph
+        assert engine.max_batch == 2 and engine.backend.graph.file == "base-batch.onnx"
+        assert len(engine.generate(PROMPTS[0], max_new_tokens=8).token_ids) == 8
 
 
 # --- the GGUF's own blocks ---------------------------------------------------------------------------

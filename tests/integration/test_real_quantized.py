@@ -19,8 +19,9 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     from specdeploy.exporter.check.validate import validate_bundle
 
     out = real_quant_bundle("q4_1")
-    [graph] = read_manifest(out).graphs
+    graph, batching = read_manifest(out).graphs
     assert (graph.file, graph.target, graph.precision) == ("base-ort.onnx", "ort", "q4_1")
+    assert (batching.file, batching.target, batching.data_files) == ("base-batch.onnx", "ort-batch", ("base-ort.onnx.data",))
     model = onnx.load(str(out / graph.file), load_external_data=False)
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
              for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -51,7 +52,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     export_draft(out, "chimera", weights, progress=lambda m: None)
     bundle = read_manifest(out)
     files = [g.file for g in bundle.graphs] + [g.file for d in bundle.drafts for g in d.graphs]
-    assert files == ["base-ort.onnx", "chimera-int4.onnx"]  # only what the CPU runtime runs
+    assert files == ["base-ort.onnx", "base-batch.onnx", "chimera-int4.onnx"]  # only what the CPU runtime runs
     assert stored_twice(out, files) == []  # the draft reads the base's embedding table
     assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
     with load(out, draft=None) as plain, load(out, draft="hybrid") as hybrid:
@@ -70,6 +71,15 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
             assert ngram.generate_ids(ids, GenerationConfig(48)) == ref
             assert hybrid.generate_ids(ids, GenerationConfig(48)) == ref
         assert ngram.decoder.drafter.sources["table"] > 0
+    # ... and its batching graph: three chat requests at once give the answers they give alone.
+    from decode_checks import concurrently
+
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    with load(out, draft="ngram", max_batch=3) as eng:
+        assert eng.max_batch == 3 and eng.backend.graph.file == "base-batch.onnx", eng.batch_reason
+        alone = [eng.generate(messages=m, max_new_tokens=48) for m in msgs]
+        batched = concurrently(eng, [None] * len(msgs), messages_list=msgs, max_new_tokens=48)
+    assert [a.token_ids for a in alone] == [b.token_ids for b in batched]
 
 
 @pytest.mark.slow

@@ -175,10 +175,14 @@ def test_ngram_speculation_is_identical_to_plain_decoding(tiny_bundle, tmp_path)
         sources = spec.decoder.drafter.sources
     assert sources["table"] > 0
     assert np.mean(taus[: len(PROMPTS)]) > 1.5  # the model's own replies, drafted from the table and accepted
-    # Continuous batching: a lone sequence drafts from the table too; batched answers equal lone ones.
+    # Continuous batching: a lone sequence drafts from the table too (where the plan needs no padding rows:
+    # test_batch.py forces both cases); batched answers equal lone ones.
     with load(bundle, draft="ngram", max_batch=3) as eng:
         alone = [eng.generate(p, max_new_tokens=40) for p in PROMPTS[:3]]
-        assert max(a.stats.mean_accepted for a in alone) > 1.5
+        if eng.scheduler.draft:
+            assert max(a.stats.mean_accepted for a in alone) > 1.5
+        else:
+            assert "decodes plainly too" in eng.batch_reason
         out: dict[int, list[int]] = {}
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, eng.generate(PROMPTS[i], max_new_tokens=40)
                                                                         .token_ids)) for i in range(3)]
