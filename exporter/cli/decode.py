@@ -14,7 +14,7 @@ from specdeploy.exporter.bench.promptsets import SETS
 from specdeploy.exporter.cli.options import decode_options
 from specdeploy.runtime.drafters.kinds import PROMPT_LOOKUP
 
-DEFAULT_SERVE_BATCH = 16  # measured: docs/benchmarks.md, "Serving many users"
+DEFAULT_SERVE_BATCH = 32  # measured: docs/benchmarks.md, "Serving many users"
 
 
 @click.command()

@@ -25,7 +25,7 @@ def batched(tiny_bundle, tmp_path_factory):
 
 def test_default_server_batches_and_says_so(batched):
     health = httpx.get(batched.url + "/health").json()
-    assert health["max_batch"] == 16 and "exact batching" in health["batching"]
+    assert health["max_batch"] == 32 and "exact batching" in health["batching"]
     assert "[plan] exact batching" in batched.log()
 
 
