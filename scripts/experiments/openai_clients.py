@@ -45,7 +45,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8761)
     args = ap.parse_args()
 
-    from openai import OpenAI
+    try:
+        from openai import OpenAI
+    except ImportError:
+        raise SystemExit("This script needs the openai package: pip install openai") from None
     from specdeploy.exporter.bench.run import default_prompts_file, read_prompt_records
 
     prompts = [p for p, _ in read_prompt_records(default_prompts_file())[: args.clients]]
