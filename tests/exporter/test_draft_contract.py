@@ -6,15 +6,8 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from specdeploy.runtime.draft_contract import CHIMERA_STEP, GATE, HEADS, GraphContract
-
-
-def follows(graph, contract: GraphContract, fused: bool = False) -> None:
-    """``graph`` (a manifest GraphEntry) has ``contract``'s inputs and outputs."""
-    inputs = [t for t in contract.inputs if fused or not t.fused_only]
-    for got, want in ((graph.inputs, inputs), (graph.outputs, contract.outputs)):
-        assert [(t.name, t.dtype, len(t.shape)) for t in got] == [(t.name, t.dtype, len(t.dims)) for t in want], \
-            graph.role
+from contract_checks import follows
+from specdeploy.runtime.draft_contract import CHIMERA_STEP, GATE, HEADS
 
 
 def test_the_traced_modules_take_the_contracts_inputs():

@@ -188,10 +188,10 @@ def heads_bundle(tiny_bundle_factory, tiny_draft, tmp_path_factory):
 
 def test_the_heads_and_gate_graphs_follow_the_draft_contract(heads_bundle):
     """Every exported heads graph (any precision) and Cerberus' gate graph has the contract's inputs and outputs."""
+    from contract_checks import follows
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.draft_contract import GATE, HEADS
     from specdeploy.runtime.drafters.kinds import describe
-    from test_draft_contract import follows
 
     roles = []
     for entry in read_manifest(heads_bundle).drafts:
