@@ -131,10 +131,13 @@ class BatchScheduler:
     """N decode slots over one backend; ``submit`` returns a token iterator, like ``Decoder.generate``."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int,
-                 drafter: Callable[[], PromptLookupDrafter] | None = None, lossy: bool = False):
+                 drafter: Callable[[], PromptLookupDrafter] | None = None, lossy: bool = False, min_batch: int = 1):
         self.backend, self.manifest, self.plan = backend, manifest, plan
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch = max_batch
+        # A plain step of fewer rows runs with copies of row 0 up to min_batch rows (their outputs dropped), where
+        # the batch probe found a lone row computed otherwise than a row of a batch (BatchVerdict.min_batch).
+        self.min_batch = min(min_batch, max_batch)
         self.lossy = lossy  # batched rows are not bitwise a lone row's here (allow_inexact)
         self.decoder = Decoder(backend, manifest, None, plan=plan)  # prefills and prompt checks
         self.limit = manifest.limits.max_context
@@ -148,7 +151,7 @@ class BatchScheduler:
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
         self._full = backend.new_cache(max_batch, self.buckets[0])
-        self._view: KVCache | None = None
+        self._view: KVCache | None = None  # the first rows of the cache that the next step runs
         self.rows: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._joining: list[_Seq] = []  # taken from the queue, not yet rows
@@ -340,16 +343,20 @@ class BatchScheduler:
         t = 1 + len(chain)  # a lone row drafts only where plain steps need no padding (lone_row_drafts)
         committed = np.array([seq.committed for seq in self.rows])
         self._fit(int(committed.max()) + t)
-        ids = np.empty((b, t), dtype=np.int64)
+        rows = max(b, self.min_batch) if t == 1 else b  # GQA takes several sequences of one row each only
+        ids = np.empty((rows, t), dtype=np.int64)
         for r, seq in enumerate(self.rows):
             feed = [seq.root] + chain  # chain is empty unless this is the only row
             ids[r, : len(feed)], ids[r, len(feed) :] = feed, feed[-1]
-        pos = committed[:, None] + np.arange(t)  # [b, t]: also each row's columns
+        ids[b:] = ids[0]  # copies of row 0 in free rows, up to min_batch: written there, dropped after
+        committed = np.pad(committed, (0, rows - b), "edge")
+        pos = committed[:, None] + np.arange(t)  # [rows, t]: also each row's columns
         visible = np.arange(self._full.capacity)[None, None, :] <= pos[:, :, None]  # its past, causal in the step
         mask = np.where(visible, 0.0, self._neg).astype(self.backend.mask_dtype)[:, None]
-        if self._view is None:
-            self._view = KVCache([k[:b] for k in self._full.keys], [v[:b] for v in self._full.values], 0,
+        if self._view is None or self._view.keys[0].shape[0] != rows:
+            self._view = KVCache([k[:rows] for k in self._full.keys], [v[:rows] for v in self._full.values], 0,
                                  self._full.allocate)
+            self.backend.forget_buffers()  # a view of other rows: nothing may alias the last one
         tb = time.perf_counter()
         out = self.backend.step(StepInputs(ids, pos, mask, pos[0], np.arange(t)), self._view)
         took = time.perf_counter() - tb

@@ -157,7 +157,7 @@ class Engine:
                    "takes one row per sequence")
             self.batch_reason += f" A request alone in the batch decodes plainly too: {why}."
         return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafter,
-                              lossy=not verdict.exact and max_batch > 1)
+                              lossy=not verdict.exact and max_batch > 1, min_batch=verdict.min_batch)
 
     @property
     def closed(self) -> bool:

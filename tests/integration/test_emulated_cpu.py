@@ -108,9 +108,9 @@ def test_unknown_qemu_cpu_model_is_one_sentence(tiny_bundle, tmp_path):
 
 # Runs under the emulator: the runtime alone (no torch), the plan probed there, then prompt lookup with a
 # fixed draft length (not the cost-aware one, which under an emulator's flat-out arithmetic seldom drafts)
-# against plain decoding on the same plan.
+# against plain decoding on the same plan; then batching, its probe run there, against each prompt alone.
 _CHILD = r"""
-import json, sys
+import json, sys, threading
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
@@ -127,6 +127,16 @@ with load(bundle, threads=2, draft=None) as eng:
             st = DecodeStats()
             out["same"].append(list(spec.generate(ids, GenerationConfig(tokens), st)) == ref)
             out["accepted"] += sum(a - 1 for a in st.accepted)
+with load(bundle, threads=2, draft=None, max_batch=len(prompts)) as eng:  # batching, probed there too
+    out["batching"], out["batched_same"] = eng.batch_reason, []
+    if eng.max_batch > 1:
+        alone = [eng.generate(p, max_new_tokens=tokens).token_ids for p in prompts]
+        got = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, eng.generate(prompts[i], max_new_tokens=tokens)
+                                                                           .token_ids)) for i in range(len(prompts))]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        out["batched_same"] = [got[i] == alone[i] for i in range(len(prompts))]
 print(json.dumps(out))
 """
 
@@ -146,6 +156,10 @@ def _emulated_lookup(bundle: Path, prompts: list[str], tokens: int) -> dict:
         assert got["accepted"] > 0, got  # the identity is not vacuous
     else:  # no exact plan there: the runtime decodes plainly and says why
         assert "plain decoding only" in got["plan"], got
+    if got["batching"].startswith("exact batching"):  # batched answers are the answers alone, there too
+        assert got["batched_same"] == [True] * len(prompts), got
+    else:
+        assert got["batching"].startswith("batching off") and not got["batched_same"], got
     return got
 
 
@@ -162,7 +176,7 @@ def test_emulated_avx2_cpu_speculation_equals_plain(precision, tiny_bundle, tiny
         export_base(str(tiny_model_factory("llama")), bundle, max_context=512, max_tree=64, precision=precision,
                     progress=lambda m: None)
     got = _emulated_lookup(bundle, ["Repeat after me: red green blue, red green blue.", "one two three one two three"], 40)
-    print(f"tiny {precision} on emulated {ROME}: {got['plan']}")
+    print(f"tiny {precision} on emulated {ROME}: {got['plan']} {got['batching']} {got['batched_same']}")
     machines = {v["machine"] for v in json.loads((plan.cache_dir() / "exactness.json").read_text()).values()}
     if "CPUID lacks" in got["isa"]:  # the host has more (AVX-512, VNNI): the guest's verdict is cached apart
         assert any("CPUID lacks" in m for m in machines)

@@ -200,13 +200,22 @@ def test_probe_passes_here_catches_a_differing_row_and_a_failing_probe_turns_bat
     assert len(verdict.results[0].checks) == 3 and all(c.passed for c in verdict.results[0].checks)
     real_step = batch_probe._step
 
-    def off_in_a_batch(backend, cache, ids, past):  # a kernel whose batched rows round otherwise
-        logits, hidden = real_step(backend, cache, ids, past)
-        return (logits + 1e-6, hidden) if ids.shape[0] > 1 else (logits, hidden)
+    def off_in_a_batch(backend, cache, ids, past, min_batch=1):  # a kernel whose 3-row batches round otherwise
+        logits, hidden = real_step(backend, cache, ids, past, min_batch)
+        return (logits + 1e-6, hidden) if ids.shape[0] == 3 else (logits, hidden)
 
     monkeypatch.setattr(batch_probe, "_step", off_in_a_batch)
     caught = probe_batch(backend, manifest, chains=False, use_cache=False)
     assert not caught.exact and "differ" in caught.reason and "batch row" in caught.reason
+    assert len(caught.results) == 2  # a lone row as one row, then as two: both differ
+
+    def off_alone(backend, cache, ids, past, min_batch=1):  # a kernel whose one-row steps round otherwise
+        logits, hidden = real_step(backend, cache, ids, past, min_batch)
+        return (logits + 1e-6, hidden) if ids.shape[0] * ids.shape[1] == 1 and min_batch == 1 else (logits, hidden)
+
+    monkeypatch.setattr(batch_probe, "_step", off_alone)
+    padded = probe_batch(backend, manifest, chains=False, use_cache=False)
+    assert padded.exact and padded.min_batch == 2 and "run as two rows" in padded.reason
     monkeypatch.setattr(batch_probe, "_step", real_step)
     backend.close()
 
@@ -223,6 +232,26 @@ def test_probe_passes_here_catches_a_differing_row_and_a_failing_probe_turns_bat
     with load(tiny_bundle, max_batch=4, allow_inexact=True, draft=None) as eng:
         assert eng.scheduler.max_batch == 4 and eng.batch_reason.startswith("LOSSY")
         assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is True
+
+
+def test_a_lone_row_runs_as_two_rows_where_the_probe_says_so(tiny_bundle, monkeypatch):
+    # A machine whose kernels compute a lone row otherwise than a row of a batch (an AVX2 EPYC with int8
+    # activations): its plain steps alone get a dropped copy of the row, and answers stay those alone.
+    from specdeploy.runtime import engine as engine_mod
+
+    real = engine_mod.probe_batch
+    monkeypatch.setattr(engine_mod, "probe_batch",
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), min_batch=2))
+    with load(tiny_bundle, draft=None, max_batch=3) as eng:
+        assert eng.scheduler.min_batch == 2 and "run as two rows" in eng.batch_reason
+        rows: list[int] = []
+        step = eng.backend.step
+        eng.backend.step = lambda inputs, cache: rows.append(inputs.input_ids.shape) or step(inputs, cache)
+        alone = [eng.generate(p, max_new_tokens=24) for p in PROMPTS[:3]]
+        plain = [b for b, t in rows if t == 1]  # decode steps (a prefill runs its prompt alone, as one row)
+        assert len(plain) >= 3 * 20 and set(plain) == {2}
+        batched = concurrently(eng, PROMPTS[:3], max_new_tokens=24)
+    assert [a.token_ids for a in alone] == [b.token_ids for b in batched]
 
 
 def test_batching_refusals_are_one_sentence(tiny_bundle):
