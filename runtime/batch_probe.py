@@ -77,20 +77,19 @@ def _rows(cache: KVCache, n: int) -> KVCache:
     return KVCache([k[:n] for k in cache.keys], [v[:n] for v in cache.values], 0, cache.allocate)
 
 
-def _prefilled(backend: Backend, manifest: BundleManifest, seed: int, n: int, capacity: int) -> KVCache:
-    cache = backend.new_cache(1, capacity)
-    _step(backend, cache, _prompt(manifest, seed, n)[None], np.array([0]))
-    return cache
+def _join(backend: Backend, manifest: BundleManifest, cache: KVCache, row: int, seed: int, n: int) -> None:
+    """An ``n``-token prompt prefilled alone and copied into ``row`` of ``cache``, as the scheduler joins one."""
+    alone = backend.new_cache(1, n + 8)
+    _step(backend, alone, _prompt(manifest, seed, n)[None], np.array([0]))
+    for dst, src in zip(cache.buffers(), alone.buffers()):
+        dst[row, :, :n] = src[0, :, :n]
+    backend.forget_buffers()
 
 
 def _alone(backend: Backend, manifest: BundleManifest, tokens: np.ndarray, n: int, min_batch: int) -> list[tuple]:
-    """The probe sequence alone: prefill (its cache copied into a cache of ``min_batch`` rows), then plain steps
-    t0, t1, t2."""
-    pre = _prefilled(backend, manifest, 17, n, n + 8)
+    """The probe sequence alone: prefill (copied into a cache of ``min_batch`` rows), then plain steps t0, t1, t2."""
     cache = backend.new_cache(min_batch, n + 8)
-    for dst, src in zip(cache.buffers(), pre.buffers()):
-        dst[0] = src[0]
-    backend.forget_buffers()
+    _join(backend, manifest, cache, 0, 17, n)
     out = []
     for i, tok in enumerate(tokens[:3]):
         lg, hd = _step(backend, cache, np.array([[tok]]), np.array([n + i]), min_batch)
@@ -106,10 +105,7 @@ def _batched(backend: Backend, manifest: BundleManifest, tokens: np.ndarray, n: 
     lengths = np.array([n, *(n + d for d in _OTHERS)])
     cache = backend.new_cache(3, 2 * (n + 64))
     for r, (seed, m) in enumerate(zip((17, 5, 911), lengths)):
-        alone = _prefilled(backend, manifest, seed, int(m), int(m) + 8)
-        for dst, src in zip(cache.buffers(), alone.buffers()):
-            dst[r, :, :m] = src[0, :, :m]
-        backend.forget_buffers()
+        _join(backend, manifest, cache, r, seed, int(m))
     out = []
     for i in range(2):
         lg, hd = _step(backend, cache, np.array([[tokens[i]], [3 + i], [5 + i]]), lengths + i)

@@ -169,9 +169,7 @@ def export_base(
                 "--precision int4 or int8 instead.")
         with staged_bundle(out, force) as tmp:
             # q4_1 keeps the fp32 embedding table, which the main job's Chimera draft shares with it
-            for attention in (ATTENTION_FUSED, ATTENTION_BATCHED):
-                _write_gguf_blocks_base(step, weights, tmp, ctx + max_tree, progress, embedding=precision == GGUF,
-                                        attention=attention)
+            _write_gguf_blocks_base(step, weights, tmp, ctx + max_tree, progress, embedding=precision == GGUF)
             del weights
             gc.collect()
             entries = [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision),
@@ -187,10 +185,8 @@ def export_base(
 
                 embedding = read_gguf_embedding(loaded.path, hf)
             _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress, embedding)
-            entries.append(graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision))
-            # batching runs a form of it that takes several sequences a step (ort_graph.ATTENTION_BATCHED)
-            _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress, embedding, ATTENTION_BATCHED)
-            entries.append(graph_entry(tmp, "base", BATCH_BASE_FILE, target=BATCH_TARGET, precision=precision))
+            entries += [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision),
+                        graph_entry(tmp, "base", BATCH_BASE_FILE, target=BATCH_TARGET, precision=precision)]
             blocks = None
             if qconfig is None and gguf_blocks and loaded.format == "gguf":
                 from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
@@ -269,73 +265,64 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
         onnx.save(proto, str(path))
 
 
+# Each ort-target writer writes both forms: the fused graph, and the batching graph (the same with a sequence
+# length per row, ort_graph.ATTENTION_BATCHED), whose weights are then stored once with the fused graph's.
+GRAPH_FORMS = ((ORT_BASE_FILE, ATTENTION_FUSED), (BATCH_BASE_FILE, ATTENTION_BATCHED))
+_BATCH_LINE = "      the same graph with a sequence length per row, which batching runs"
+
+
 def _write_gguf_blocks_base(step, weights, tmp: Path, max_positions: int, progress: Progress,
-                            embedding: bool = True, attention: str = ATTENTION_FUSED) -> None:
+                            embedding: bool = True) -> None:
     """The ``q4_1`` and ``gguf`` precisions: the GGUF's own blocks with int8 activations, the embedding
-    rows decoded from its blocks, the lm_head from its blocks at 8 bits (``gguf_blocks.py``).
+    rows decoded from its blocks, the lm_head from its blocks at 8 bits (``gguf_blocks.py``)."""
+    from specdeploy.exporter.export.ort_graph import WEIGHT_BLOCKS_KEY, export_ort_graph
 
-    ``attention`` batched writes the batching graph (``BATCH_BASE_FILE``), whose weights are the fused
-    graph's, stored once."""
-    from specdeploy.exporter.export.ort_graph import export_ort_graph
-
-    if attention == ATTENTION_BATCHED:
-        progress("      the same graph with a sequence length per row, which batching runs ...")
-        export_ort_graph(step, tmp / BATCH_BASE_FILE, max_positions, blocks=weights.linears, block_accuracy=4,
-                         embedding=weights.embedding if embedding else None, lm_head=weights.lm_head,
-                         props=_blocks_props(weights, embedding), attention=attention)
-        store_once(tmp, BATCH_BASE_FILE, [ORT_BASE_FILE], progress, min_bytes=1)
-        return
     kept = ", ".join(f"{n} {kind}" for kind, n in sorted(weights.kept().items()))
     progress(f"[2/4] writing the ONNX Runtime graph from the GGUF's own blocks ({kept}; int8 activations) ...")
     if again := weights.requantized():
         progress(f"      {len(again)} tensors cannot keep their blocks and are re-quantized to 8 bits "
                  f"({', '.join(again[:4])}{' ...' if len(again) > 4 else ''})")
-    if embedding and weights.embedding is None:
+    held = weights.held
+    if not embedding:
+        held = tuple((name, "fp32" if name == "token_embd.weight" else how) for name, how in held)
+    elif weights.embedding is None:
         progress("      the embedding's blocks do not decode exactly: it stays an fp32 table")
-    export_ort_graph(step, tmp / ORT_BASE_FILE, max_positions, progress=progress, blocks=weights.linears,
-                     block_accuracy=4, embedding=weights.embedding if embedding else None, lm_head=weights.lm_head,
-                     props=_blocks_props(weights, embedding))
+    for file, attention in GRAPH_FORMS:
+        if attention == ATTENTION_BATCHED:
+            progress(_BATCH_LINE + " ...")
+        export_ort_graph(step, tmp / file, max_positions, progress=progress if attention == ATTENTION_FUSED else None,
+                         blocks=weights.linears, block_accuracy=4, embedding=weights.embedding if embedding else None,
+                         lm_head=weights.lm_head, props={WEIGHT_BLOCKS_KEY: json.dumps([list(pair) for pair in held])},
+                         attention=attention)
+    store_once(tmp, BATCH_BASE_FILE, [ORT_BASE_FILE], progress, min_bytes=1)
     progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
              "identical to plain on the machine (see runtime/plan.py)")
 
 
-def _blocks_props(weights, embedding: bool) -> dict[str, str]:
-    """The model metadata saying how each GGUF tensor is held (``GraphEntry.weight_blocks``)."""
-    from specdeploy.exporter.export.ort_graph import WEIGHT_BLOCKS_KEY
-
-    held = weights.held
-    if not embedding:
-        held = tuple((name, "fp32" if name == "token_embd.weight" else how) for name, how in held)
-    return {WEIGHT_BLOCKS_KEY: json.dumps([list(pair) for pair in held])}
-
-
-def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress, embedding=None,
-                    attention: str = ATTENTION_FUSED) -> None:
-    """The ``ort`` target: the op-by-op fused graph, weight-quantized when ``qconfig`` is given; with
-    ``attention`` batched, the batching graph (``BATCH_BASE_FILE``), its weights stored once with the fused
-    graph's."""
+def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress, embedding=None) -> None:
+    """The ``ort`` target: the op-by-op fused graph and its batching form, weight-quantized when ``qconfig`` is
+    given."""
     from specdeploy.exporter.export.ort_graph import export_ort_graph
     from specdeploy.exporter.export.quantize import quantize_file
 
-    batch = attention == ATTENTION_BATCHED
-    file = BATCH_BASE_FILE if batch else ORT_BASE_FILE
-    progress("      the same graph with a sequence length per row, which batching runs ..." if batch else
-             "[2/4] writing the ONNX Runtime graph (fused GQA, rotary and norms) ...")
-    if qconfig is None:
-        export_ort_graph(step, tmp / file, max_positions, progress=None if batch else progress, attention=attention)
-    else:
-        (tmp / "fp32").mkdir()
-        if embedding is not None and not batch:
+    progress("[2/4] writing the ONNX Runtime graph (fused GQA, rotary and norms) ...")
+    written = tmp if qconfig is None else tmp / "fp32"
+    if qconfig is not None:
+        written.mkdir()
+        if embedding is not None:
             progress(f"      the embedding keeps the GGUF's {embedding.kind} blocks (rows decoded in the graph)")
-        export_ort_graph(step, tmp / "fp32" / file, max_positions, progress=None if batch else progress,
+    for file, attention in GRAPH_FORMS:
+        if attention == ATTENTION_BATCHED:
+            progress(_BATCH_LINE + " ...")
+        export_ort_graph(step, written / file, max_positions, progress=progress if attention == ATTENTION_FUSED else None,
                          embedding=embedding, attention=attention)
-        if not batch:
-            progress(f"[2/4] quantizing MatMul weights to {qconfig.bits} bits (MatMulNBits, block "
-                     f"{qconfig.block_size}, lm_head {qconfig.lm_head_bits or 'fp32'}-bit) ...")
-        quantize_file(tmp / "fp32" / file, tmp / file, qconfig)
-        shutil.rmtree(tmp / "fp32")
-    if batch:
-        store_once(tmp, file, [ORT_BASE_FILE], progress, min_bytes=1)
-    elif qconfig is not None and qconfig.accuracy_level == 4:
+    if qconfig is not None:
+        progress(f"[2/4] quantizing MatMul weights to {qconfig.bits} bits (MatMulNBits, block "
+                 f"{qconfig.block_size}, lm_head {qconfig.lm_head_bits or 'fp32'}-bit) ...")
+        for file, _ in GRAPH_FORMS:
+            quantize_file(written / file, tmp / file, qconfig)
+        shutil.rmtree(written)
+    store_once(tmp, BATCH_BASE_FILE, [ORT_BASE_FILE], progress, min_bytes=1)
+    if qconfig is not None and qconfig.accuracy_level == 4:
         progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
                  "identical to plain on the machine (see runtime/plan.py)")

@@ -80,7 +80,7 @@ def main() -> None:
         tokens = sum(r.usage.completion_tokens for r in out.values())
         same = sum(out[k].choices[0].message.content == alone[k] for k in range(len(prompts)))
         rates[mb] = tokens / wall
-        ratio = "" if not rates or mb == next(iter(rates)) else f", {rates[mb] / next(iter(rates.values())):.2f}x the first"
+        ratio = f", {rates[mb] / next(iter(rates.values())):.2f}x the first" if i else ""
         print(f"--max-batch {mb}: {len(prompts)} OpenAI clients, {tokens} tokens in {wall:.2f} s = {rates[mb]:.1f} "
               f"tok/s{ratio}; identical to alone {same}/{len(prompts)}", flush=True)
 
