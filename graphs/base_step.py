@@ -89,10 +89,11 @@ class BaseStep(nn.Module):
     """Stateless decoder step over a Llama-family causal LM (weights are shared, not copied).
 
     ``BaseStep(model)`` wraps a Hugging Face model (what export traces); ``BaseStep.from_parts`` builds
-    one from plain tensors, with no transformers (``graphs/native_step.py``). Two options serve the
+    one from plain tensors, with no transformers (``graphs/native_step.py``). Three options serve the
     torch backend and are off for export: ``inplace_kv`` writes the new K/V rows into the ``past``
-    buffers themselves (no out-of-place copy of the cache per layer), and ``sdpa`` runs attention with
-    ``scaled_dot_product_attention`` (fused kernels on a GPU) instead of explicit matmuls and softmax.
+    buffers themselves (no out-of-place copy of the cache per layer), ``sdpa`` runs attention with
+    ``scaled_dot_product_attention`` (fused kernels on a GPU) instead of explicit matmuls and softmax, and
+    ``gathered`` runs :func:`gathered_attention` (each row over its keys in plain-step order: exact trees).
     """
 
     def __init__(self, model: nn.Module, feature_layers: tuple[int, ...] = ()):
@@ -126,6 +127,7 @@ class BaseStep(nn.Module):
         self.scale = self.head_dim**-0.5
         self.inplace_kv = False
         self.sdpa = False
+        self.gathered = False
 
     def forward(
         self,
@@ -161,7 +163,9 @@ class BaseStep(nn.Module):
             else:  # out of place: what exports to a ScatterND whose output ONNX Runtime aliases to past
                 k_all, v_all = past[2 * i].scatter(2, widx, k), past[2 * i + 1].scatter(2, widx, v)
             presents += [k_all, v_all]
-            if self.sdpa:
+            if self.gathered:
+                ctx = gathered_attention(q, k_all, v_all, attention_mask, self.scale)  # [B, T, Hq*D]
+            elif self.sdpa:
                 ctx = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attention_mask, scale=self.scale,
                                                      enable_gqa=group > 1)  # [B, Hq, T, D]
             else:
@@ -171,7 +175,8 @@ class BaseStep(nn.Module):
                 scores = scores.view(bsz, hq, t, -1) + attention_mask  # [B, Hq, T, C]
                 probs = torch.softmax(scores, dim=-1).view(bsz, hkv, group * t, -1)
                 ctx = torch.matmul(probs, v_all).view(bsz, hq, t, d)  # [B, Hq, T, D]
-            ctx = ctx.transpose(1, 2).reshape(bsz, t, hq * d)
+            if not self.gathered:
+                ctx = ctx.transpose(1, 2).reshape(bsz, t, hq * d)
             x = x + blk.o_proj(ctx)
             gate, up = blk.gate_up(rms_norm(x, blk.post_norm_weight, blk.post_norm_eps)).chunk(2, dim=-1)
             x = x + blk.down_proj(blk.act(gate) * up)
@@ -182,6 +187,33 @@ class BaseStep(nn.Module):
         if taps:
             return (logits, hidden, torch.cat(taps, dim=-1), *presents)
         return (logits, hidden, *presents)
+
+
+def gathered_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Attention in which every row reads its slots in the order a plain step reads them: its visible slots
+    ascending (the past, then its ancestors by depth, then itself: the runtime lists tree nodes parents first),
+    then the slots it does not see. A tree node's masked siblings then never shift its ancestors' terms within
+    the softmax's sum or the probabilities x values sum, so its row is computed as the plain step of its token
+    computes it (the ``ort`` form is ``exporter/export/ort_gathered.py``; the step plan's probe checks both).
+
+    ``q`` ``[B, Hq, T, D]`` (rotated), ``keys``/``values`` ``[B, Hkv, C, D]`` (the step's rows written),
+    ``mask`` ``[B, 1, T, C]`` additive (0 where visible). Returns the context ``[B, T, Hq * D]``. Each row
+    multiplies its own copy of the values in its order (a ``G x C`` by ``C x D`` product per row)."""
+    bsz, hq, t, d = q.shape
+    hkv, cap = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    slots = torch.arange(cap, device=q.device)
+    order = torch.argsort(slots + (mask[:, 0] < 0).to(slots.dtype) * cap, dim=-1)  # [B, T, C]
+    qg = q.view(bsz, hkv, group, t, d).transpose(2, 3).reshape(bsz, hkv, t * group, d)  # row t*G + g
+    scores = (torch.matmul(qg, keys.transpose(2, 3)) * scale).view(bsz, hkv, t, group, cap)
+    scores = torch.gather(scores, -1, order[:, None, :, None, :].expand(bsz, hkv, t, group, cap))
+    scores = scores + torch.gather(mask[:, 0], -1, order)[:, None, :, None, :]
+    probs = torch.softmax(scores, dim=-1)  # [B, Hkv, T, G, C]
+    rows = torch.gather(values[:, :, None].expand(bsz, hkv, t, cap, d), 3,
+                        order[:, None, :, :, None].expand(bsz, hkv, t, cap, d))  # [B, Hkv, T, C, D]
+    ctx = torch.matmul(probs, rows)  # [B, Hkv, T, G, D]
+    return ctx.permute(0, 2, 1, 3, 4).reshape(bsz, t, hq * d)
 
 
 def example_inputs(step: BaseStep, batch: int = 2, t: int = 3, capacity: int = 8) -> tuple[torch.Tensor, ...]:

@@ -21,6 +21,7 @@ from .precision import GGUF_Q4_1_BLOCKS
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BATCH_TARGET = "ort-batch"  # the target of the base graph batching runs, beside an "ort" graph (GraphEntry.target)
+TREE_TARGET = "ort-tree"  # the target of the base graph whose rows attend in plain-step order (exact trees)
 _HASH_CHUNK = 1 << 22
 
 
@@ -193,6 +194,11 @@ class BundleManifest:
         """The base graph batching runs (target ``BATCH_TARGET``: each row its own sequence length), or None
         where the bundle has none (written before batching had one)."""
         return self.find_graph("base", BATCH_TARGET)
+
+    def tree_graph(self) -> GraphEntry | None:
+        """The base graph of exact trees (target ``TREE_TARGET``: each row's keys gathered in plain-step order),
+        or None where the bundle has none (written before it had one)."""
+        return self.find_graph("base", TREE_TARGET)
 
     def base_graph(self, prefer: str) -> GraphEntry:
         """The base graph of target ``prefer`` when the bundle has one, else its other base graph.

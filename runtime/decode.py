@@ -123,6 +123,7 @@ class Decoder:
         # plain run compute every emitted token's row the same way.
         self.plan = plan
         backend.use_split(self.plan.split)
+        backend.use_gathered(self.plan.candidate.gathered)
         self.drafter = drafter if self.plan.speculate else None
         limit = manifest.limits.max_tree
         self.max_tree = min(max_tree or limit, limit, self.plan.max_rows)

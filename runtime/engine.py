@@ -83,7 +83,7 @@ class Engine:
     def __init__(self, bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO,
                  threads: int | None = None, tree: str | None = None, max_tree: int | None = None,
                  allow_inexact: bool = False, progress: Callable[[str], None] | None = None, max_batch: int = 1,
-                 suffix_cache_tokens: int | None = None):
+                 suffix_cache_tokens: int | None = None, step_plan: str | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise SpecDeployError(f"max_batch must be a whole number of at least 1; got {max_batch!r}.")
         self.bundle_dir = Path(bundle)
@@ -100,7 +100,7 @@ class Engine:
         # The step plan, measured on this machine (cached per CPU, ONNX Runtime version and bundle): plain
         # and speculative decoding both follow it, whether or not this engine drafts.
         self.plan: StepPlan = resolve_plan(self.backend, self.manifest, allow_inexact=allow_inexact,
-                                           progress=progress)
+                                           progress=progress, step_plan=step_plan)
         self.draft_name = draft or "none"
         if self.draft_name == AUTO and not self.plan.speculate:
             self.draft_name = "none"  # the default declines quietly: engine.plan says why
@@ -290,7 +290,7 @@ class Engine:
 def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO, threads: int | None = None,
          tree: str | None = None, max_tree: int | None = None, allow_inexact: bool = False,
          progress: Callable[[str], None] | None = None, max_batch: int = 1,
-         suffix_cache_tokens: int | None = None) -> Engine:
+         suffix_cache_tokens: int | None = None, step_plan: str | None = None) -> Engine:
     """Open a bundle for decoding. ``draft``: "auto" (the default), None or "none" (plain), "prompt-lookup",
     "ngram", "suffix", a draft kind stored in the bundle, or "hybrid[:KIND]".
 
@@ -312,7 +312,11 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO,
     ``draft="suffix"`` drafts from the prompt and from earlier generations' outputs, kept in a cache that
     every generation of this engine shares: ``suffix_cache_tokens`` bounds it (default 16,384; 0 turns it
     off), and ``stream(..., cache_namespace=...)`` keeps groups of requests apart.
+
+    ``step_plan`` takes a named step plan instead of the probe's choice (e.g. "gathered", whose trees are
+    exact by construction, where the probe would keep a faster chains-only plan); it is probed all the same
+    and refused (:class:`StepPlanError`) where it is not exact, unless ``allow_inexact``.
     """
     return Engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree, max_tree=max_tree,
                   allow_inexact=allow_inexact, progress=progress, max_batch=max_batch,
-                  suffix_cache_tokens=suffix_cache_tokens)
+                  suffix_cache_tokens=suffix_cache_tokens, step_plan=step_plan)

@@ -52,5 +52,9 @@ class TrainingError(SpecDeployError):
     """A training run cannot start or resume (missing data, corrupt checkpoint...)."""
 
 
+class StepPlanError(SpecDeployError):
+    """A step plan was asked for that this backend has not, or that is not exact on this machine."""
+
+
 class ExactnessWarning(UserWarning):
     """Speculation was asked for, but no step plan is bitwise exact here: the engine decodes plainly."""

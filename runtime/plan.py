@@ -49,20 +49,23 @@ if TYPE_CHECKING:
     from .backends.base import Backend
     from .bundle import BundleManifest
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 PROBE_DEPTH = 16  # longest chain the probe checks, so the longest step an exact plan runs
 PROBE_PROMPT = 12  # tokens of context before the probed steps
 PROBE_LONG = 200  # the second context the chains are checked at (a later capacity bucket)
 PADDED_MAX_COST = 1.5  # the padded plan's plain step against the fastest candidate's, at most
+GATHERED_MAX_COST = 1.15  # an exact-tree plan's plain step against the chain plan's, at most
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A way to run steps: ``split`` routes 1-row steps to the backend's 1-row graph; ``min_rows`` pads."""
+    """A way to run steps: ``split`` routes 1-row steps to the backend's 1-row graph; ``min_rows`` pads;
+    ``gathered`` runs every step in the backend's gathered form (each row's keys in plain-step order)."""
 
     name: str
     split: bool
     min_rows: int
+    gathered: bool = False
 
     @property
     def padded(self) -> bool:
@@ -74,7 +77,7 @@ class Candidate:
 class ProbeCheck:
     """One bitwise comparison: the largest |difference| over logits, hidden states and K/V rows."""
 
-    what: str  # "chain T=3", "tree"
+    what: str  # "chain T=3", "tree", "tree @200"
     max_abs: float
 
     @property
@@ -91,7 +94,7 @@ class ProbeResult:
 
     @property
     def chains_exact(self) -> bool:
-        return all(c.passed for c in self.checks if c.what != "tree")
+        return all(c.passed for c in self.checks if not c.what.startswith("tree"))
 
     @property
     def trees_exact(self) -> bool:
@@ -128,30 +131,44 @@ class StepPlan:
 
 
 def candidates(backend: Backend, depth: int = PROBE_DEPTH) -> list[Candidate]:
-    """The plans this backend can run, fastest plain step first; ``depth`` rows for the padded one."""
+    """The plans this backend can run, fastest plain step first; ``depth`` rows for the padded ones; the
+    gathered plans (exact trees) last, where the backend has the gathered form."""
     out = [Candidate("split", True, 1)] if backend.can_split else []
     out += [Candidate("one-graph", False, 1), Candidate("two-rows", False, 2)]
-    return out + ([Candidate(f"padded-{depth}", False, depth)] if depth > 2 else [])
+    out += [Candidate(f"padded-{depth}", False, depth)] if depth > 2 else []
+    if backend.can_gather:
+        out += [Candidate("gathered", False, 1, True), Candidate("gathered-two-rows", False, 2, True)]
+        out += [Candidate(f"gathered-padded-{depth}", False, depth, True)] if depth > 2 else []
+    return out
 
 
 # --- choosing and the verdict cache --------------------------------------------------------------
 def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) -> StepPlan:
-    """The plan the probe results allow (the first exact candidate, in the order probed)."""
+    """The plan the probe results allow: the first exact candidate in the order probed, except that a gathered
+    candidate whose trees are exact comes first where the chosen one's trees differ and its plain step costs at
+    most :data:`GATHERED_MAX_COST` times that one's (every plain step pays for the gathering)."""
     fastest_ms = min(r.plain_ms for r in results)
     too_slow = [r for r in results if r.chains_exact and r.candidate.padded
                 and r.plain_ms > PADDED_MAX_COST * fastest_ms]
     failed = [r for r in results if not r.chains_exact]
+    usable = [r for r in results if r.chains_exact and r not in too_slow]
+    first = next((r for r in usable if not r.candidate.gathered), None)
+    trees = next((r for r in usable if r.candidate.gathered and r.trees_exact), None)
+    if trees is not None and trees.plain_ms > GATHERED_MAX_COST * (fastest_ms if first is None else first.plain_ms):
+        too_slow.append(trees)
+        usable.remove(trees)
+        trees = None
     why_not = "; ".join([f"'{r.candidate.name}' differs by {r.worst().max_abs:.2g} at {r.worst().what}"
                          for r in failed] + [f"'{r.candidate.name}' is exact but its plain step costs "
                                              f"{r.plain_ms / fastest_ms:.1f}x the fastest" for r in too_slow])
-    for res in results:
-        if res.chains_exact and res not in too_slow:
-            shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
-            skipped = f" ({why_not})" if why_not else ""
-            when = "when first probed" if res.cached else "now"
-            reason = (f"exact speculation: step plan '{res.candidate.name}' ({res.plain_ms:.1f} ms per plain step "
-                      f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
-            return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, tuple(results))
+    pick = first if first is not None and (first.trees_exact or trees is None) else trees or next(iter(usable), None)
+    if pick is not None:
+        shape = "trees" if pick.trees_exact else "chains (a tree's rows differ)"
+        skipped = f" ({why_not})" if why_not else ""
+        when = "when first probed" if pick.cached else "now"
+        reason = (f"exact speculation: step plan '{pick.candidate.name}' ({pick.plain_ms:.1f} ms per plain step "
+                  f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
+        return StepPlan(pick.candidate, True, True, pick.trees_exact, depth, reason, tuple(results))
     fastest = results[0]
     if allow_inexact:
         reason = (f"LOSSY speculation (--allow-inexact): no step plan is exact on this machine ({why_not}); "
@@ -161,6 +178,26 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
     reason = (f"plain decoding only: no step plan gives speculative rows bitwise equal to plain rows {cost}on this "
               f"machine ({why_not}); pass --allow-inexact to speculate anyway, labelled lossy.")
     return StepPlan(fastest.candidate, False, False, False, 1, reason, tuple(results))
+
+
+def asked_for(res: ProbeResult, depth: int, allow_inexact: bool = False) -> StepPlan:
+    """The plan a caller named (``step_plan``), where the probe finds it exact; with ``allow_inexact`` it
+    speculates there anyway, labelled lossy; else :class:`StepPlanError`."""
+    from .errors import StepPlanError
+
+    name, worst = res.candidate.name, res.worst()
+    if res.chains_exact:
+        shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
+        reason = (f"exact speculation: step plan '{name}' as asked ({res.plain_ms:.1f} ms per plain step), {shape}, "
+                  f"probed bit for bit on this machine.")
+        return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, (res,))
+    if allow_inexact:
+        reason = (f"LOSSY speculation (--allow-inexact): step plan '{name}' as asked differs by {worst.max_abs:.2g} "
+                  f"at {worst.what} on this machine; greedy output may differ from plain decoding.")
+        return StepPlan(res.candidate, True, False, True, 1 << 30, reason, (res,))
+    raise StepPlanError(f"The '{name}' step plan is not exact on this machine (a speculative row differs from the "
+                        f"plain row by {worst.max_abs:.2g} at {worst.what}); leave the plan to the probe, or pass "
+                        f"--allow-inexact to speculate on it labelled lossy.")
 
 
 def cache_dir() -> Path:
@@ -235,7 +272,7 @@ def machine_id() -> str:
 
 
 def verdict_key(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: int) -> str:
-    graphs = ",".join(g.sha for g in backend.graphs(cand.split))
+    graphs = ",".join(g.sha for g in backend.graphs(cand.split, cand.gathered))
     parts = (f"v{PROBE_VERSION}", machine_id(), backend.runtime_version(), backend.name, f"threads={backend.threads}",
              graphs, f"{cand.name}/{cand.min_rows}", f"depth={depth}")
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
@@ -281,5 +318,5 @@ def store_verdict(key: str, res: ProbeResult) -> None:
         pass
 
 
-__all__ = ["Candidate", "ProbeCheck", "ProbeResult", "StepPlan", "cache_dir", "cached_verdict", "candidates",
+__all__ = ["Candidate", "ProbeCheck", "ProbeResult", "StepPlan", "asked_for", "cache_dir", "cached_verdict", "candidates",
            "choose", "cpu_isa", "machine_id", "process_features", "store_verdict", "verdict_key"]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .decode import Decoder
+from .errors import StepPlanError
 from .plan import (
     PROBE_DEPTH,
     PROBE_LONG,
@@ -21,6 +22,7 @@ from .plan import (
     ProbeCheck,
     ProbeResult,
     StepPlan,
+    asked_for,
     cached_verdict,
     candidates,
     choose,
@@ -42,27 +44,30 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
     (teacher-forced, the way plain decoding would emit them); from the same context, a chain step of
     each length T must give every row's logits, hidden state and K/V exactly as the plain steps did.
     The chains are checked at two contexts, :data:`PROBE_PROMPT` tokens and :data:`PROBE_LONG` (where
-    the bundle's context allows), since kernels may switch with the key length. The tree
-    ``[t_0, z, t_1, t_2]`` (``z`` a sibling of ``t_1``; at the short context) puts ``t_1`` and ``t_2``
-    at cache slots whose ancestors are not adjacent, as a branching draft does.
+    the bundle's context allows), since kernels may switch with the key length. The tree (at both contexts)
+    is the path ``t_0 -> t_1 -> .. -> t_m`` with a sibling ``z`` inserted before each path node
+    (``[t_0, z, t_1, z, t_2, ..]``, ``2m + 1 <= depth`` nodes), so that every path node's ancestors lie at
+    cache slots that are not adjacent, as a branching draft's do.
     """
     dec = Decoder(backend, manifest, None, plan=_probe_plan(cand, depth))
     v = manifest.model.vocab_size
     tokens = [(101 + 104729 * i) % v for i in range(depth + 1)]
     contexts = [PROBE_PROMPT] + ([PROBE_LONG] if PROBE_LONG + depth + 2 <= manifest.limits.max_context else [])
     backend.use_split(cand.split)
+    backend.use_gathered(cand.gathered)
     times: list[float] = []
     checks: list[ProbeCheck] = []
     try:
         for n_ctx in contexts:
             prompt = [(17 + 7919 * i) % v for i in range(n_ctx)]
             tag = "" if n_ctx == PROBE_PROMPT else f" @{n_ctx}"
-            ok = _chains_and_tree(dec, prompt, tokens, depth, tag, times, checks, tree=n_ctx == PROBE_PROMPT)
+            ok = _chains_and_tree(dec, prompt, tokens, depth, tag, times, checks, tree=True)
             if not ok:
                 break
         return ProbeResult(cand, tuple(checks), 1000 * float(np.median(times)))
     finally:
         backend.use_split(True)
+        backend.use_gathered(False)
 
 
 def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: int, tag: str, times: list[float],
@@ -106,8 +111,15 @@ def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: 
         if checks[-1].max_abs:
             return False
     if tree and depth >= 3:
-        nodes = DraftTree(np.asarray([tokens[0], tokens[depth], tokens[1], tokens[2]]), np.array([-1, 0, 0, 2]))
-        checks.append(ProbeCheck("tree", gap([0, 2, 3], *run(nodes, p))))  # the path t_0 -> t_1 -> t_2
+        # the path t_0 -> t_1 -> ... -> t_m with a sibling before each of its nodes, so that every path node's
+        # ancestors are interleaved with nodes it must not see
+        toks, parents, path = [tokens[0]], [-1], [0]
+        for j in range(1, (depth - 1) // 2 + 1):
+            toks += [tokens[depth], tokens[j]]
+            parents += [path[-1], path[-1]]
+            path.append(len(toks) - 1)
+        nodes = DraftTree(np.asarray(toks), np.asarray(parents))
+        checks.append(ProbeCheck("tree" + tag, gap(path, *run(nodes, p))))
     return True
 
 
@@ -135,15 +147,18 @@ def _probe_plan(cand: Candidate, depth: int) -> StepPlan:
 
 
 def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool = False, use_cache: bool = True,
-                 progress: Callable[[str], None] | None = None) -> StepPlan:
+                 progress: Callable[[str], None] | None = None, step_plan: str | None = None) -> StepPlan:
     """Probe the candidates in order (cached per machine) and return the fastest exact plan.
 
     No exact candidate: plain decoding with the fastest candidate, or with ``allow_inexact`` speculation
     there, labelled lossy. The probe depth is the bundle's tree limit, at most :data:`PROBE_DEPTH`.
+    ``step_plan`` names a candidate to take instead (:func:`~.plan.asked_for`: probed like the others, and
+    refused where it is not exact, unless ``allow_inexact``).
     """
     depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
     results: list[ProbeResult] = []
-    for cand in candidates(backend, depth):
+
+    def verdict(cand: Candidate) -> ProbeResult:
         key = verdict_key(backend, manifest, cand, depth)
         res = cached_verdict(key) if use_cache else None
         if res is None:
@@ -153,6 +168,20 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
             if use_cache:
                 store_verdict(key, res)
         results.append(res)
-        if res.chains_exact:
+        return res
+
+    cands = candidates(backend, depth)
+    if step_plan is not None:
+        named = next((c for c in cands if c.name == step_plan), None)
+        if named is None:
+            raise StepPlanError(f"The {backend.name} backend has no '{step_plan}' step plan for this bundle; it has "
+                                f"{', '.join(c.name for c in cands)}.")
+        return asked_for(verdict(named), depth, allow_inexact)
+    for cand in (c for c in cands if not c.gathered):
+        if verdict(cand).chains_exact:
             break
+    if not any(r.trees_exact for r in results):  # the gathered plans: trees exact by construction
+        for cand in (c for c in cands if c.gathered):
+            if verdict(cand).trees_exact:
+                break
     return choose(results, depth, allow_inexact)

@@ -10,15 +10,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 PRECISION="${PRECISION:-q4_1}"
 if [ "$PRECISION" = fp32 ]; then BUNDLE="${BUNDLE:-bundles/smollm2}"; else BUNDLE="${BUNDLE:-bundles/smollm2-$PRECISION}"; fi
 PROMPT="${PROMPT:-Explain in three sentences why the sky is blue.}"
-current() {  # the bundle exists and has every base graph this specdeploy writes (the batching one included)
+current() {  # the bundle exists and has every base graph this specdeploy writes (batching and exact trees included)
   [ -f "$BUNDLE/manifest.json" ] && python -c "import sys
 from specdeploy.runtime.bundle import read_manifest
-sys.exit(read_manifest(sys.argv[1], verify=False).batch_graph() is None)" "$BUNDLE" 2>/dev/null
+m = read_manifest(sys.argv[1], verify=False)
+sys.exit(m.batch_graph() is None or m.tree_graph() is None)" "$BUNDLE" 2>/dev/null
 }
 if current; then
   echo "[main] bundle $BUNDLE exists; reusing it (delete it or run 'specdeploy export base --force' to redo)" >&2
 else
-  [ -f "$BUNDLE/manifest.json" ] && echo "[main] bundle $BUNDLE has no batching graph (an older export); exporting it again" >&2
+  [ -f "$BUNDLE/manifest.json" ] && echo "[main] bundle $BUNDLE lacks a base graph this version writes (an older export); exporting it again" >&2
   # the shipped Chimera reads base layers 1, 14 and 26 (EAGLE-3 fusion): the bundle outputs them
   specdeploy export base --precision "$PRECISION" --feature-layers eagle3 --out "$BUNDLE" --force
 fi

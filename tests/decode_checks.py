@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+from specdeploy.runtime.drafters.base import DraftContext, Drafter
+from specdeploy.runtime.tree import DraftTree
 
 
 def concurrently(eng, prompts, messages_list=None, **kw):
@@ -49,3 +52,36 @@ def suffix_identity(bundle, prompts: list[str], tokens: int) -> list[DecodeStats
         if spec.plan.speculate:
             assert spec.decoder.drafter.cache.tokens > 0  # the outputs went into the shared cache
         return out
+
+
+class OracleDrafter(Drafter):
+    """Random trees in which one random root path carries the true continuation for a random length.
+
+    Accepted paths therefore run through arbitrary (non-first) branches, which exercises the KV
+    commit: a wrong row move changes every later token.
+    """
+
+    kind = "oracle"
+
+    def __init__(self, prompt_len: int, reference: list[int], max_nodes: int = 12, seed: int = 0, vocab: int = 49152):
+        self.prompt_len, self.reference = prompt_len, reference
+        self.max_nodes, self.rng, self.vocab = max_nodes, np.random.default_rng(seed), vocab
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        n = int(self.rng.integers(1, min(self.max_nodes, ctx.max_nodes) + 1))
+        parents = np.array([-1] + [int(self.rng.integers(0, i)) for i in range(1, n)], dtype=np.int64)
+        tokens = self.rng.integers(0, self.vocab, n).astype(np.int64)
+        tokens[0] = ctx.tokens[-1]
+        # Pick a random leaf-ward path and write the truth along it, for a random prefix of it.
+        done = len(ctx.tokens) - self.prompt_len  # tokens of the reference already emitted
+        leaf = int(self.rng.integers(0, n))
+        path = []
+        while leaf > 0:
+            path.append(leaf)
+            leaf = int(parents[leaf])
+        path.reverse()
+        good = int(self.rng.integers(0, len(path) + 1))
+        for depth, node in enumerate(path[:good]):
+            if done + depth < len(self.reference):
+                tokens[node] = self.reference[done + depth]
+        return DraftTree(tokens=tokens, parents=parents)

@@ -147,8 +147,11 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
     note = None
     lossy = any(r.lossy for r in runs)
     if same < len(per):
+        asked = dict(spec.options).get("step_plan")
         why = ("another runtime or precision, whose kernels can flip near-tied argmaxes" if spec.runner != "ours"
                else "LOSSY: inexact speculation was allowed" if lossy
+               else f"step plan '{asked}', another graph's arithmetic than ar's: its own plain decoding is its "
+                    f"reference" if asked
                else "greedy speculative decoding must match it exactly, so this is a bug")
         note = f"differs from ar on {len(per) - same}/{len(per)} prompts ({why})"
     if any(r.refused for r in runs):
@@ -254,6 +257,9 @@ def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dic
         entry["own_plain"] = spec.plain if own else None
         entry["identical_to_own_plain"] = (sum(r.tokens == o.tokens for r, o in zip(results[spec.name], own))
                                            if own else None)
+        if own and spec.runner == "ours" and not entry["lossy"] and entry["identical_to_own_plain"] < len(own):
+            entry["note"] = (f"differs from {spec.plain} on {len(own) - entry['identical_to_own_plain']}/{len(own)} "
+                             f"prompts (greedy speculative decoding must match it exactly, so this is a bug)")
         variants.append(entry)
     ar_tps = next((v["tokens_per_s"] for v in variants if v["name"] == BASELINE and not v["skipped"]), None)
     for v in variants:

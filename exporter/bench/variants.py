@@ -36,6 +36,7 @@ from specdeploy.runtime.drafters.kinds import (
 )
 
 _HF = ("torch", "transformers")
+_GATHERED_AR = "ar-gathered"
 _HF_INSTALL = "pip install torch transformers"
 
 
@@ -65,6 +66,14 @@ OWN_VARIANTS = (
     _ours(CERBERUS, "Cerberus heads with gate"),
     _ours(CERBERUS_NOGATE, "Cerberus heads, gate off (always draft)"),
     _ours(MEDUSA, "Medusa heads"),
+    # The exact-tree step plan (--step-plan gathered: each row's keys in plain-step order), whatever the probe would
+    # choose: its plain decoding is the reference of its drafts (same as own plain), ar stays the speed baseline.
+    _ours(None, "plain autoregressive on the exact-tree step plan ('gathered')", name=_GATHERED_AR,
+          options=(("step_plan", "gathered"),)),
+    *(_ours(draft, f"{what} on the exact-tree step plan ('gathered'), trees verified as trees",
+            name=f"{bench_variant(draft)}-gathered", options=(("step_plan", "gathered"),), plain=_GATHERED_AR)
+      for draft, what in ((PROMPT_LOOKUP, "prompt-lookup tree drafts"), (CHIMERA, "Chimera draft"),
+                          (MEDUSA, "Medusa heads"), (CERBERUS_NOGATE, "Cerberus heads, gate off"))),
     VariantSpec("hf", "hf", "transformers generate, greedy, fp32 torch", requires=_HF, install=_HF_INSTALL),
     VariantSpec("hf-prompt-lookup", "hf", "transformers assisted generation, prompt_lookup_num_tokens=10",
                 options=(("prompt_lookup_num_tokens", 10),), requires=_HF, install=_HF_INSTALL),
@@ -84,7 +93,8 @@ class OursRunner(Runner):
         with warnings.catch_warnings():  # a refused draft is reported in the results (``refused``)
             warnings.simplefilter("ignore", ExactnessWarning)
             self.engine = load(self.bundle, backend=options.get("backend", "ort-cpu"), draft=self.spec.draft,
-                               threads=self.threads, tree=tree, allow_inexact=options.get("allow_inexact", False))
+                               threads=self.threads, tree=tree, allow_inexact=options.get("allow_inexact", False),
+                               step_plan=options.get("step_plan"))
 
     def _profile(self) -> dict:
         drafter = self.engine.decoder.drafter

@@ -229,9 +229,9 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     for r in results:
         worst = r.worst()
         chains = "exact" if r.chains_exact else f"DIFFER ({worst.max_abs:.2g} at {worst.what})"
-        tree = next((c for c in r.checks if c.what == "tree"), None)
+        tree = max((c for c in r.checks if c.what.startswith("tree")), key=lambda c: c.max_abs, default=None)
         trees = "not probed" if tree is None else "exact" if r.trees_exact else f"differ ({tree.max_abs:.2g})"
-        progress(f"  plan {r.candidate.name:<10} chains {chains}; trees {trees}; {r.plain_ms:.1f} ms per plain step"
+        progress(f"  plan {r.candidate.name:<18} chains {chains}; trees {trees}; {r.plain_ms:.1f} ms per plain step"
                  + ("" if r.chains_exact else "  -> speculative greedy decoding refused on this plan"))
     plan = choose(results, depth)
     progress(f"  runtime: {plan.reason}")

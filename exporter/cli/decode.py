@@ -31,7 +31,7 @@ DEFAULT_SERVE_BATCH = 32  # measured: docs/benchmarks.md, "Serving many users"
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: str, tree: str | None,
              temperature: float, top_p: float, top_k: int, seed: int | None, typical: bool, stop: tuple[str, ...],
-             backend: str, threads: int | None, allow_inexact: bool) -> None:
+             backend: str, threads: int | None, allow_inexact: bool, step_plan: str | None) -> None:
     """Stream a completion and finish with tokens/s.
 
     \b
@@ -39,7 +39,7 @@ def generate(bundle: Path, prompt: str, chat: bool, max_new_tokens: int, draft: 
       specdeploy generate bundles/smollm2 --chat --prompt "Name three prime numbers." --draft prompt-lookup
     """
     with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
-                     allow_inexact=allow_inexact) as engine:
+                     allow_inexact=allow_inexact, step_plan=step_plan) as engine:
         stream = engine.stream(prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature,
                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, typical=typical)
         for delta in stream:
@@ -105,9 +105,11 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
 
     Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
     and identity columns), auto, suffix, prompt-lookup, ngram, chimera, hybrid, cerberus, medusa (drafts or
-    tables stored in the bundle), hf (transformers generate, greedy fp32) and hf-prompt-lookup; the peers
-    llama.cpp, llama.cpp-lookup, ort-genai-int4, ort-genai-int4-ngram, ort-genai-fp32, ort-genai-fp32-ngram
-    (a peer's speculative variant brings its plain one, and says on how many prompts it kept that output).
+    tables stored in the bundle), hf (transformers generate, greedy fp32) and hf-prompt-lookup; on the
+    exact-tree step plan (--step-plan gathered) ar-gathered, prompt-lookup-gathered, chimera-gathered,
+    medusa-gathered and cerberus-nogate-gathered; the peers llama.cpp, llama.cpp-lookup, ort-genai-int4,
+    ort-genai-int4-ngram, ort-genai-fp32, ort-genai-fp32-ngram (a speculative variant of another plain
+    decoding brings that one, and says on how many prompts it kept its output).
     Every variant's quality class (top-1 agreement and perplexity against fp32, teacher-forced on held-in
     text) is measured after the timing. A variant whose package or draft is missing is skipped with a note.
     Prompts are rendered with the chat template; all variants decode the same token ids greedily, and each
@@ -172,7 +174,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
                    "a local Ray that stops with this command.")
 def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, backend: str, threads: int | None,
           api_key: str | None, model_name: str | None, max_prompt_tokens: int | None, max_tokens_limit: int | None,
-          max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool,
+          max_body_bytes: int, max_queue: int, shutdown_timeout: float, allow_inexact: bool, step_plan: str | None,
           suffix_cache_tokens: int | None, cache_per_user: bool, max_batch: int | None, use_ray: bool, replicas: int | None, max_replicas: int | None,
           target_ongoing: int | None,
           cpus_per_replica: int | None, ray_address: str | None) -> None:
@@ -214,12 +216,13 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
                           cache_per_user=cache_per_user)
     if use_ray:
         _serve_ray(bundle, config, {"backend": backend, "draft": draft, "threads": threads, "tree": tree,
-                                    "allow_inexact": allow_inexact, "max_batch": max_batch,
+                                    "allow_inexact": allow_inexact, "step_plan": step_plan, "max_batch": max_batch,
                                     "suffix_cache_tokens": suffix_cache_tokens},
                    replicas, max_replicas, target_ongoing, cpus_per_replica, ray_address)
         return
     with load_engine(bundle, backend=backend, draft=draft, threads=threads, tree=tree,
-                     allow_inexact=allow_inexact, max_batch=max_batch, suffix_cache_tokens=suffix_cache_tokens) as engine:
+                     allow_inexact=allow_inexact, step_plan=step_plan, max_batch=max_batch,
+                     suffix_cache_tokens=suffix_cache_tokens) as engine:
         run_server(engine, config)
 
 

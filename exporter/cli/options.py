@@ -79,7 +79,8 @@ class DraftName(click.ParamType):
 
 
 def decode_options(command):
-    """The options ``generate`` and ``serve`` share: the draft, its tree, the backend, threads, --allow-inexact."""
+    """The options ``generate`` and ``serve`` share: the draft, its tree, the backend, threads, --allow-inexact,
+    --step-plan."""
     options = [
         click.option("--draft", default=AUTO, show_default=True, type=DraftName(),
                      help="auto (per step: lookup/n-grams, suffix cache, the bundle's trained draft or a plain step, "
@@ -93,6 +94,9 @@ def decode_options(command):
         click.option("--allow-inexact", is_flag=True,
                      help="LOSSY: speculate even where no step plan is bitwise exact on this machine "
                           "(output labelled lossy)."),
+        click.option("--step-plan", default=None,
+                     help="Take this step plan instead of the probe's choice, e.g. 'gathered' (trees exact by "
+                          "construction); still probed, and refused where it is not exact (see validate)."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specdeploy.exporter.export.ort_graph import ATTENTION_BATCHED, ATTENTION_FUSED
+from specdeploy.exporter.export.ort_graph import ATTENTION_BATCHED, ATTENTION_FUSED, ATTENTION_GATHERED
 from specdeploy.exporter.export.shared_data import store_once
 from specdeploy.exporter.export.staging import (
     export_graph,
@@ -27,6 +27,7 @@ from specdeploy.runtime import contract
 from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.bundle import (
     BATCH_TARGET,
+    TREE_TARGET,
     BundleManifest,
     Limits,
     ModelConfig,
@@ -172,8 +173,8 @@ def export_base(
             _write_gguf_blocks_base(step, weights, tmp, ctx + max_tree, progress, embedding=precision == GGUF)
             del weights
             gc.collect()
-            entries = [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision),
-                       graph_entry(tmp, "base", BATCH_BASE_FILE, target=BATCH_TARGET, precision=precision)]
+            entries = [graph_entry(tmp, "base", file, target=FORM_TARGETS[form], precision=precision)
+                       for file, form in GRAPH_FORMS]
             return _finish_bundle(tmp, entries, loaded, mcfg, ctx, max_tree, max_batch, arch, precision,
                                   target, None, t0, progress)
     with staged_bundle(out, force) as tmp:
@@ -185,8 +186,8 @@ def export_base(
 
                 embedding = read_gguf_embedding(loaded.path, hf)
             _write_ort_base(step, tmp, ctx + max_tree, qconfig, progress, embedding)
-            entries += [graph_entry(tmp, "base", ORT_BASE_FILE, target="ort", precision=precision),
-                        graph_entry(tmp, "base", BATCH_BASE_FILE, target=BATCH_TARGET, precision=precision)]
+            entries += [graph_entry(tmp, "base", file, target=FORM_TARGETS[form], precision=precision)
+                        for file, form in GRAPH_FORMS]
             blocks = None
             if qconfig is None and gguf_blocks and loaded.format == "gguf":
                 from specdeploy.exporter.export.gguf_blocks import read_q4_1_linears
@@ -237,6 +238,7 @@ def _finish_bundle(tmp: Path, entries: list, loaded, mcfg, ctx: int, max_tree: i
 
 ORT_BASE_FILE = "base-ort.onnx"
 BATCH_BASE_FILE = "base-batch.onnx"  # the ort graph with a sequence length per row, which batching runs
+TREE_BASE_FILE = "base-tree.onnx"  # the ort graph whose rows attend in plain-step order (exact trees)
 GGUF_BASE_FILE = "base-q4.onnx"  # the ort graph holding the source GGUF's own Q4_1 blocks
 
 
@@ -265,10 +267,21 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
         onnx.save(proto, str(path))
 
 
-# Each ort-target writer writes both forms: the fused graph, and the batching graph (the same with a sequence
-# length per row, ort_graph.ATTENTION_BATCHED), whose weights are then stored once with the fused graph's.
-GRAPH_FORMS = ((ORT_BASE_FILE, ATTENTION_FUSED), (BATCH_BASE_FILE, ATTENTION_BATCHED))
-_BATCH_LINE = "      the same graph with a sequence length per row, which batching runs"
+# Each ort-target writer writes every form: the fused graph, the batching graph (the same with a sequence
+# length per row, ort_graph.ATTENTION_BATCHED) and the exact-tree graph (each row's keys gathered in plain-step
+# order, ort_gathered.py), whose weights are then stored once with the fused graph's.
+GRAPH_FORMS = ((ORT_BASE_FILE, ATTENTION_FUSED), (BATCH_BASE_FILE, ATTENTION_BATCHED),
+               (TREE_BASE_FILE, ATTENTION_GATHERED))
+FORM_TARGETS = {ATTENTION_FUSED: "ort", ATTENTION_BATCHED: BATCH_TARGET, ATTENTION_GATHERED: TREE_TARGET}
+_FORM_LINES = {ATTENTION_BATCHED: "      the same graph with a sequence length per row, which batching runs ...",
+               ATTENTION_GATHERED: "      the same graph with each row's keys in plain-step order, for exact trees ..."}
+
+
+def _share_forms(tmp: Path, progress: Progress) -> None:
+    """The other forms' weights stored once, with the fused graph's."""
+    for file, form in GRAPH_FORMS:
+        if form != ATTENTION_FUSED:
+            store_once(tmp, file, [ORT_BASE_FILE], progress, min_bytes=1)
 
 
 def _write_gguf_blocks_base(step, weights, tmp: Path, max_positions: int, progress: Progress,
@@ -288,13 +301,13 @@ def _write_gguf_blocks_base(step, weights, tmp: Path, max_positions: int, progre
     elif weights.embedding is None:
         progress("      the embedding's blocks do not decode exactly: it stays an fp32 table")
     for file, attention in GRAPH_FORMS:
-        if attention == ATTENTION_BATCHED:
-            progress(_BATCH_LINE + " ...")
+        if attention in _FORM_LINES:
+            progress(_FORM_LINES[attention])
         export_ort_graph(step, tmp / file, max_positions, progress=progress if attention == ATTENTION_FUSED else None,
                          blocks=weights.linears, block_accuracy=4, embedding=weights.embedding if embedding else None,
                          lm_head=weights.lm_head, props={WEIGHT_BLOCKS_KEY: json.dumps([list(pair) for pair in held])},
                          attention=attention)
-    store_once(tmp, BATCH_BASE_FILE, [ORT_BASE_FILE], progress, min_bytes=1)
+    _share_forms(tmp, progress)
     progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
              "identical to plain on the machine (see runtime/plan.py)")
 
@@ -312,8 +325,8 @@ def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Prog
         if embedding is not None:
             progress(f"      the embedding keeps the GGUF's {embedding.kind} blocks (rows decoded in the graph)")
     for file, attention in GRAPH_FORMS:
-        if attention == ATTENTION_BATCHED:
-            progress(_BATCH_LINE + " ...")
+        if attention in _FORM_LINES:
+            progress(_FORM_LINES[attention])
         export_ort_graph(step, written / file, max_positions, progress=progress if attention == ATTENTION_FUSED else None,
                          embedding=embedding, attention=attention)
     if qconfig is not None:
@@ -322,7 +335,7 @@ def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Prog
         for file, _ in GRAPH_FORMS:
             quantize_file(written / file, tmp / file, qconfig)
         shutil.rmtree(written)
-    store_once(tmp, BATCH_BASE_FILE, [ORT_BASE_FILE], progress, min_bytes=1)
+    _share_forms(tmp, progress)
     if qconfig is not None and qconfig.accuracy_level == 4:
         progress("      int8 activations: at load the runtime probes which step plan keeps speculative output "
                  "identical to plain on the machine (see runtime/plan.py)")

@@ -48,7 +48,7 @@ from specdeploy.runtime import contract
 
 MS = "com.microsoft"
 ATTENTION_ROWS = 2  # the fewest rows the graph's attention runs (a 1-row step is padded inside)
-ATTENTION_FUSED, ATTENTION_BATCHED = "fused", "batched"  # build_ort_graph's attention forms
+ATTENTION_FUSED, ATTENTION_BATCHED, ATTENTION_GATHERED = "fused", "batched", "gathered"  # build_ort_graph's forms
 ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
 WEIGHT_BLOCKS_KEY = "specdeploy.weight_blocks"  # model metadata (JSON): what GraphEntry.weight_blocks records
 
@@ -251,8 +251,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
     write, positions = contract.WRITE_INDICES, contract.POSITION_IDS
-    rows_apart = attention == ATTENTION_BATCHED
-    pad_attention = pad_attention and not rows_apart and (blocks is None or block_accuracy == 4)
+    rows_apart, gathered = attention == ATTENTION_BATCHED, attention == ATTENTION_GATHERED
+    pad_attention = pad_attention and attention == ATTENTION_FUSED and (blocks is None or block_accuracy == 4)
     if pad_attention:
         # GQA runs >= ATTENTION_ROWS rows: a 1-row step gets a dummy copy of its row inside the graph
         # (``pad`` = [0, 0]), written to the next cache slot and dropped after the attention. GQA's
@@ -279,6 +279,13 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     mask = g.one("Slice", [contract.ATTENTION_MASK, g.const([0]), total_1d, g.const([3])])  # [B, 1, T, past+T]
     if pad_attention:
         mask = g.one("Gather", [mask, pad], axis=2)
+    order = None
+    if gathered:  # each row's slots in plain-step order, shared by every layer (ort_gathered.py)
+        from specdeploy.exporter.export.ort_gathered import gather_order
+
+        t_rows = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(1)], axis=0)
+        capacity = g.one("Gather", [g.one("Shape", [contract.past_names(n_layers)[0]]), g.const(2)], axis=0)
+        order = gather_order(g, mask, write, t_rows, total, capacity, (hq, hkv, d))
     total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
     if rows_apart:
         seqlens = g.one("Cast", [last], to=TensorProto.INT32)  # [B]: each row's past + T - 1
@@ -343,10 +350,16 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         qkv = batched(qkv, (hq + 2 * hkv) * d)
         if pad_attention:
             qkv = g.one("Gather", [qkv, pad], axis=1)
-        ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total_i32, cos_name, sin_name,
-                                           positions, mask],
-                   outputs=[g.name("attn"), pres_k, pres_v], domain=MS, num_heads=hq, kv_num_heads=hkv,
-                   scale=float(step.scale), do_rotary=1, rotary_interleaved=0)[0]
+        if order is not None:
+            from specdeploy.exporter.export.ort_gathered import gathered_attention
+
+            ctx = gathered_attention(g, qkv, positions, order, past_k, past_v, pres_k, pres_v, cos_name, sin_name,
+                                     (hq, hkv, d), float(step.scale))
+        else:
+            ctx = g.op("GroupQueryAttention", [qkv, "", "", past_k, past_v, seqlens, total_i32, cos_name, sin_name,
+                                               positions, mask],
+                       outputs=[g.name("attn"), pres_k, pres_v], domain=MS, num_heads=hq, kv_num_heads=hkv,
+                       scale=float(step.scale), do_rotary=1, rotary_interleaved=0)[0]
         if pad_attention:
             ctx = g.one("Slice", [ctx, g.const([0]), t_1d, g.const([1])])  # the step's own rows
         if flat:

@@ -186,6 +186,13 @@ class TorchBackend(Backend):
         cap = self._graphs[key] = _Captured(graph, static, logits, argmax, hidden, ptrs)
         return cap
 
+    can_gather = True  # BaseStep.gathered: each row's keys in plain-step order (exact trees by construction)
+
+    def use_gathered(self, on: bool) -> None:
+        if self.step_module.gathered != on:
+            self.step_module.gathered = on
+            self._graphs.clear()  # captured in the other form
+
     def make_drafter(self, name: str, bundle_dir: Path, manifest: BundleManifest, tree: str | None, chains: bool):
         """Trained drafts run here too, in torch on this device (``torch_drafters.py``)."""
         from specdeploy.exporter.reference.torch_drafters import bundle_drafter

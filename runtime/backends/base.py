@@ -54,11 +54,19 @@ class Backend(ABC):
     # Whether steps return ``layer_states`` (a graph exported with feature_layers, on a backend that binds it).
     layer_states: bool = False
 
+    # Whether the backend runs a form of the base step whose rows attend over their keys in plain-step order
+    # (``gathered`` step plans, exact trees by construction; see exporter/export/ort_gathered.py).
+    can_gather: bool = False
+
     def use_split(self, on: bool) -> None:
         """Run 1-row steps on the 1-row graph (``on``) or every step on the multi-row graph."""
 
-    def graphs(self, split: bool) -> tuple[GraphEntry, ...]:
-        """The graphs a step plan with or without ``split`` runs (their hashes key the exactness verdict)."""
+    def use_gathered(self, on: bool) -> None:
+        """Run steps in the gathered form (``on``, where ``can_gather``) or the backend's usual form."""
+
+    def graphs(self, split: bool, gathered: bool = False) -> tuple[GraphEntry, ...]:
+        """The graphs a step plan with or without ``split`` (or ``gathered``) runs (their hashes key the exactness
+        verdict)."""
         return (self.manifest.base_graph("trt"),)
 
     def forget_buffers(self) -> None:

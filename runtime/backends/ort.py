@@ -111,13 +111,18 @@ class OrtBackend(Backend):
         self.provider = provider
         self.name = f"ort-{provider}"
         self.threads = threads or default_threads()
-        one_row = None
-        if graph is None and provider == "cpu":
+        one_row, own_choice = None, graph is None and provider == "cpu"
+        if own_choice:
             # Two graphs when the bundle has a GGUF-block graph (BundleManifest.cpu_base): 1-row steps may
             # run it, steps of more rows the fused graph; both bind the same cache. Whether 1-row steps do
             # is the step plan's choice (``use_split``), made by measurement (runtime/plan.py).
             graph, one_row = manifest.cpu_base(multi_row=True), manifest.cpu_base(multi_row=False)
             one_row = None if one_row.file == graph.file else one_row
+        # The exact-tree graph (``BundleManifest.tree_graph``: each row's keys in plain-step order), which the
+        # ``gathered`` step plans run for every step of at most ``max_tree`` rows (``use_gathered``).
+        self.tree_graph = manifest.tree_graph() if own_choice else None
+        self.can_gather = self.tree_graph is not None
+        self._gathered = False
         entry = graph or manifest.base_graph("trt")
         self.graph, self.one_row_graph = entry, one_row  # the graphs this backend runs
         self.can_split = one_row is not None
@@ -147,7 +152,7 @@ class OrtBackend(Backend):
         46.1 tok/s, one bench run on the AMD EPYC)."""
         held = self._sessions.get(which)
         if held is None:
-            entry = self.graph if which == "base" else self.one_row_graph
+            entry = {"base": self.graph, "one_row": self.one_row_graph, "tree": self.tree_graph}[which]
             spin = not self._split
             held = self._sessions[which] = (make_session(self.bundle_dir / entry.file, self.provider, self.threads,
                                                          self._provider_options, spin=spin), spin)
@@ -164,7 +169,12 @@ class OrtBackend(Backend):
     def use_split(self, on: bool) -> None:
         self._split = on and self.can_split
 
-    def graphs(self, split: bool) -> tuple[GraphEntry, ...]:
+    def use_gathered(self, on: bool) -> None:
+        self._gathered = on and self.can_gather
+
+    def graphs(self, split: bool, gathered: bool = False) -> tuple[GraphEntry, ...]:
+        if gathered and self.can_gather:
+            return (self.graph, self.tree_graph)
         return (self.graph, self.one_row_graph) if split and self.can_split else (self.graph,)
 
     def runtime_version(self) -> str:
@@ -181,7 +191,13 @@ class OrtBackend(Backend):
             if not self._sessions.get("base", (None, True))[1]:
                 del self._sessions["base"]
             self._bindings.clear()
+        if not self._gathered and self.can_gather:
+            self.can_gather = False
+            self._sessions.pop("tree", None)
+            self._bindings.clear()
         self._session("base")  # loaded now: a graph ONNX Runtime cannot load fails at load, not mid-stream
+        if self._gathered:
+            self._session("tree")
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         m = self.manifest.model
@@ -226,9 +242,15 @@ class OrtBackend(Backend):
         return binding
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
-        session, entry = self.session, self.graph
-        if self._split and inputs.input_ids.shape[1] == 1:
-            session, entry = self._session("one_row"), self.one_row_graph
+        rows = inputs.input_ids.shape[1]
+        which, entry = "base", self.graph
+        if self._split and rows == 1:
+            which, entry = "one_row", self.one_row_graph
+        elif self._gathered and rows <= self.manifest.limits.max_tree:
+            # every step of a tree's size; a longer prefill on the fused graph (plain and speculative runs
+            # prefill alike, so their caches stay equal)
+            which, entry = "tree", self.tree_graph
+        session = self._session(which)
         binding = self._cache_binding(session, cache)
         for name in INPUT_NAMES:  # the StepInputs fields carry the contract's names
             binding.bind_cpu_input(name, getattr(inputs, name))

@@ -152,6 +152,28 @@ def test_quality_class_and_own_plain_identity():
     assert ar["quality"] == q and plain["quality"] is None and plain["quality_note"] == "this runner gives no logits"
 
 
+def test_exact_tree_plan_variants_are_held_to_their_own_plain_decoding():
+    """``*-gathered`` variants run another graph than ar: differing from ar is named as that, and their
+    reference is ar-gathered, whom a speculative one must match (else the note says it is a bug)."""
+    from specdeploy.exporter.bench.report import build_report
+    from specdeploy.exporter.bench.run import resolve_variants
+    from specdeploy.exporter.bench.spec import RunResult
+
+    specs = resolve_variants(["prompt-lookup-gathered", "chimera-gathered"])
+    assert [s.name for s in specs] == ["ar", "ar-gathered", "prompt-lookup-gathered", "chimera-gathered"]
+    run = lambda *toks: [RunResult(list(t), 1.0, 1, 0.5, [1], backend_seconds=0.4) for t in toks]
+    prompts = [type("P", (), {"text": "x", "ids": [1], "category": "all"})()] * 2
+    codec = type("C", (), {"decode": lambda self, ids: ""})()
+    report = build_report(specs, {}, {"ar": run([1], [2]), "ar-gathered": run([1], [3]),
+                                      "prompt-lookup-gathered": run([1], [3]), "chimera-gathered": run([1], [4])},
+                          prompts, codec, config={})
+    _, plain, lookup, chimera = report["variants"]
+    assert "step plan 'gathered'" in plain["note"] and "bug" not in plain["note"]
+    assert lookup["identical_to_own_plain"] == 2 and "bug" not in lookup["note"]
+    assert chimera["identical_to_own_plain"] == 1 and "differs from ar-gathered on 1/2" in chimera["note"]
+    assert "bug" in chimera["note"]
+
+
 def test_unknown_variant_is_one_line(tmp_path, tiny_bundle, prompts_file):
     result, _ = _bench(tmp_path, tiny_bundle, prompts_file, "ar,warp-drive")
     assert result.exit_code == 1

@@ -37,13 +37,16 @@ def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
     assert base.inputs[0].shape == ("batch", "tree") and base.inputs[5].shape[2] == "capacity"
     lines: list[str] = []
     checks = validate_bundle(bundle, str(tiny_model_factory(arch)), progress=lines.append)
-    assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]", "[ort-batch]")}
+    assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]", "[ort-batch]", "[ort-tree]")}
     assert all(c.passed for c in checks)
     assert all(c.argmax_agree for c in checks if c.output == "logits")
     # The step-plan probe's report: every candidate, then the runtime's choice (runtime/plan.py).
     plans = [line for line in lines if line.lstrip().startswith("plan ")]
     depth = min(16, manifest.limits.max_tree)
-    assert [p.split()[1] for p in plans] == ["one-graph", "two-rows", f"padded-{depth}"]
+    assert [p.split()[1] for p in plans] == ["one-graph", "two-rows", f"padded-{depth}", "gathered",
+                                             "gathered-two-rows", f"gathered-padded-{depth}"]
+    gathered = next(p for p in plans if p.split()[1] == "gathered")
+    assert "trees exact" in gathered or "trees differ" in gathered  # the tree verdict is stated
     assert sum(line.lstrip().startswith("runtime: ") for line in lines) == 1
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from specdeploy.runtime import load
-from specdeploy.runtime.bundle import BATCH_TARGET, read_manifest
+from specdeploy.runtime.bundle import BATCH_TARGET, TREE_TARGET, read_manifest
 from specdeploy.runtime.contract import present_names
 from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BundleError
@@ -64,9 +64,10 @@ def _batch_of_three(feed: dict[str, np.ndarray], vocab: int) -> dict[str, np.nda
 
 
 @pytest.mark.parametrize("arch,attention", [("llama", "fused"), ("mistral", "fused"), ("qwen2", "fused"),
-                                            ("llama", "batched"), ("qwen2", "batched")])
+                                            ("llama", "batched"), ("qwen2", "batched"), ("llama", "gathered"),
+                                            ("qwen2", "gathered")])
 def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
-    """Both attention forms against torch on prefill, step and tree; the batching form on a batch of three
+    """Every attention form against torch on prefill, step and tree; the batching form on a batch of three
     one-row steps as well, whose row 0 is the batch-1 step."""
     import torch
     from specdeploy.exporter.check.validate import _FlatStep, base_cases
@@ -79,7 +80,8 @@ def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
     step = BaseStep(loaded.model).eval()
     model = build_ort_graph(step, max_positions=128, attention=attention)
     ops = {n.op_type for n in model.graph.node}
-    assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops and "Split" in ops
+    assert "SkipSimplifiedLayerNormalization" in ops and "Split" in ops
+    assert ("GroupQueryAttention" in ops) != (attention == "gathered")  # the gathered form: standard products
     assert ("ReduceMax" in ops) == (attention == "batched")  # the batch's longest row
     save_graph(model, tmp_path / "base.onnx")
 
@@ -186,7 +188,7 @@ def test_padded_attention_is_recorded_and_one_row_steps_match_two_row_steps(prec
 def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
     manifest = read_manifest(tiny_bundle)
     bases = {g.target: g for g in manifest.graphs if g.role == "base"}
-    assert set(bases) == {"trt", "ort", BATCH_TARGET}
+    assert set(bases) == {"trt", "ort", BATCH_TARGET, TREE_TARGET}
     assert bases["trt"].file == "base.onnx" and bases["ort"].file == "base-ort.onnx"
     assert manifest.batch_graph().file == "base-batch.onnx"
     fused = onnx.load(str(tiny_bundle / "base-ort.onnx"), load_external_data=False)
@@ -225,7 +227,7 @@ def test_ort_only_bundle(tiny_model_factory, tmp_path):
     export_base(str(tiny_model_factory("llama")), out, max_context=256, target="ort", progress=lambda m: None)
     assert not (out / "base.onnx").exists()
     manifest = read_manifest(out)
-    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort"), ("base", BATCH_TARGET)]
+    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort"), ("base", BATCH_TARGET), ("base", TREE_TARGET)]
     with pytest.raises(BundleError, match="no 'base' graph for target 'trt'.*--target all"):
         manifest.graph("base", "trt")
     assert all(r.skipped for r in lint_bundle(out))
@@ -419,11 +421,15 @@ def test_cpu_graph_choice_plain_and_speculative(tiny_bundle):
     assert traced_only.cpu_base(False) is traced and traced_only.cpu_base(True) is traced
 
 
-def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path):
+def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path, monkeypatch):
     """With a GGUF-block graph in the bundle, 1-row steps run it and prefill/tree steps the fp32 graph,
     on the same cache buffers; outputs stay those of the single-graph backend (here both graphs are
     the same fp32 graph under two names)."""
     import shutil
+
+    from specdeploy.runtime import plan
+
+    monkeypatch.setattr(plan, "GATHERED_MAX_COST", 0.0)  # the split plan, not the exact-tree one (test_gathered.py)
 
     from specdeploy.exporter.export.staging import graph_entry
     from specdeploy.runtime.bundle import write_manifest

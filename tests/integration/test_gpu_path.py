@@ -30,6 +30,7 @@ from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
 from specdeploy.runtime.kvcache import KVCache, capacity_buckets
+from specdeploy.runtime.plan import candidates
 from specdeploy.runtime.probe import resolve_plan
 from specdeploy.runtime.tree import build_buffers
 
@@ -227,6 +228,29 @@ def test_torch_eager_cpu_matches_ort_greedy(torch_cpu, tiny_bundle):
     np.testing.assert_allclose(got.logits, prefill.logits, atol=1e-3, rtol=1e-3)
 
 
+def test_torch_gathered_trees_equal_plain_on_cpu(torch_cpu, tiny_bundle):
+    """The torch form of the exact-tree plan (BaseStep.gathered): the probe finds its trees exact, and random
+    trees through arbitrary branches decode as plain decoding does on that plan."""
+    from decode_checks import OracleDrafter
+    from specdeploy.runtime.plan import StepPlan
+    from specdeploy.runtime.probe import probe
+
+    manifest = read_manifest(tiny_bundle)
+    tree_plans = [c for c in candidates(torch_cpu, 16) if c.gathered]
+    assert [c.name for c in tree_plans] == ["gathered", "gathered-two-rows", "gathered-padded-16"]
+    results = [probe(torch_cpu, manifest, c, 16) for c in tree_plans]
+    # the padded one runs every step at 16 rows, so no kernel sees another row count (torch's CPU GEMMs
+    # may pick others by rows, as here for the 1-row plan's chains): its trees are exact by construction
+    assert results[-1].trees_exact, results[-1].checks
+    exact = next(r.candidate for r in results if r.trees_exact)
+    plan = StepPlan(exact, True, True, True, 16, "forced")
+    ref = list(Decoder(torch_cpu, manifest, None, plan=plan).generate(PROMPT, GenerationConfig(24)))
+    got = list(Decoder(torch_cpu, manifest, OracleDrafter(len(PROMPT), ref, max_nodes=16), plan=plan)
+               .generate(PROMPT, GenerationConfig(24)))
+    assert got == ref and torch_cpu.step_module.gathered
+    torch_cpu.use_gathered(False)
+
+
 def test_torch_backend_refuses_cuda_graphs_on_cpu(tiny_bundle):
     from specdeploy.exporter.reference.torch_backend import TorchBackend
 
@@ -255,6 +279,30 @@ def test_torch_cuda_graphs_match_eager_and_ort(tiny_bundle):
         assert _greedy(graphs, manifest, PromptLookupDrafter(), n=48) == ref
         assert _greedy(graphs, manifest, PromptLookupDrafter(), n=48) == ref  # replays across generations
         assert graphs._graphs, "decode steps should have been captured"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_torch_cuda_gathered_trees_are_exact(tiny_bundle):
+    """On the GPU, with CUDA graphs: the probe's verdict on the exact-tree plans, and where one is exact, random
+    trees decode as plain decoding does on it."""
+    from decode_checks import OracleDrafter
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
+    from specdeploy.runtime.plan import choose
+
+    manifest = read_manifest(tiny_bundle)
+    with TorchBackend(tiny_bundle, manifest, device="cuda", cuda_graphs=True) as backend:
+        chosen = resolve_plan(backend, manifest, use_cache=False)
+        tree_plans = [r for r in chosen.probes if r.candidate.gathered]
+        assert tree_plans or chosen.trees, chosen.reason  # probed, unless a plain plan's trees are exact already
+        exact = [r for r in tree_plans if r.trees_exact]
+        if not exact:
+            pytest.skip(f"no exact-tree plan on this GPU: {chosen.reason}")
+        plan = choose([exact[0]], 16)
+        ref = list(Decoder(backend, manifest, None, plan=plan).generate(PROMPT, GenerationConfig(48)))
+        got = list(Decoder(backend, manifest, OracleDrafter(len(PROMPT), ref, max_nodes=16), plan=plan)
+                   .generate(PROMPT, GenerationConfig(48)))
+        assert got == ref
 
 
 @pytest.mark.gpu

@@ -19,9 +19,10 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     from specdeploy.exporter.check.validate import validate_bundle
 
     out = real_quant_bundle("q4_1")
-    graph, batching = read_manifest(out).graphs
+    graph, batching, trees = read_manifest(out).graphs
     assert (graph.file, graph.target, graph.precision) == ("base-ort.onnx", "ort", "q4_1")
     assert (batching.file, batching.target, batching.data_files) == ("base-batch.onnx", "ort-batch", ("base-ort.onnx.data",))
+    assert (trees.file, trees.target, trees.data_files) == ("base-tree.onnx", "ort-tree", ("base-ort.onnx.data",))
     model = onnx.load(str(out / graph.file), load_external_data=False)
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
              for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -36,6 +37,9 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     text = "\n".join(lines)
     top1 = float(next(line for line in lines if "top-1 agreement" in line).split()[3])
     assert top1 >= 0.88, text  # measured 0.919 (int4: 0.617): no second rounding of the weights
+    # validate states the padded and exact-tree plans' verdicts (test_real_trees.py runs the tree plan)
+    assert {"padded-16", "gathered", "gathered-padded-16"} <= {line.split()[1] for line in lines
+                                                             if line.lstrip().startswith("plan ")}, text
     from specdeploy.exporter.bench.run import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
@@ -52,7 +56,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     export_draft(out, "chimera", weights, progress=lambda m: None)
     bundle = read_manifest(out)
     files = [g.file for g in bundle.graphs] + [g.file for d in bundle.drafts for g in d.graphs]
-    assert files == ["base-ort.onnx", "base-batch.onnx", "chimera-int4.onnx"]  # only what the CPU runtime runs
+    assert files == ["base-ort.onnx", "base-batch.onnx", "base-tree.onnx", "chimera-int4.onnx"]  # what the CPU runs
     assert stored_twice(out, files) == []  # the draft reads the base's embedding table
     assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
     with load(out, draft=None) as plain, load(out, draft="hybrid") as hybrid:

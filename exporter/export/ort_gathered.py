@@ -1,0 +1,115 @@
+"""The ``ort-tree`` graph's attention: every row attends over its keys gathered into plain-step order.
+
+The fused graph's ``GroupQueryAttention`` scores a tree step's rows over the step's cache slots as they
+lie: a node's masked siblings sit between its ancestors and itself, so its ancestors' terms take other
+places in the softmax sum and the probabilities x values sum than a plain step gives them, and a tree
+row differs from the plain row of the same token (by up to 1.9 in the logits of the q4_1 main bundle on
+an AMD EPYC). Here each row instead reads its own key sequence, built the way a plain step would see it:
+the past in place, then its ancestors by depth, then itself, then the rest of the step's slots masked
+at the end. A masked non-ancestor then never shifts another element's place in a reduction; only the
+number of masked slots at the end varies with the step (a chain's row ``t`` carries ``T - t - 1`` of
+them), which the step plan's probe checks on the machine (``runtime/plan.py``).
+
+The order comes from the step's own ``attention_mask``: the runtime lists tree nodes parents first, at
+slots ``past + row``, so a row's visible slots in ascending order are exactly its ancestors by depth
+and then itself (no input is added to the contract). Each row's probabilities x values product is a GEMM
+of its own (a batch entry per row: ``G`` query heads by ``past + T`` slots), so that product has one shape
+in every row of every step, plain or tree; each score is a dot product of its own. K/V are written and
+rotated as in any other graph.
+
+Cost: each row copies its ``past + T`` value rows once per layer, and the attention is some 20 nodes a
+layer where the fused graph has one. On the q4_1 main bundle (AMD EPYC family 26, 2 threads) a plain step
+costs about 1.2 fused plain steps (docs/benchmarks.md, "Exact trees on a CPU"); the step plan
+(``runtime/plan.py``) takes this graph only where its plain step costs at most ``GATHERED_MAX_COST``
+times the fastest chain plan's, since every plain step pays for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MS = "com.microsoft"
+
+
+class GatherOrder:
+    """Per-step tensors every layer shares (built once by :func:`gather_order`)."""
+
+    def __init__(self, g, score_idx: str, value_idx: str, mask: str, total_1d: str, write: str, score_shape: str,
+                 head_dim: int):
+        self.score_idx = score_idx  # [B, Hkv, T, G, total]: the slot each sorted score reads
+        self.value_idx = value_idx  # [B, Hkv, T, total]: the row of the flat [B*Hkv*C, D] cache each sorted value is
+        self.mask = mask  # [B, 1, T, 1, total]: the additive mask in sorted order
+        self.total_1d = total_1d  # [1]: past + T
+        self.write = write  # [B, Hkv, T, D]: write_indices, as ScatterElements takes them
+        self.score_shape = score_shape  # [B, Hkv, T, G, C]
+        self.flat_rows = g.const([-1, head_dim])
+
+
+def gather_order(g, mask: str, write: str, t: str, total: str, capacity: str, heads: tuple[int, int, int]
+                 ) -> GatherOrder:
+    """The sorted order of each row's slots from ``mask`` ``[B, 1, T, past+T]`` (already sliced to the
+    valid slots): ``0 .. past-1``, then the step's slots a row sees in ascending order, then the step's
+    slots it does not see (the cache's unused slots ``past+T .. C-1`` after them, for the values).
+    ``t``, ``total`` and ``capacity`` are int64 scalars; ``heads`` is (query heads, KV heads, head dim)."""
+    hq, hkv, d = heads
+    group = hq // hkv
+    one, zero = g.const(1), g.const(0)
+    past = g.one("Gather", [write, zero], axis=0)
+    past_1d, t_1d, total_1d, cap_1d = (g.one("Unsqueeze", [s, g.const([0])]) for s in (past, t, total, capacity))
+    window = g.one("Slice", [mask, past_1d, total_1d, g.const([3])])  # [B, 1, T, T]: the step's slots
+    cols = g.one("Range", [zero, t, one])  # [T]
+    # visible slots keep their column j, hidden ones sort after every visible one (j + T)
+    hidden = g.one("Cast", [g.one("Less", [window, g.const(0.0, np.float32)])], to=7)  # 1 where masked
+    key = g.one("Add", [cols, g.one("Mul", [hidden, t])])  # [B, 1, T, T]
+    _, order = g.op("TopK", [key, t_1d], 2, axis=-1, largest=0, sorted=1)  # ascending keys
+    bt = g.one("Shape", [window])  # [B, 1, T, T]
+    shape_bt = g.one("Slice", [bt, g.const([0]), g.const([3])])  # [B, 1, T]
+    head = g.one("Expand", [g.one("Range", [zero, past, one]), g.one("Concat", [shape_bt, past_1d], axis=0)])
+    perm = g.one("Concat", [head, g.one("Add", [order, past])], axis=-1)  # [B, 1, T, total]
+    sorted_mask = g.one("GatherElements", [mask, perm], axis=3)  # [B, 1, T, total]
+    sorted_mask = g.one("Unsqueeze", [sorted_mask, g.const([3])])  # [B, 1, T, 1, total]
+    batch = g.one("Slice", [bt, g.const([0]), g.const([1])])  # [1]
+    perm5 = g.one("Unsqueeze", [perm, g.const([3])])  # [B, 1, T, 1, total]
+    score_shape = g.one("Concat", [batch, g.const([hkv]), t_1d, g.const([group]), total_1d], axis=0)
+    score_idx = g.one("Expand", [perm5, score_shape])  # [B, Hkv, T, G, total]
+    # value rows of the flat [B*Hkv*C, D] cache: (b * Hkv + h) * C + perm
+    n_bh = g.one("Mul", [g.one("Reshape", [batch, g.const([])]), g.const(hkv)])
+    base = g.one("Mul", [g.one("Reshape", [g.one("Range", [zero, n_bh, one]),
+                                           g.one("Concat", [batch, g.const([hkv, 1, 1])], axis=0)]), capacity])
+    value_idx = g.one("Add", [base, perm])  # [B, Hkv, T, total]
+    write_shape = g.one("Concat", [batch, g.const([hkv]), t_1d, g.const([d])], axis=0)
+    write_idx = g.one("Expand", [g.one("Reshape", [write, g.const([1, 1, -1, 1])]), write_shape])
+    score_shape_c = g.one("Concat", [batch, g.const([hkv]), t_1d, g.const([group]), cap_1d], axis=0)
+    return GatherOrder(g, score_idx, value_idx, sorted_mask, total_1d, write_idx, score_shape_c, d)
+
+
+def gathered_attention(g, qkv: str, positions: str, order: GatherOrder, past_k: str, past_v: str,
+                       pres_k: str, pres_v: str, cos: str, sin: str, heads: tuple[int, int, int], scale: float) -> str:
+    """One layer's attention from the packed ``qkv`` ``[B, T, (Hq + 2 Hkv) D]``: rotary at ``positions``,
+    the new K/V written into the cache at ``order.write`` (``present`` aliases ``past``), each row's scores and
+    values in its sorted order (:func:`gather_order`). Returns the context ``[B, T, Hq D]``.
+
+    The scores are one product of the cache's keys as they lie with the step's queries (each score a dot
+    product of its own), cut to the valid ``past + T`` slots and put in each row's order; each row's
+    probabilities then multiply its own copy of the values in that order (a ``G x (past + T)`` product
+    per row, the same shape for every row of every step)."""
+    hq, hkv, d = heads
+    group = hq // hkv
+    heads_t = g.one("Transpose", [g.one("Reshape", [qkv, g.const([0, 0, hq + 2 * hkv, d])])], perm=[0, 2, 1, 3])
+    q, k, v = g.op("Split", [heads_t, g.const([hq, hkv, hkv])], 3, axis=1)  # [B, H, T, D] each
+    q = g.one("RotaryEmbedding", [q, positions, cos, sin], MS, interleaved=0)
+    k = g.one("RotaryEmbedding", [k, positions, cos, sin], MS, interleaved=0)
+    keys = g.op("ScatterElements", [past_k, order.write, k], outputs=[pres_k], axis=2)[0]  # [B, Hkv, C, D]
+    values = g.op("ScatterElements", [past_v, order.write, v], outputs=[pres_v], axis=2)[0]
+    # q as [B, Hkv, D, T*G] (column t*G + g), scaled: one product with the cache, keys as they lie
+    q = g.one("Reshape", [g.one("Transpose", [g.one("Reshape", [q, g.const([0, hkv, group, -1, d])])],
+                                 perm=[0, 1, 4, 3, 2]), g.const([0, 0, d, -1])])
+    q = g.one("Mul", [q, g.const(scale, np.float32)])
+    scores = g.one("Transpose", [g.one("MatMul", [keys, q])], perm=[0, 1, 3, 2])  # [B, Hkv, T*G, C]
+    scores = g.one("Slice", [g.one("Reshape", [scores, order.score_shape]), g.const([0]), order.total_1d,
+                             g.const([4])])  # [B, Hkv, T, G, total]
+    scores = g.one("Add", [g.one("GatherElements", [scores, order.score_idx], axis=4), order.mask])
+    probs = g.one("Softmax", [scores], axis=-1)
+    rows = g.one("Gather", [g.one("Reshape", [values, order.flat_rows]), order.value_idx], axis=0)  # [B,Hkv,T,total,D]
+    ctx = g.one("Transpose", [g.one("MatMul", [probs, rows])], perm=[0, 2, 1, 3, 4])  # [B, T, Hkv, G, D]
+    return g.one("Reshape", [ctx, g.const([0, 0, hq * d])])

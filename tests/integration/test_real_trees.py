@@ -1,0 +1,69 @@
+"""Exact trees on the real main bundle: the seeds' tree drafts on the gathered step plan, identical to plain decoding.
+
+The q4_1 main bundle's fused graph verifies a tree's rows otherwise than plain steps compute them on some CPUs
+(siblings between a node and its ancestors move terms in the attention's sums), so there the probe keeps
+chains. Its ``ort-tree`` graph gathers each row's keys in plain-step order (exporter/export/ort_gathered.py):
+where the probe finds that plan's trees exact on this machine, Chimera, Medusa and Cerberus drafting 16-node
+trees must give plain decoding's tokens on all 80 MT-bench first turns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from specdeploy.runtime import load
+from specdeploy.runtime.backends import make_backend
+from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+from specdeploy.runtime.plan import PROBE_DEPTH, Candidate
+from specdeploy.runtime.probe import probe
+from tiny_training import mtbench_first_turns
+
+WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
+TOKENS = 32
+
+
+@pytest.mark.slow
+def test_tree_drafts_on_the_exact_tree_plan_equal_plain_on_80_mtbench_prompts(real_quant_bundle):
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
+
+    bundle = real_quant_bundle("q4_1")
+    have = {d.kind for d in read_manifest(bundle).drafts}
+    for kind in ("chimera", "medusa", "cerberus"):
+        if kind not in have:
+            export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
+    manifest = read_manifest(bundle)
+    with make_backend("ort-cpu", bundle, manifest) as backend:  # the probe's verdict on this machine, asked directly
+        verdict = probe(backend, manifest, Candidate("gathered", False, 1, True), PROBE_DEPTH)
+    if not verdict.trees_exact:
+        pytest.skip(f"the gathered plan's trees are not exact on this machine ({verdict.worst()}): the runtime keeps "
+                    f"chains here (test_gathered.py checks that it refuses)")
+    prompts = mtbench_first_turns(80)
+    assert len(prompts) == 80
+    with load(bundle, draft=None, step_plan="gathered") as plain:
+        assert plain.plan.trees and plain.plan.exact
+        refs = [(ids, plain.generate_ids(ids, GenerationConfig(TOKENS)))
+                for ids in (plain.encode(p, chat=True) for p in prompts)]
+    taus = {}
+    for draft in ("chimera", "medusa", "cerberus-nogate"):
+        with load(bundle, draft=draft, tree="tree16", step_plan="gathered") as eng:
+            assert eng.plan.candidate.gathered and not eng.decoder.chains_only
+            eng.decoder.drafter._model_value = lambda: float("inf")  # draft every step: trees, not the rule
+            branched: list[bool] = []
+
+            def counted(state, tree, buffers, _verify=eng.decoder.verify, _seen=branched):
+                _seen.append(not tree.is_chain)
+                return _verify(state, tree, buffers)
+
+            eng.decoder.verify = counted
+            tokens = steps = 0
+            for ids, ref in refs:
+                st = DecodeStats()
+                assert eng.generate_ids(ids, GenerationConfig(TOKENS), st) == ref, (draft, ids[:8])
+                tokens += st.new_tokens - 1 - st.gate_ar
+                steps += st.gate_parallel
+            assert sum(branched) > len(refs)  # branching trees were verified, not their best chains
+            taus[draft] = tokens / steps
+    # trained drafts on 16-node trees (chains of the same drafts reach about 1.3-1.7 here)
+    assert all(tau > 1.3 for tau in taus.values()), taus
