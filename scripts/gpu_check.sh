@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared, offline run on a lent GPU (about 3 minutes on an H200; each stage's limit
-# below, 9 minutes at the very most). It exits 0 only if every stage passed.
+# The GPU check: prepared, offline runs on a lent GPU. Each exits 0 only if every stage it ran passed.
 #
-#   bash scripts/gpu_check.sh             # on the GPU machine; results in $OUT (default ./gpu_check_out)
-#   bash scripts/gpu_check.sh --dry-run   # the same stages on CPU torch with a tiny shape (CI runs this)
+#   bash scripts/gpu_check.sh                    # random weights of the real shape (about 3 minutes on an H200)
+#   bash scripts/gpu_check.sh --real             # the real SmolLM2 from the GGUF sent in parts (exporter/bench/gpu_real.py)
+#   bash scripts/gpu_check.sh --dry-run [--real] # the same stages on CPU torch (random: a tiny shape; real: the
+#                                                # embedded GGUF, fp32); CI runs both
+#
+# Results in $OUT (default ./gpu_check_out). A device session of 15 minutes: call 1 runs the random-weight check
+# (limits below: at most 9.5 minutes) and carries the GGUF's first part with prompts.json (`gpu_transfer stash`);
+# calls 2 and 3 carry the other parts, and call 3 runs `--real` (at most 6 minutes), which joins them.
 #
 # The device has no network and receives at most 64 MiB per call, this repository's tracked tree included:
 # - the base runs with random weights of the real SmolLM2-135M shape, generated on the device (step times
@@ -15,15 +20,24 @@
 #   sends a generated file in parts through the same commands;
 # - nothing is installed: specdeploy is imported from this checkout through a folder of links, and the
 #   tests stage uses the image's pytest and click (a missing one fails that stage, saying so).
-# Files in $OUT (4, under the 8 that come back): gpu_check.json (stages with their reasons, environment,
-# bench, tests), bench.json (rewritten after every bench stage), stages.log (every stage's output),
-# tests.xml. Stages and limits: env 60 s, setup 30 s, weights 90 s, bench 360 s, tests 120 s, summary 30 s.
+# Files in $OUT (at most 5, under the 7 that may come back): gpu_check.json (stages with their reasons,
+# environment, bench, tests, real), bench.json (rewritten after every bench stage), stages.log (every stage's
+# output), tests.xml; with --real, real.json instead of bench.json and tests.xml. Stages and limits: env 60 s,
+# setup 30 s, weights 90 s, then bench 300 s and tests 60 s, or with --real the real stage 150 s (a dry run:
+# 300 s); summary 30 s.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
+REAL=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY=1 ;;
+    --real) REAL=1 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run] [--real]" >&2; exit 2 ;;
+  esac
+done
 OUT="${OUT:-$ROOT/gpu_check_out}"
 mkdir -p "$OUT"
 if [ -z "${PYTHON:-}" ] && [ "$DRY" = 1 ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
@@ -105,22 +119,38 @@ weights() {
 export -f weights
 stage weights 90 bash -c weights
 
-# --- bench: before the tests, so that a slow test costs no figure ---------------------------------------
-BENCH_ARGS=(--cpu-results docs/results/mtbench32_fp32_drafts_amd_avx2.json)
-if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
-stage bench 360 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
+if [ "$REAL" = 1 ]; then
+  # --- real: the GGUF the weights stage joined (a dry run: the embedded one), on the device -------------
+  real() {
+    local gguf="$WORK/model.gguf" args=()
+    if [ "$DRY" = 1 ]; then
+      gguf="$("$PY" -c 'from specdeploy.exporter.source import default_gguf_path; print(default_gguf_path())')" || return 1
+      args+=(--dry-run --max-new-tokens 16 --num-prompts 2)
+    fi
+    [ -n "${SPECDEPLOY_GPU_STORE:-}" ] && args+=(--prompts "$SPECDEPLOY_GPU_STORE/prompts.json")
+    "$PY" -m specdeploy.exporter.bench.gpu_real run "$OUT/real.json" --gguf "$gguf" "${args[@]}"
+  }
+  export -f real
+  stage real "$([ "$DRY" = 1 ] && echo 300 || echo 150)" bash -c real  # the dry run: 135M in torch on 2 cores
+else
+  # --- bench: before the tests, so that a slow test costs no figure -------------------------------------
+  BENCH_ARGS=(--cpu-results docs/results/mtbench32_fp32_drafts_amd_avx2.json)
+  if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
+  stage bench 300 "$PY" -m specdeploy.exporter.bench.gpu "$OUT/bench.json" "${BENCH_ARGS[@]}"
 
-# --- tests: every test marked gpu (on a GPU, a run in which every test skipped is a failure) --------------
-stage tests 120 "$PY" -m pytest -m gpu tests/integration/test_gpu_path.py tests/integration/test_gpu_check.py -q -rA -p no:cacheprovider \
-  --junitxml="$OUT/tests.xml"
+  # --- tests: every test marked gpu (on a GPU, a run in which every test skipped is a failure) ------------
+  stage tests 60 "$PY" -m pytest -m gpu tests/integration/test_gpu_path.py tests/integration/test_gpu_check.py -q -rA \
+    -p no:cacheprovider --junitxml="$OUT/tests.xml"
+fi
 
 # --- summary: once, stdlib only, under a limit; its verdict is the exit code ----------------------------
-timeout 30 "$PY" - "$OUT" "$WORK" "$START" "$DRY" <<'PYEOF'
+timeout 30 "$PY" - "$OUT" "$WORK" "$START" "$DRY" "$REAL" <<'PYEOF'
 import json, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out, work, start, dry = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+real = sys.argv[5] == "1"
 stages, failures = {}, []
 for line in (work / "stages.txt").read_text().split():
     name, rc, secs = line.split(":")
@@ -128,19 +158,22 @@ for line in (work / "stages.txt").read_text().split():
     if int(rc):
         why = "timed out" if int(rc) in (124, 137) else f"exit code {rc}"
         failures.append(f"stage {name}: {why} (stages.log)")
-summary = {"schema": 2, "dry_run": dry, "stages": stages, "wall_s": int(time.time()) - start}
+summary = {"schema": 2, "dry_run": dry, "real": real, "stages": stages, "wall_s": int(time.time()) - start}
 try:
     summary["env"] = json.loads((work / "env.json").read_text())
 except (OSError, ValueError):
     summary["env"] = None
-if (out / "bench.json").is_file():
-    bench = summary["bench"] = json.loads((out / "bench.json").read_text())
-    failures += [f"bench {name}: {bench['errors'].get(name, st['status'])[-300:]}"
-                 for name, st in bench["stages"].items() if st["status"] != "ok"]
-else:
-    failures.append("bench: no bench.json")
+for what in ("real",) if real else ("bench",):
+    if (out / f"{what}.json").is_file():
+        doc = summary[what] = json.loads((out / f"{what}.json").read_text())
+        failures += [f"{what} {name}: {doc['errors'].get(name, st['status'])[-300:]}"
+                     for name, st in doc["stages"].items() if st["status"] != "ok"]
+    else:
+        failures.append(f"{what}: no {what}.json")
 xml = out / "tests.xml"
-if xml.is_file():
+if real:
+    pass
+elif xml.is_file():
     suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     t = summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}

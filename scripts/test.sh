@@ -12,4 +12,4 @@ if ! command -v qemu-x86_64 >/dev/null && [ "$(uname -m)" = x86_64 ] && [ "$(id 
     || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user >/dev/null 2>&1; }; } \
     || echo "[setup] qemu-user could not be installed: the emulated-CPU tests will skip" >&2
 fi
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"  # the slowest tests listed: CI must stay well inside its limit

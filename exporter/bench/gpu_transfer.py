@@ -29,6 +29,7 @@ CALL_LIMIT = 64 * MIB  # what one call carries: the tracked tree, untracked file
 MARGIN = 1 * MIB  # room for untracked scratch files beside the tree and the part
 MIN_PART = 4 * MIB  # below this a transfer takes too many calls to be worth it
 MANIFEST = "parts.json"
+EXTRA = "prompts.json"  # the real-weights stage's prompt ids (gpu_real.py), sent with the first part
 
 
 class TransferError(Exception):
@@ -86,11 +87,12 @@ def split(src: Path, out: Path, part_bytes: int) -> list[Path]:
 
 
 def stash(carried: Path, store: Path) -> list[str]:
-    """Move the parts (and the manifest) a call carried in ``carried`` into ``store``; returns their names."""
+    """Move the parts (the manifest, and the prompts file that may ride with them) a call carried in ``carried``
+    into ``store``; returns their names."""
     store.mkdir(parents=True, exist_ok=True)
     moved = []
     for path in sorted(carried.iterdir()) if carried.is_dir() else []:
-        if path.name == MANIFEST or path.name.startswith("part-"):
+        if path.name in (MANIFEST, EXTRA) or path.name.startswith("part-"):
             shutil.copyfile(path, store / path.name)
             moved.append(path.name)
     return moved
@@ -145,11 +147,12 @@ def main(argv: list[str] | None = None) -> None:
             if not args.file.is_file():
                 raise TransferError(f"There is no file at '{args.file}' to send.")
             tp = plan(args.file.stat().st_size, tree_bytes(root))
-            part = args.part_mib * MIB if args.part_mib else tp.part_bytes
+            asked = getattr(args, "part_mib", None)  # split's option; plan has none
+            part = asked * MIB if asked else tp.part_bytes
             if args.cmd == "plan" or not tp.fits():
                 print(f"tree {tp.tree_bytes / MIB:.1f} MiB; parts of {tp.part_bytes / MIB:.0f} MiB; "
                       f"{tp.calls} calls for {args.file.stat().st_size / MIB:.1f} MiB")
-            if not tp.fits() and not args.part_mib:
+            if not tp.fits() and not asked:
                 raise TransferError(f"The tracked tree ({tp.tree_bytes / MIB:.1f} MiB) leaves only "
                                     f"{tp.part_bytes / MIB:.0f} MiB per call, {tp.calls} calls for this file: "
                                     f"slim the tree first.")

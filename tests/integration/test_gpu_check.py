@@ -53,13 +53,65 @@ def test_dry_run_writes_every_stage_and_the_bench_schema(tmp_path):
     verdicts = dec["verdicts"]  # every candidate probed until the exact one, each with its verdict
     assert next(iter(verdicts)) == "one-graph" and all({"chains_exact", "trees_exact", "worst"} <= set(v)
                                                      for v in verdicts.values())
-    assert dec["lossy"] is (not any(v["chains_exact"] for v in verdicts.values()))
+    assert dec["lossy"] is (not dec["plan"].startswith("exact speculation"))  # no plan taken: speculation labelled lossy
     drafts = bench["drafts"]["fp32"]
     assert drafts["chimera"]["draft_call_ms"] > 0 and all(drafts["hybrid"]["identical_to_plain"])
     pred = bench["predicted"]["fp32"]
     assert pred["ar"]["speedup_vs_plain"] == 1.0 and pred["prompt-lookup"]["tau_cpu"] > 1.0
     assert pred["chimera"]["draft_ms_from"] == "device" and pred["medusa"]["draft_ms_from"] == "cpu"
     assert summary["tests"]["failures"] == 0 and summary["tests"]["errors"] == 0
+
+
+@pytest.mark.slow
+def test_dry_run_real_reads_the_embedded_gguf_and_decodes_it(tmp_path):
+    """``--real`` on the CPU: the embedded GGUF through the real-weights stage (its plan verdicts, exact-tree
+    plans included, and prompt lookup equal to plain); three files, no bench.json or tests.xml."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--real"], check=False, cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "real.json", "stages.log"]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["passed"] and summary["real"] and set(summary["stages"]) == {"env", "setup", "weights", "real"}
+    real = summary["real"]
+    assert {k: v["status"] for k, v in real["stages"].items()} == {"load": "ok", "decode": "ok"}
+    assert real["load"]["shape"]["num_layers"] == 30 and real["load"]["shape"]["vocab_size"] == 49152
+    dec = real["decode"]["fp32"]
+    assert "one-graph" in dec["verdicts"] and (dec["trees"] or any(n.startswith("gathered") for n in dec["verdicts"]))
+    assert all(dec["speculative_identical_to_plain"]) and dec["ar_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_gguf_reader_gives_the_exporters_weights_bit_for_bit():
+    """The device's GGUF reader (no transformers) builds the step the exporter builds from transformers' load
+    of the same file: equal weights, equal logits."""
+    from specdeploy.exporter.bench.gpu_real import read_gguf
+    from specdeploy.exporter.source import load_model
+    from specdeploy.graphs.base_step import BaseStep, example_inputs
+
+    loaded = load_model(None)
+    weights, shape = read_gguf(Path(loaded.path))
+    mine, ref = step_from_weights(weights, shape).eval(), BaseStep(loaded.model).eval()
+    assert shape.rms_norm_eps == loaded.model.config.rms_norm_eps and shape.num_kv_heads == 3
+    for a, b in zip(ref.blocks, mine.blocks):
+        assert torch.equal(a.qkv.weight, b.qkv.weight) and torch.equal(a.down_proj.weight, b.down_proj.weight)
+    inputs = example_inputs(ref, batch=2, t=5, capacity=32)
+    with torch.no_grad():
+        want = ref(*inputs[:5], [x.clone() for x in inputs[5]])
+        got = mine(*inputs[:5], [x.clone() for x in inputs[5]])
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_the_real_stage_says_what_is_missing_in_one_sentence(tmp_path):
+    from specdeploy.exporter.bench import gpu_real
+
+    run = subprocess.run([sys.executable, "-m", "specdeploy.exporter.bench.gpu_real", "run", str(tmp_path / "r.json"),
+                          "--gguf", str(tmp_path / "none.gguf"), "--dry-run"], check=False, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "There is no GGUF at" in run.stderr and "Traceback" not in run.stderr
+    w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)  # 2 heads of 8 rows, llama.cpp's order undone
+    perm = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)  # what llama.cpp's converter does
+    assert np.array_equal(gpu_real.unpermute(perm, 2), w)
 
 
 def test_a_failing_stage_fails_the_check_and_says_why(tmp_path):

@@ -38,10 +38,25 @@ def test_parts_travel_over_calls_and_join_to_the_same_bytes(tmp_path):
         call = tmp_path / f"call{i}"
         call.mkdir()
         part.rename(call / part.name)
-        if i == 0:
+        if i == 0:  # the manifest, and the real-weights stage's prompts, ride with the first part
             (tmp_path / "parts" / "parts.json").rename(call / "parts.json")
-        assert stash(call, store) == sorted([part.name] + (["parts.json"] if i == 0 else []))
+            (call / "prompts.json").write_text('{"prompts": [[1, 2]]}')
+            (call / "stray.txt").write_text("not carried on")
+        assert stash(call, store) == sorted([part.name] + (["parts.json", "prompts.json"] if i == 0 else []))
     assert join(store, tmp_path / "joined.gguf").read_bytes() == data
+    assert json.loads((store / "prompts.json").read_text())["prompts"] == [[1, 2]]
+
+
+@pytest.mark.slow
+def test_the_real_stage_prompts_are_mtbench_in_the_chat_template(real_quant_bundle, tmp_path):
+    from specdeploy.exporter.bench.gpu_real import write_prompts
+    from specdeploy.runtime import load
+    from tiny_training import mtbench_first_turns
+
+    out = write_prompts(real_quant_bundle("q4_1"), tmp_path / "prompts.json", 3)
+    ids = json.loads(out.read_text())["prompts"]
+    with load(real_quant_bundle("q4_1"), draft=None) as engine:
+        assert ids == [engine.encode(p, chat=True) for p in mtbench_first_turns(3)]
 
 
 def test_a_missing_or_corrupt_part_is_one_sentence_and_leaves_no_file(tmp_path):
@@ -75,6 +90,8 @@ def test_the_cli_refuses_a_transfer_the_tree_leaves_no_room_for(tmp_path):
         assert run.returncode == 0 and json.loads((tmp_path / "p" / "parts.json").read_text())["bytes"] == 1024
     else:
         assert run.returncode == 2 and "slim the tree first" in run.stderr and "Traceback" not in run.stderr
+    run = subprocess.run([*cmd, "plan", str(src)], check=False, capture_output=True, text=True, timeout=120)
+    assert run.stdout.startswith("tree ") and "calls for" in run.stdout and "Traceback" not in run.stderr
     run = subprocess.run([*cmd, "join", str(tmp_path / "none"), str(tmp_path / "o")], check=False, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2 and run.stderr.startswith("error: ") and "Traceback" not in run.stderr
