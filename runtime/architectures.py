@@ -29,6 +29,9 @@ class Architecture:
     rope: str  # the position encoding the step implements for it
     sliding_window: str  # "none", "always" (config.sliding_window caps the context) or "use_sliding_window"
     norm: str = "rmsnorm"  # before attention and MLP, and at the end
+    # Whether llama.cpp's converter reorders q_proj's and k_proj's rows per head in its GGUFs (for its rotary
+    # layout), which a reader of the file's tensors undoes
+    gguf_qk_permuted: bool = False
     # Token strings that end an assistant turn, where the vocabulary has them; added to the stop tokens
     # (a GGUF often names only one of them as its eos).
     end_of_turn: tuple[str, ...] = ()
@@ -95,7 +98,7 @@ _TOOLS = {"tools": None, "documents": None}  # templates test them; no tool call
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", "llama", attention_bias="config", output="config",
-                 rope="rotary (rope_theta)", sliding_window="none",
+                 rope="rotary (rope_theta)", sliding_window="none", gguf_qk_permuted=True,
                  end_of_turn=("<|eot_id|>", "<|im_end|>", "<|end_of_text|>"), template_variables=_TOOLS),
     Architecture("MistralForCausalLM", "mistral", "llama", attention_bias="none", output="config",
                  rope="rotary (rope_theta)", sliding_window="always", end_of_turn=("</s>",),
@@ -107,6 +110,16 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  template_variables=_TOOLS),
 )
 SUPPORTED = tuple(a.name for a in ARCHITECTURES)
+
+
+def gguf_architecture(gguf_arch: str, where: str = "the GGUF") -> Architecture:
+    """The first description whose GGUF ``general.architecture`` is ``gguf_arch`` (Mistral's files say
+    "llama", as Llama's do); UnsupportedArchitectureError in one sentence otherwise."""
+    found = next((a for a in ARCHITECTURES if a.gguf_arch == gguf_arch), None)
+    if found is None:
+        raise UnsupportedArchitectureError(f"'{where}' holds a '{gguf_arch}' model; specdeploy supports "
+                                           f"{', '.join(SUPPORTED)}.")
+    return found
 
 
 def architecture(config=None, *, name: str | None = None, where: str = "the model") -> Architecture:

@@ -161,7 +161,10 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
     why_not = "; ".join([f"'{r.candidate.name}' differs by {r.worst().max_abs:.2g} at {r.worst().what}"
                          for r in failed] + [f"'{r.candidate.name}' is exact but its plain step costs "
                                              f"{r.plain_ms / fastest_ms:.1f}x the fastest" for r in too_slow])
-    pick = first if first is not None and (first.trees_exact or trees is None) else trees or next(iter(usable), None)
+    if first is not None and (first.trees_exact or trees is None):
+        pick = first
+    else:  # the exact-tree plan, or where no other is exact, the first usable one
+        pick = trees or next(iter(usable), None)
     if pick is not None:
         shape = "trees" if pick.trees_exact else "chains (a tree's rows differ)"
         skipped = f" ({why_not})" if why_not else ""

@@ -61,7 +61,7 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
         for n_ctx in contexts:
             prompt = [(17 + 7919 * i) % v for i in range(n_ctx)]
             tag = "" if n_ctx == PROBE_PROMPT else f" @{n_ctx}"
-            ok = _chains_and_tree(dec, prompt, tokens, depth, tag, times, checks, tree=True)
+            ok = _chains_and_tree(dec, prompt, tokens, depth, tag, times, checks)
             if not ok:
                 break
         return ProbeResult(cand, tuple(checks), 1000 * float(np.median(times)))
@@ -71,7 +71,7 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
 
 
 def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: int, tag: str, times: list[float],
-                     checks: list[ProbeCheck], tree: bool) -> bool:
+                     checks: list[ProbeCheck]) -> bool:
     """One context's checks, appended to ``checks``; False once one differs (the rest would not change
     the verdict)."""
     state, _ = dec.prefill(prompt)
@@ -110,7 +110,7 @@ def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: 
             np.asarray(tokens[:t]), np.arange(-1, t - 1)), p))))
         if checks[-1].max_abs:
             return False
-    if tree and depth >= 3:
+    if depth >= 3:
         # the path t_0 -> t_1 -> ... -> t_m with a sibling before each of its nodes, so that every path node's
         # ancestors are interleaved with nodes it must not see
         toks, parents, path = [tokens[0]], [-1], [0]

@@ -19,8 +19,7 @@ a stage that fails records why, the stages built on it are skipped, and the exit
 5. ``predicted``: end-to-end tok/s for each draft as tau measured on the CPU with the real weights (a
    ``specdeploy bench`` JSON; fp32 tau does not depend on the hardware) over this device's step cost.
 
-``--dry-run`` runs the same stages on CPU torch with a tiny shape and writes the same schema, so CI
-keeps the script alive. Nothing here imports transformers.
+``--dry-run``: the same stages and schema on CPU torch with a tiny shape (CI). No transformers here.
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ def roofline_ms(shape: StepShape, dtype_bytes: int, t: int, past: int, bandwidth
 
 
 def _sig(x: float) -> float:
-    return float(f"{x:.4g}")
+    return float(f"{x:.4g}")  # four significant digits
 
 
 class Report:
@@ -271,6 +270,7 @@ def warm_clock(seconds: float) -> dict[str, Any]:
 def _decode(check: Check, backend: TorchBackend, plan: StepPlan, drafter, ids: list[list[int]],
             max_new: int) -> dict[str, Any]:
     dec = Decoder(backend, check.manifest, drafter, plan=plan)
+    backend.capture_all()  # in the plan's form: a gathered plan's steps are other graphs (none missing: no-op)
     if dec.drafter is not None and dec.drafter.needs_cost_curve:
         dec.track_costs(measure_cost_curve(dec))  # then re-estimated from the loop's steps, as on the CPU
     list(dec.generate(ids[0][:8], GenerationConfig(max_new_tokens=4)))  # warm-up

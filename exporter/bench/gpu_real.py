@@ -40,6 +40,7 @@ from specdeploy.exporter.bench.gpu import (
     prompts,
 )
 from specdeploy.graphs.native_step import StepShape
+from specdeploy.runtime.architectures import gguf_architecture
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
 from specdeploy.runtime.probe import resolve_plan
@@ -68,8 +69,7 @@ def read_gguf(path: Path) -> tuple[dict[str, torch.Tensor], StepShape]:
         return f.contents() if f is not None else default
 
     arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise BackendUnavailableError(f"The GGUF at '{path}' holds a '{arch}' model, not a Llama-family one.")
+    family = gguf_architecture(arch, str(path))
     t = {}
     for tensor in reader.tensors:
         dims = tuple(int(d) for d in reversed(tensor.shape))  # GGML lists the row length first
@@ -87,11 +87,10 @@ def read_gguf(path: Path) -> tuple[dict[str, torch.Tensor], StepShape]:
                       qkv_bias="blk.0.attn_q.bias" in t)
     lm_head = t.get("output.weight", embed)  # tied to the embedding where the file has no output
     w = {"embed_tokens": embed, "lm_head_t": lm_head.T, "final_norm": t["output_norm.weight"]}
-    llama = arch == "llama"  # Qwen2's converter keeps the rows in order
     for i in range(shape.num_layers):
         b, p = f"blk.{i}.", f"layers.{i}."
         q, k = t[b + "attn_q.weight"], t[b + "attn_k.weight"]
-        if llama:
+        if family.gguf_qk_permuted:
             q, k = unpermute(q, heads), unpermute(k, kv_heads)
         w |= {p + "input_norm": t[b + "attn_norm.weight"], p + "post_norm": t[b + "ffn_norm.weight"],
               p + "qkv_t": np.concatenate([q, k, t[b + "attn_v.weight"]]).T,

@@ -214,18 +214,23 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     """Probe every step plan on this machine, bit for bit (``runtime/probe.py``), and print the verdicts.
 
     A plan whose chain rows differ from plain rows is refused for speculative greedy decoding; the
-    runtime takes the first exact one (or decodes plainly when none is). Returns the runtime's plan.
+    runtime takes the first exact one (or decodes plainly when none is). The verdicts replace this machine's
+    cached ones, so the plan printed and returned is the one the runtime then takes.
     Not a pass/fail check: exactness is the installed kernels' property, which the runtime measures
     and acts on at load, not the export's.
     """
     from specdeploy.runtime.backends import make_backend
-    from specdeploy.runtime.plan import PROBE_DEPTH, candidates, choose, machine_id
-    from specdeploy.runtime.probe import probe
+    from specdeploy.runtime.plan import PROBE_DEPTH, candidates, machine_id, store_verdict, verdict_key
+    from specdeploy.runtime.probe import probe, resolve_plan
 
     depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
     progress(f"probing step plans bit for bit on this machine ({machine_id()}), chains of 2..{depth} rows ...")
     with make_backend("ort-cpu", bundle_dir, manifest) as backend:
-        results = [probe(backend, manifest, cand, depth) for cand in candidates(backend, depth)]
+        results = []
+        for cand in candidates(backend, depth):  # afresh, and kept as this machine's verdicts
+            results.append(probe(backend, manifest, cand, depth))
+            store_verdict(verdict_key(backend, manifest, cand, depth), results[-1])
+        plan = resolve_plan(backend, manifest)  # the runtime's choice, from those verdicts
     for r in results:
         worst = r.worst()
         chains = "exact" if r.chains_exact else f"DIFFER ({worst.max_abs:.2g} at {worst.what})"
@@ -233,7 +238,6 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
         trees = "not probed" if tree is None else "exact" if r.trees_exact else f"differ ({tree.max_abs:.2g})"
         progress(f"  plan {r.candidate.name:<18} chains {chains}; trees {trees}; {r.plain_ms:.1f} ms per plain step"
                  + ("" if r.chains_exact else "  -> speculative greedy decoding refused on this plan"))
-    plan = choose(results, depth)
     progress(f"  runtime: {plan.reason}")
     return plan
 

@@ -112,6 +112,12 @@ def test_the_real_stage_says_what_is_missing_in_one_sentence(tmp_path):
     w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)  # 2 heads of 8 rows, llama.cpp's order undone
     perm = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)  # what llama.cpp's converter does
     assert np.array_equal(gpu_real.unpermute(perm, 2), w)
+    from specdeploy.runtime.architectures import gguf_architecture
+    from specdeploy.runtime.errors import UnsupportedArchitectureError
+
+    assert gguf_architecture("llama").gguf_qk_permuted and not gguf_architecture("qwen2").gguf_qk_permuted
+    with pytest.raises(UnsupportedArchitectureError, match="holds a 'falcon' model; specdeploy supports"):
+        gguf_architecture("falcon", "x.gguf")
 
 
 def test_a_failing_stage_fails_the_check_and_says_why(tmp_path):

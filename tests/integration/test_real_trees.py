@@ -20,7 +20,7 @@ from specdeploy.runtime.probe import probe
 from tiny_training import mtbench_first_turns
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
-TOKENS = 32
+TOKENS = 24
 
 
 @pytest.mark.slow
@@ -65,5 +65,6 @@ def test_tree_drafts_on_the_exact_tree_plan_equal_plain_on_80_mtbench_prompts(re
                 steps += st.gate_parallel
             assert sum(branched) > len(refs)  # branching trees were verified, not their best chains
             taus[draft] = tokens / steps
+    print(f"tau on 16-node trees, drafting every step: {taus}")
     # trained drafts on 16-node trees (chains of the same drafts reach about 1.3-1.7 here)
     assert all(tau > 1.3 for tau in taus.values()), taus
