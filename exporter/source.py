@@ -139,7 +139,7 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def _file_sha(path: Path) -> str:
+def file_sha(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 22):
@@ -154,7 +154,7 @@ def _folder_sha(folder: Path) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        h.update(_file_sha(f).encode())
+        h.update(file_sha(f).encode())
     return h.hexdigest()
 
 
@@ -232,7 +232,7 @@ def load_model(model: str | None = None) -> LoadedModel:
     if path.is_dir():
         m, tok = _load_hf_folder(path)
         return LoadedModel(m, tok, str(path), "hf", _folder_sha(path))
-    sha = _file_sha(path)
+    sha = file_sha(path)
     cached = _gguf_cache_dir(path, sha)
     if not (cached / "model.safetensors").is_file():
         _dequantize_gguf_to_cache(path, cached)
@@ -245,7 +245,7 @@ def cached_hf_folder(model: str | None = None) -> Path:
     path = resolve_model_path(model)
     if path.is_dir():
         return path
-    cached = _gguf_cache_dir(path, _file_sha(path))
+    cached = _gguf_cache_dir(path, file_sha(path))
     if not (cached / "model.safetensors").is_file():
         _dequantize_gguf_to_cache(path, cached)
     return cached

@@ -74,8 +74,10 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def step_from_weights(weights: dict[str, torch.Tensor], shape: StepShape) -> BaseStep:
-    """The base step over ``weights`` (named as above); KeyError or ValueError when they do not fit ``shape``."""
+def step_from_weights(weights: dict[str, torch.Tensor], shape: StepShape,
+                      feature_layers: tuple[int, ...] = ()) -> BaseStep:
+    """The base step over ``weights`` (named as above); KeyError or ValueError when they do not fit ``shape``.
+    ``feature_layers`` adds the tapped decoder layers' residual outputs (``layer_states``, for EAGLE-3 drafts)."""
     s = shape
     q_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     expect = {"embed_tokens": (s.vocab_size, s.hidden_size), "lm_head_t": (s.hidden_size, s.vocab_size),
@@ -103,7 +105,8 @@ def step_from_weights(weights: dict[str, torch.Tensor], shape: StepShape) -> Bas
     else:
         rotary = TableRotary(*rotary_tables(s.head_dim, s.rope_theta, s.max_positions))
     return BaseStep.from_parts(embed, blocks, (_param(weights["final_norm"]), s.rms_norm_eps),
-                               _linear(weights["lm_head_t"]), rotary, (s.num_heads, s.num_kv_heads, s.head_dim))
+                               _linear(weights["lm_head_t"]), rotary, (s.num_heads, s.num_kv_heads, s.head_dim),
+                               feature_layers)
 
 
 def random_weights(shape: StepShape, seed: int = 0, std: float = 0.02, device: str | torch.device = "cpu",

@@ -3,12 +3,14 @@
 #
 #   bash scripts/gpu_check.sh                    # random weights of the real shape (about 3 minutes on an H200)
 #   bash scripts/gpu_check.sh --real             # the real SmolLM2 from the GGUF sent in parts (exporter/bench/gpu_real.py)
-#   bash scripts/gpu_check.sh --dry-run [--real] # the same stages on CPU torch (random: a tiny shape; real: the
-#                                                # embedded GGUF, fp32); CI runs both
+#   bash scripts/gpu_check.sh --train            # drafts trained on the device from that GGUF (exporter/train/ondevice.py)
+#   bash scripts/gpu_check.sh --dry-run [--real] [--train]  # the same stages on CPU torch (random: a tiny shape;
+#                                                # real and train: the embedded GGUF, fp32, a few prompts); CI runs them
 #
 # Results in $OUT (default ./gpu_check_out). A device session of 15 minutes: call 1 runs the random-weight check
 # (limits below: at most 9.5 minutes) and carries the GGUF's first part with prompts.json (`gpu_transfer stash`);
-# calls 2 and 3 carry the other parts, and call 3 runs `--real` (at most 6 minutes), which joins them.
+# call 2 carries the second part; call 3 carries the last part with train-prompts.npz (`python -m
+# specdeploy.exporter.train.ondevice prepare`) and runs `--real --train` (at most 9.8 minutes), which joins them.
 #
 # The device has no network and receives at most 64 MiB per call, this repository's tracked tree included:
 # - the base runs with random weights of the real SmolLM2-135M shape, generated on the device (step times
@@ -20,22 +22,25 @@
 #   sends a generated file in parts through the same commands;
 # - nothing is installed: specdeploy is imported from this checkout through a folder of links, and the
 #   tests stage uses the image's pytest and click (a missing one fails that stage, saying so).
-# Files in $OUT (at most 5, under the 7 that may come back): gpu_check.json (stages with their reasons,
-# environment, bench, tests, real), bench.json (rewritten after every bench stage), stages.log (every stage's
-# output), tests.xml; with --real, real.json instead of bench.json and tests.xml. Stages and limits: env 60 s,
-# setup 30 s, weights 90 s, then bench 300 s and tests 60 s, or with --real the real stage 150 s (a dry run:
-# 300 s); summary 30 s.
+# Files in $OUT (at most 6, under the 7 that may come back): gpu_check.json (stages with their reasons,
+# environment, bench, tests, real, train), bench.json (rewritten after every bench stage), stages.log (every
+# stage's output), tests.xml; with --real or --train instead of bench.json and tests.xml: real.json, and
+# train.json with chimera.safetensors and cerberus.safetensors (under 16 MiB each). Stages and limits: env 60 s,
+# setup 30 s, weights 90 s, then bench 300 s and tests 60 s, or the real stage 200 s and the train stage 180 s
+# (dry runs: 400 s each); summary 30 s.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 DRY=0
 REAL=0
+TRAIN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --real) REAL=1 ;;
-    *) echo "usage: bash scripts/gpu_check.sh [--dry-run] [--real]" >&2; exit 2 ;;
+    --train) TRAIN=1 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [--dry-run] [--real] [--train]" >&2; exit 2 ;;
   esac
 done
 OUT="${OUT:-$ROOT/gpu_check_out}"
@@ -131,8 +136,24 @@ if [ "$REAL" = 1 ]; then
     "$PY" -m specdeploy.exporter.bench.gpu_real run "$OUT/real.json" --gguf "$gguf" "${args[@]}"
   }
   export -f real
-  stage real "$([ "$DRY" = 1 ] && echo 300 || echo 150)" bash -c real  # the dry run: 135M in torch on 2 cores
-else
+  stage real "$([ "$DRY" = 1 ] && echo 400 || echo 200)" bash -c real  # the dry run: 135M in torch on 2 cores
+fi
+if [ "$TRAIN" = 1 ]; then
+  # --- train: self-distilled data and the two drafts, from the joined GGUF (a dry run: the embedded one) -------
+  train() {
+    local gguf="$WORK/model.gguf" prompts="${SPECDEPLOY_GPU_STORE:-$WORK}/train-prompts.npz" args=()
+    if [ "$DRY" = 1 ]; then  # the prompts made here, as `prepare` makes them before the call
+      gguf="$("$PY" -c 'from specdeploy.exporter.source import default_gguf_path; print(default_gguf_path())')" || return 1
+      prompts="$WORK/train-prompts.npz"
+      "$PY" -m specdeploy.exporter.train.ondevice prepare "$prompts" --max-seqs 48 --reply-tokens 40 || return 1
+      args+=(--dry-run)
+    fi
+    "$PY" -m specdeploy.exporter.train.ondevice run "$OUT" --gguf "$gguf" --prompts "$prompts" "${args[@]}"
+  }
+  export -f train
+  stage train "$([ "$DRY" = 1 ] && echo 400 || echo 180)" bash -c train
+fi
+if [ "$REAL" = 0 ] && [ "$TRAIN" = 0 ]; then
   # --- bench: before the tests, so that a slow test costs no figure -------------------------------------
   BENCH_ARGS=(--cpu-results docs/results/mtbench32_fp32_drafts_amd_avx2.json)
   if [ "$DRY" = 1 ]; then BENCH_ARGS+=(--dry-run --max-new-tokens 16 --num-prompts 2); fi
@@ -144,13 +165,14 @@ else
 fi
 
 # --- summary: once, stdlib only, under a limit; its verdict is the exit code ----------------------------
-timeout 30 "$PY" - "$OUT" "$WORK" "$START" "$DRY" "$REAL" <<'PYEOF'
+timeout 30 "$PY" - "$OUT" "$WORK" "$START" "$DRY" "$REAL" "$TRAIN" <<'PYEOF'
 import json, sys, time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 out, work, start, dry = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-real = sys.argv[5] == "1"
+real, train = sys.argv[5] == "1", sys.argv[6] == "1"
+docs = (("real",) if real else ()) + (("train",) if train else ()) or ("bench",)
 stages, failures = {}, []
 for line in (work / "stages.txt").read_text().split():
     name, rc, secs = line.split(":")
@@ -158,12 +180,13 @@ for line in (work / "stages.txt").read_text().split():
     if int(rc):
         why = "timed out" if int(rc) in (124, 137) else f"exit code {rc}"
         failures.append(f"stage {name}: {why} (stages.log)")
-summary = {"schema": 2, "dry_run": dry, "real": real, "stages": stages, "wall_s": int(time.time()) - start}
+summary = {"schema": 2, "dry_run": dry, "real": real, "train": train, "stages": stages,
+           "wall_s": int(time.time()) - start}
 try:
     summary["env"] = json.loads((work / "env.json").read_text())
 except (OSError, ValueError):
     summary["env"] = None
-for what in ("real",) if real else ("bench",):
+for what in docs:
     if (out / f"{what}.json").is_file():
         doc = summary[what] = json.loads((out / f"{what}.json").read_text())
         failures += [f"{what} {name}: {doc['errors'].get(name, st['status'])[-300:]}"
@@ -171,9 +194,7 @@ for what in ("real",) if real else ("bench",):
     else:
         failures.append(f"{what}: no {what}.json")
 xml = out / "tests.xml"
-if real:
-    pass
-elif xml.is_file():
+if "bench" in docs and xml.is_file():  # --real and --train run no tests stage
     suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     t = summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
@@ -187,7 +208,7 @@ elif xml.is_file():
             t["note"] = "every test skipped: a dry run has no CUDA"
         else:
             failures.append(f"tests: all {t['tests']} skipped")
-else:
+elif "bench" in docs:
     failures.append("tests: no tests.xml")
 summary["passed"], summary["failures"] = not failures, failures
 (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))

@@ -25,19 +25,25 @@ a stage that fails records why, the stages built on it are skipped, and the exit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import platform
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from specdeploy.exporter.bench.gpu_common import (
+    Report,
+    lossless_problems,
+    outputs_equal,
+    plan_verdicts,
+    sig4,
+    timed_decode,
+)
 from specdeploy.exporter.reference.torch_backend import DTYPES, TorchBackend
 from specdeploy.exporter.reference.torch_drafters import random_chimera
 from specdeploy.graphs.chimera import ChimeraConfig
@@ -52,14 +58,12 @@ from specdeploy.runtime.bundle import (
     TokenizerInfo,
 )
 from specdeploy.runtime.capture import chain_feed
-from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
 from specdeploy.runtime.drafters import PromptLookupDrafter, kinds
 from specdeploy.runtime.drafters.hybrid import HybridDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
 from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, choose
 from specdeploy.runtime.probe import resolve_plan
 
-SCHEMA = 1
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "weights"  # the shipped drafts (tracked)
 
 
@@ -79,13 +83,16 @@ STEP_SIZES = (1, 16, 64)
 SEED = 0
 
 
-def synthetic_manifest(shape: StepShape, max_context: int, max_tree: int) -> BundleManifest:
-    """A manifest for ``shape`` with random weights: what the Decoder and the exactness probe read."""
+def synthetic_manifest(shape: StepShape, max_context: int, max_tree: int,
+                       feature_layers: tuple[int, ...] = ()) -> BundleManifest:
+    """A manifest for ``shape`` with random weights: what the Decoder and the exactness probe read
+    (``feature_layers``: the taps the base step returns, which a fusing Chimera reads)."""
     llama = ARCHITECTURES[0]  # the SmolLM2 shape's family
     model = ModelConfig(llama.name, llama.model_type, shape.vocab_size, shape.hidden_size, shape.num_layers,
                         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.max_positions, eos_token_ids=())
     tag = f"random-seed{SEED}-{shape.num_layers}x{shape.hidden_size}"
-    graph = GraphEntry("base", tag, tag, (), (), (), 0, target="ort", precision="fp32")
+    graph = GraphEntry("base", tag, tag, (), (), (), 0, target="ort", precision="fp32",
+                       feature_layers=tuple(feature_layers))
     return BundleManifest(model, (graph,), Limits(max_batch=1, max_tree=max_tree, max_context=max_context),
                           TokenizerInfo("none", None, None, None), SourceInfo(tag, "random", tag), ())
 
@@ -111,61 +118,13 @@ def roofline_ms(shape: StepShape, dtype_bytes: int, t: int, past: int, bandwidth
     return (weights + kv) * dtype_bytes / bandwidth * 1e3
 
 
-def _sig(x: float) -> float:
-    return float(f"{x:.4g}")  # four significant digits
-
-
-class Report:
-    """The JSON written after every stage; a stage's exception is recorded with its traceback and the next
-    stage goes on, unless it builds on the failed one (:meth:`ready`). :attr:`failed` decides the exit code."""
-
-    def __init__(self, path: Path, meta: dict[str, Any]):
-        self.path = path
-        self.data: dict[str, Any] = {"schema": SCHEMA, **meta, "stages": {}, "errors": {}}
-        self.save()
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=float))
-        tmp.replace(self.path)
-
-    def ready(self, name: str, needs: tuple[str, ...]) -> bool:
-        """Whether the stages ``name`` builds on all passed; if not, ``name`` is recorded as skipped, with why."""
-        missing = [n for n in needs if self.data["stages"].get(n, {}).get("status") != "ok"]
-        if missing:
-            self.data["stages"][name] = {"status": "skipped", "seconds": 0.0}
-            self.data["errors"][name] = f"skipped: the {', '.join(missing)} stage did not pass"
-            self.save()
-            print(f"[gpu-check] {name}: skipped ({', '.join(missing)} did not pass)", flush=True)
-        return not missing
-
-    @property
-    def failed(self) -> list[str]:
-        """The stages that did not pass (an error, or skipped because one they build on failed)."""
-        return [n for n, st in self.data["stages"].items() if st["status"] != "ok"]
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[dict[str, Any]]:
-        t0 = time.time()
-        out: dict[str, Any] = {}
-        self.data[name] = out
-        try:
-            yield out
-            status = "ok"
-        except Exception:  # noqa: BLE001 - a check records a failed stage and goes on to the next
-            self.data["errors"][name] = traceback.format_exc()[-3000:]
-            status = "error"
-        self.data["stages"][name] = {"status": status, "seconds": round(time.time() - t0, 2)}
-        self.save()
-        print(f"[gpu-check] {name}: {status} ({time.time() - t0:.1f}s)", flush=True)
-
-
 class Check:
     """The state the stages share: device, shape, manifest, and one backend per (precision, graphs)."""
 
-    def __init__(self, shape: StepShape, device: str, max_context: int, max_tree: int):
-        self.shape, self.device = shape, device
-        self.manifest = synthetic_manifest(shape, max_context, max_tree)
+    def __init__(self, shape: StepShape, device: str, max_context: int, max_tree: int,
+                 feature_layers: tuple[int, ...] = ()):
+        self.shape, self.device, self.feature_layers = shape, device, tuple(feature_layers)
+        self.manifest = synthetic_manifest(shape, max_context, max_tree, self.feature_layers)
         self.cuda = device.startswith("cuda")
         self._weights: dict[str, torch.Tensor] | None = None
 
@@ -173,7 +132,7 @@ class Check:
         if self._weights is None:
             self._weights = random_weights(self.shape, seed=SEED, device=self.device)
         return TorchBackend("", self.manifest, device=self.device, precision=precision, cuda_graphs=graphs,
-                            weights=self._weights, shape=self.shape)
+                            weights=self._weights, shape=self.shape, feature_layers=self.feature_layers)
 
     def drafters(self, precision: str) -> Iterator[tuple[str, Any]]:
         """(name, drafter) for each model draft, in torch on the device: the shipped Chimera over the random
@@ -267,24 +226,6 @@ def warm_clock(seconds: float) -> dict[str, Any]:
     return {"matmuls": n, "seconds": round(time.perf_counter() - t0, 2), "copy_bytes_per_s": float(np.median(runs))}
 
 
-def _decode(check: Check, backend: TorchBackend, plan: StepPlan, drafter, ids: list[list[int]],
-            max_new: int) -> dict[str, Any]:
-    dec = Decoder(backend, check.manifest, drafter, plan=plan)
-    backend.capture_all()  # in the plan's form: a gathered plan's steps are other graphs (none missing: no-op)
-    if dec.drafter is not None and dec.drafter.needs_cost_curve:
-        dec.track_costs(measure_cost_curve(dec))  # then re-estimated from the loop's steps, as on the CPU
-    list(dec.generate(ids[0][:8], GenerationConfig(max_new_tokens=4)))  # warm-up
-    toks, tps, taus = [], [], []
-    for p in ids:
-        st = DecodeStats()
-        toks.append(list(dec.generate(p, GenerationConfig(max_new_tokens=max_new), st)))
-        tps.append(st.decode_tokens_per_s)
-        taus.append(st.mean_accepted)
-    return {"tokens": toks, "tok_s": round(float(np.mean(tps)), 1), "tau": round(float(np.mean(taus)), 3),
-            "plan": plan.reason, "speculative": plan.speculate,
-            "profile": drafter.profile() if drafter is not None and hasattr(drafter, "profile") else {}}
-
-
 def draft_call_ms(drafter, shape: StepShape, prompt: list[int], iters: int) -> float:
     """Mean time of one draft call: catch up over ``prompt``, then steps that each accepted one draft."""
     rng = np.random.default_rng(SEED)
@@ -310,25 +251,6 @@ def first_divergence(check: Check, ref: list[int], other: list[int], prompt: lis
                                    cache).logits)[0, -1]
     top2 = np.sort(row)[-2:]
     return {"token": i, "fp32": int(ref[i]), "other": int(other[i]), "margin": float(top2[1] - top2[0])}
-
-
-def _verdicts(plan: StepPlan) -> dict[str, Any]:
-    """Each probed candidate's verdict: chains and trees exact, the worst check, its plain step time."""
-    return {r.candidate.name: {"chains_exact": r.chains_exact, "trees_exact": r.trees_exact,
-                               "worst": [r.worst().what, r.worst().max_abs] if r.checks else None,
-                               "plain_ms": round(r.plain_ms, 3)} for r in plan.probes}
-
-
-def _same(a: list[list[int]], b: list[list[int]]) -> list[bool]:
-    return [x == y for x, y in zip(a, b, strict=True)]
-
-
-def _lossless(entry: dict[str, Any], plan: StepPlan, same: list[bool], what: str) -> None:
-    """On an exact plan every output must equal plain decoding's: a difference fails the stage."""
-    entry["lossy"] = plan.lossy
-    if plan.exact and not all(same):
-        raise AssertionError(f"{what} on the exact plan left plain decoding on {same.count(False)} of {len(same)} "
-                             f"prompts: the probe passed a plan that is not exact here")
 
 
 def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_prompts: int) -> Report:
@@ -368,10 +290,10 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                         check.step_ms(backend, t, past, 2)
                     key = f"{prec}-{'graphs' if graphs else 'eager'}"
                     res[key] = {"captured": captured, "capture_s": round(time.time() - t0, 2), "repeats": 5,
-                                "ms": {str(t): _sig(check.step_ms(backend, t, past, iters, repeats=5))
+                                "ms": {str(t): sig4(check.step_ms(backend, t, past, iters, repeats=5))
                                        for t in STEP_SIZES}}
                 rep.save()
-            res[f"{prec}-roofline"] = {"ms": {str(t): _sig(roofline_ms(shape, size, t, past, bandwidth))
+            res[f"{prec}-roofline"] = {"ms": {str(t): sig4(roofline_ms(shape, size, t, past, bandwidth))
                                               for t in STEP_SIZES}}
             res[f"{prec}-attention-kernels"] = check.attention_kernels(prec)
             if cuda:
@@ -391,25 +313,22 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                 # no exact plan: speculation still measured, on the fastest plan, labelled lossy
                 spec_plan = plan if plan.speculate else choose(list(plan.probes), depth, allow_inexact=True)
                 fastest = dataclasses.replace(spec_plan, candidate=plan.probes[0].candidate, speculate=False)
-                ar = _decode(check, backend, plan, None, ids, max_new)
-                ar_fast = ar if fastest.candidate == plan.candidate else _decode(check, backend, fastest, None, ids,
-                                                                                 max_new)
-                pl = _decode(check, backend, spec_plan, PromptLookupDrafter(), ids, max_new)
+                ar = timed_decode(check.manifest, backend, plan, None, ids, max_new)
+                ar_fast = ar if fastest.candidate == plan.candidate else timed_decode(check.manifest, backend, fastest,
+                                                                                      None, ids, max_new)
+                pl = timed_decode(check.manifest, backend, spec_plan, PromptLookupDrafter(), ids, max_new)
             plain[prec], res_plain[prec], plans[prec] = ar["tokens"], ar["tok_s"], spec_plan
-            same = _same(ar["tokens"], pl["tokens"])
+            same = outputs_equal(ar["tokens"], pl["tokens"])
             res[prec] = entry = {
-                "plan": plan.reason, "speculation_plan": spec_plan.reason, "verdicts": _verdicts(plan),
+                "plan": plan.reason, "speculation_plan": spec_plan.reason, "verdicts": plan_verdicts(plan),
                 "ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"],
                 "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
                 "fastest_plain_plan": fastest.candidate.name, "ar_fastest_plain_tok_s": ar_fast["tok_s"],
                 "speedup_vs_fastest_plain": round(pl["tok_s"] / ar_fast["tok_s"], 2) if ar_fast["tok_s"] else None,
-                "plan_plain_identical_to_fastest_plain": _same(ar["tokens"], ar_fast["tokens"]),
+                "plan_plain_identical_to_fastest_plain": outputs_equal(ar["tokens"], ar_fast["tokens"]),
                 "tau_random_weights": pl["tau"], "speculative_identical_to_plain": same}
             rep.save()
-            try:
-                _lossless(entry, spec_plan, same, f"{prec} prompt lookup")
-            except AssertionError as exc:
-                problems.append(str(exc))
+            problems += lossless_problems(entry, spec_plan, same, f"{prec} prompt lookup")
         if problems:  # raised once every precision has been measured
             raise AssertionError("; ".join(problems))
     # the drafts need each precision's plan, which a lossless violation in the decode stage still leaves
@@ -420,18 +339,15 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
                 with check.backend(prec, cuda) as backend:
                     backend.capture_all()
                     for name, drafter in check.drafters(prec):
-                        run = _decode(check, backend, plans[prec], drafter, ids, max_new)
-                        same = _same(plain[prec], run["tokens"])
+                        run = timed_decode(check.manifest, backend, plans[prec], drafter, ids, max_new)
+                        same = outputs_equal(plain[prec], run["tokens"])
                         entry = res.setdefault(prec, {})[name] = {
                             "tok_s": run["tok_s"], "vs_plain": round(run["tok_s"] / res_plain[prec], 2),
                             "plan": run["plan"], "tau_random_weights": run["tau"], "identical_to_plain": same}
                         if name == kinds.CHIMERA:  # the draft's own cost, whatever the plan
-                            entry["draft_call_ms"] = _sig(draft_call_ms(drafter, check.shape, ids[0], iters))
+                            entry["draft_call_ms"] = sig4(draft_call_ms(drafter, check.shape, ids[0], iters))
                         rep.save()
-                        try:
-                            _lossless(entry, plans[prec], same, f"{prec} {name}")
-                        except AssertionError as exc:
-                            problems.append(str(exc))
+                        problems += lossless_problems(entry, plans[prec], same, f"{prec} {name}")
             if problems:
                 raise AssertionError("; ".join(problems))
     if len(plain) == len(precisions) or rep.ready("identity", ("decode",)):

@@ -7,6 +7,10 @@ if the device lacks it), undoes llama.cpp's row order of q/k, and builds the bas
 
 * ``decode``: the step plan the probe chooses on the real weights (every candidate's verdict, the exact-tree
   plans included), plain against prompt-lookup decoding on it (tok/s, tau, every output equal to plain);
+* ``drafts`` (fp32 and bf16): the shipped drafts (``graphs/weights``: Chimera with its EAGLE-3 taps, Medusa,
+  Cerberus without its gate) in torch on the device, on the same plan (where it does not speculate, the first
+  exact one, against plain decoding there), drafting every step as chains and, where the plan
+  verifies trees, as ``tree16``: tok/s, tau, every output equal to plain;
 * ``identity``: fp16/bf16 greedy tokens against fp32, per prompt the first divergence.
 
 Prompts are MT-bench first turns in the chat template, tokenized on the CPU (``prompts`` below) and carried
@@ -29,28 +33,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from specdeploy.exporter.bench.gpu import (
-    Check,
+from specdeploy.exporter.bench.gpu import WEIGHTS_DIR, Check, first_divergence, prompts
+from specdeploy.exporter.bench.gpu_common import (
     Report,
-    _decode,
-    _lossless,
-    _same,
-    _verdicts,
-    first_divergence,
-    prompts,
+    lossless_problems,
+    outputs_equal,
+    plan_verdicts,
+    timed_decode,
 )
+from specdeploy.exporter.export.gguf_blocks import gguf_row_order
+from specdeploy.exporter.reference.torch_backend import DTYPES
+from specdeploy.exporter.train.weights import load_draft_weights
 from specdeploy.graphs.native_step import StepShape
 from specdeploy.runtime.architectures import gguf_architecture
 from specdeploy.runtime.drafters import PromptLookupDrafter
+from specdeploy.runtime.drafters.kinds import CERBERUS, CHIMERA, MEDUSA
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
+from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, asked_for, choose
 from specdeploy.runtime.probe import resolve_plan
 
-
-def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's converter, which reorders q_proj's and k_proj's rows per head for its rotary
-    layout (``(heads, 2, D/2)`` halves interleaved as ``(heads, D/2, 2)``)."""
-    rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+TOPK = 10  # the heads' top-k per depth, as exported (export draft's default)
 
 
 def read_gguf(path: Path) -> tuple[dict[str, torch.Tensor], StepShape]:
@@ -90,8 +92,8 @@ def read_gguf(path: Path) -> tuple[dict[str, torch.Tensor], StepShape]:
     for i in range(shape.num_layers):
         b, p = f"blk.{i}.", f"layers.{i}."
         q, k = t[b + "attn_q.weight"], t[b + "attn_k.weight"]
-        if family.gguf_qk_permuted:
-            q, k = unpermute(q, heads), unpermute(k, kv_heads)
+        if family.gguf_qk_permuted:  # the order the exporter checks bit for bit against transformers' load
+            q, k = q[gguf_row_order(len(q), heads)], k[gguf_row_order(len(k), kv_heads)]
         w |= {p + "input_norm": t[b + "attn_norm.weight"], p + "post_norm": t[b + "ffn_norm.weight"],
               p + "qkv_t": np.concatenate([q, k, t[b + "attn_v.weight"]]).T,
               p + "o_proj_t": t[b + "attn_output.weight"].T,
@@ -104,7 +106,7 @@ def read_gguf(path: Path) -> tuple[dict[str, torch.Tensor], StepShape]:
 
 def write_prompts(bundle: Path, out: Path, count: int) -> Path:
     """MT-bench first turns in the bundle's chat template, as token ids, for the device (sent as
-    ``gpu_transfer.EXTRA`` beside the first part, which ``stash`` keeps in the store)."""
+    ``gpu_transfer.EXTRAS`` beside the first part, which ``stash`` keeps in the store)."""
     from specdeploy.exporter.bench.run import default_prompts_file
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.text import TextCodec
@@ -121,9 +123,43 @@ class RealCheck(Check):
     """:class:`gpu.Check` over given weights (the real model) instead of random ones."""
 
     def __init__(self, weights: dict[str, torch.Tensor], shape: StepShape, device: str, max_context: int,
-                 max_tree: int = 64):
-        super().__init__(shape, device, max_context=max_context, max_tree=max_tree)
+                 max_tree: int = 64, feature_layers: tuple[int, ...] = ()):
+        super().__init__(shape, device, max_context=max_context, max_tree=max_tree, feature_layers=feature_layers)
         self._weights = {k: v.to(device) for k, v in weights.items()}
+
+    def shipped_drafters(self, precision: str, trees: bool):
+        """(name, drafter) for each shipped draft (``graphs/weights``) in torch on the device, drafting every
+        step: as a chain of its heads, and as ``tree16`` where the plan verifies trees. Cerberus without its gate
+        (it decides per step whether to draft, on CPU costs)."""
+        from specdeploy.exporter.export.draft import draft_graph_module
+        from specdeploy.exporter.reference.torch_drafters import TorchSession, load_chimera
+        from specdeploy.runtime.draft_contract import HEADS
+        from specdeploy.runtime.drafters.heads import HeadsDrafter
+        from specdeploy.runtime.tree_table import parse_tree_arg
+
+        embed, lm = self._weights["embed_tokens"], self._weights["lm_head_t"].t()
+        dtype = DTYPES[precision]
+        for shape in ("chain", "tree16") if trees else ("chain",):
+            tree = parse_tree_arg(shape) if shape != "chain" else None
+            yield f"{CHIMERA}-{shape}", load_chimera(WEIGHTS_DIR / f"{CHIMERA}.safetensors", embed, lm, self.device,
+                                                     dtype, tree)
+            for kind in (MEDUSA, CERBERUS):
+                w = load_draft_weights(WEIGHTS_DIR / f"{kind}.safetensors", kind)
+                n = w.config.num_heads
+                heads = TorchSession(draft_graph_module(w, lm, TOPK, w.vocab_trim), HEADS.input_names(), self.device,
+                                     dtype)
+                yield f"{kind}-{shape}", HeadsDrafter(kind, heads, n, TOPK, tree or parse_tree_arg(f"chain{n}"))
+
+
+def measuring_plan(plan: StepPlan, max_tree: int) -> StepPlan:
+    """The plan the drafts are measured on: the probe's where it speculates; else the first exact candidate (exact
+    trees first), whatever its plain step costs (plain decoding on it is then the reference); else the fastest,
+    labelled lossy."""
+    if plan.speculate:
+        return plan
+    depth = max(2, min(PROBE_DEPTH, max_tree))
+    exact = sorted((r for r in plan.probes if r.chains_exact), key=lambda r: (not r.trees_exact, r.plain_ms))
+    return asked_for(exact[0], depth) if exact else choose(list(plan.probes), depth, allow_inexact=True)
 
 
 def run(out: Path, gguf: Path, prompts_file: Path | None, dry_run: bool, max_new: int, num_prompts: int) -> Report:
@@ -141,8 +177,10 @@ def run(out: Path, gguf: Path, prompts_file: Path | None, dry_run: bool, max_new
                        "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor()})
     with rep.stage("load") as res:
         weights, shape = read_gguf(gguf)
-        # a dry run probes steps of up to 4 rows (135M in torch on 2 cores); the device, the bundle's 16
-        check = RealCheck(weights, shape, device, max_context=1024, max_tree=64 if cuda else 4)
+        # a dry run probes steps of up to 4 rows (135M in torch on 2 cores); the device, the bundle's 16. The
+        # steps return the shipped Chimera's taps, which it reads (every run here pays their copy alike).
+        taps = load_draft_weights(WEIGHTS_DIR / f"{CHIMERA}.safetensors", CHIMERA).config.feature_layers
+        check = RealCheck(weights, shape, device, max_context=1024, max_tree=64 if cuda else 4, feature_layers=taps)
         ids = None
         if prompts_file is not None and prompts_file.is_file():
             ids = json.loads(prompts_file.read_text())["prompts"][:num_prompts]
@@ -153,27 +191,49 @@ def run(out: Path, gguf: Path, prompts_file: Path | None, dry_run: bool, max_new
         return rep
     precisions = ("fp32", "fp16", "bf16") if cuda else ("fp32",)
     plain: dict[str, list[list[int]]] = {}
+    plans = {}
     with rep.stage("decode") as res:
         problems = []
         for prec in precisions:
             with check.backend(prec, cuda) as backend:
                 backend.capture_all()
                 plan = resolve_plan(backend, check.manifest, use_cache=False)
-                ar = _decode(check, backend, plan, None, ids, max_new)
-                pl = _decode(check, backend, plan, PromptLookupDrafter(), ids, max_new) if plan.speculate else ar
-            plain[prec] = ar["tokens"]
-            same = _same(ar["tokens"], pl["tokens"])
-            entry = res[prec] = {"plan": plan.reason, "trees": plan.trees, "verdicts": _verdicts(plan),
+                ar = timed_decode(check.manifest, backend, plan, None, ids, max_new)
+                pl = timed_decode(check.manifest, backend, plan, PromptLookupDrafter(), ids, max_new) if plan.speculate else ar
+            plain[prec], plans[prec] = ar["tokens"], plan
+            same = outputs_equal(ar["tokens"], pl["tokens"])
+            entry = res[prec] = {"plan": plan.reason, "trees": plan.trees, "verdicts": plan_verdicts(plan),
                                  "ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"], "tau": pl["tau"],
                                  "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
                                  "speculative_identical_to_plain": same}
             rep.save()
-            try:
-                _lossless(entry, plan, same, f"{prec} prompt lookup on the real weights")
-            except AssertionError as exc:
-                problems.append(str(exc))
+            problems += lossless_problems(entry, plan, same, f"{prec} prompt lookup on the real weights")
         if problems:
             raise AssertionError("; ".join(problems))
+    if rep.ready("drafts", ("decode",)):
+        with rep.stage("drafts") as res:
+            problems = []
+            for prec in (p for p in precisions if p != "fp16"):  # fp16 steps as fast as bf16: the time for fp32
+                plan = measuring_plan(plans[prec], check.manifest.limits.max_tree)
+                with check.backend(prec, cuda) as backend:
+                    backend.capture_all()
+                    ref = plain[prec] if plan is plans[prec] else None
+                    if ref is None:  # the decode stage's plan does not speculate: plain on this one is the reference
+                        ref_run = timed_decode(check.manifest, backend, plan, None, ids, max_new)
+                        ref, ar_tok_s = ref_run["tokens"], ref_run["tok_s"]
+                    else:
+                        ar_tok_s = rep.data["decode"][prec]["ar_tok_s"]
+                    res[prec] = {"plan": plan.reason, "trees": plan.trees, "plain_tok_s": ar_tok_s}
+                    for name, drafter in check.shipped_drafters(prec, plan.trees):
+                        run = timed_decode(check.manifest, backend, plan, drafter, ids, max_new)
+                        same = outputs_equal(ref, run["tokens"])
+                        entry = res[prec][name] = {
+                            "tok_s": run["tok_s"], "tau": run["tau"], "identical_to_plain": same,
+                            "speedup": round(run["tok_s"] / ar_tok_s, 2) if ar_tok_s else None}
+                        rep.save()
+                        problems += lossless_problems(entry, plan, same, f"{prec} {name} on the real weights")
+            if problems:
+                raise AssertionError("; ".join(problems))
     if len(plain) == len(precisions) and len(precisions) > 1:
         with rep.stage("identity") as res:
             for prec in precisions[1:]:

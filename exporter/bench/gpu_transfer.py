@@ -29,7 +29,9 @@ CALL_LIMIT = 64 * MIB  # what one call carries: the tracked tree, untracked file
 MARGIN = 1 * MIB  # room for untracked scratch files beside the tree and the part
 MIN_PART = 4 * MIB  # below this a transfer takes too many calls to be worth it
 MANIFEST = "parts.json"
-EXTRA = "prompts.json"  # the real-weights stage's prompt ids (gpu_real.py), sent with the first part
+# Small files that ride with a part: the real-weights stage's prompt ids (gpu_real.py, with the first part) and
+# the device training's prompts (exporter/train/ondevice.py prepare, with the last, smallest part).
+EXTRAS = ("prompts.json", "train-prompts.npz")
 
 
 class TransferError(Exception):
@@ -87,12 +89,12 @@ def split(src: Path, out: Path, part_bytes: int) -> list[Path]:
 
 
 def stash(carried: Path, store: Path) -> list[str]:
-    """Move the parts (the manifest, and the prompts file that may ride with them) a call carried in ``carried``
+    """Move the parts (the manifest, and the prompts files that may ride with them) a call carried in ``carried``
     into ``store``; returns their names."""
     store.mkdir(parents=True, exist_ok=True)
     moved = []
     for path in sorted(carried.iterdir()) if carried.is_dir() else []:
-        if path.name in (MANIFEST, EXTRA) or path.name.startswith("part-"):
+        if path.name in (MANIFEST, *EXTRAS) or path.name.startswith("part-"):
             shutil.copyfile(path, store / path.name)
             moved.append(path.name)
     return moved

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from specdeploy.runtime.architectures import architecture
 
 BLOCK = 32
 QK_K = 256  # values per super-block of the K-quants
@@ -206,26 +207,11 @@ def requantize(weight: np.ndarray) -> Blocks:
     return Blocks(q.reshape(n, k).astype(np.uint8), scale, None, 128, 8, BLOCK, REQUANTIZED)
 
 
-def _row_order(gguf_rows: np.ndarray, hf_rows: np.ndarray) -> np.ndarray | None:
-    """A permutation p with ``gguf_rows[p] == hf_rows`` bit for bit, or None when there is none.
-
-    llama.cpp's converter permutes the rows of q_proj and k_proj (for its rotary layout) and
-    transformers' GGUF loader undoes it; matching rows by their bytes finds that permutation
-    without re-deriving it, and proves every row decodes to exactly transformers' weights. Equal rows
-    (an embedding's unused padding tokens) are matched in order.
-    """
-    index: dict[bytes, list[int]] = {}
-    for i, row in enumerate(gguf_rows):
-        index.setdefault(row.tobytes(), []).append(i)
-    for rows in index.values():
-        rows.reverse()  # pop() then takes equal rows in order
-    order = []
-    for row in hf_rows:
-        rows = index.get(row.tobytes())
-        if not rows:
-            return None
-        order.append(rows.pop())
-    return np.asarray(order)
+def gguf_row_order(rows: int, heads: int) -> np.ndarray:
+    """The order p with ``gguf[p] == transformers'`` rows of a q_proj or k_proj that llama.cpp's converter
+    permuted for its rotary layout (each head's two halves ``(2, D/2)`` interleaved as ``(D/2, 2)``), as
+    transformers' GGUF loader undoes it and the GPU check's reader (``gpu_real.read_gguf``) does too."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
 @dataclass(frozen=True)
@@ -250,12 +236,15 @@ class GgufWeights:
         return [name for name, how in self.held if how == REQUANTIZED]
 
 
-def _exact(blocks: Blocks | None, weight: np.ndarray) -> Blocks | None:
-    """``blocks`` reordered to decode bit for bit to ``weight``'s rows, or None."""
+def _exact(blocks: Blocks | None, weight: np.ndarray, order: np.ndarray | None = None) -> Blocks | None:
+    """``blocks`` (rows ``order`` of them, where given) if they decode bit for bit to ``weight``, else None: every
+    kept weight is proven to be exactly transformers' own."""
     if blocks is None or blocks.shape != weight.shape:
         return None
-    order = _row_order(blocks.dequantize(), weight)
-    return None if order is None else (blocks if np.array_equal(order, np.arange(len(order))) else blocks.rows(order))
+    decoded = blocks.dequantize()
+    if not np.array_equal(decoded if order is None else decoded[order], weight):
+        return None
+    return blocks if order is None else blocks.rows(order)
 
 
 def read_gguf_weights(gguf_path: str | Path, model, only: frozenset[str] | None = None) -> GgufWeights | None:
@@ -273,12 +262,18 @@ def read_gguf_weights(gguf_path: str | Path, model, only: frozenset[str] | None 
     tensors = {t.name: t for t in reader.tensors}
     params = dict(model.named_parameters())
 
+    cfg = model.config
+    permuted = architecture(cfg).gguf_qk_permuted  # q/k rows in llama.cpp's rotary order
+    heads = {"attn_q": int(cfg.num_attention_heads), "attn_k": int(cfg.num_key_value_heads)}
+
     def blocks_of(tensor_name: str, weight: np.ndarray, formats) -> Blocks | None:
         t = tensors.get(tensor_name)
         if t is None or t.tensor_type.name not in formats:
             return None
         n, k = weight.shape
-        return _exact(parse(t.data, t.tensor_type.name, n, k), weight)
+        kind = tensor_name.split(".")[-2]
+        order = gguf_row_order(n, heads[kind]) if permuted and kind in heads else None
+        return _exact(parse(t.data, t.tensor_type.name, n, k), weight, order)
 
     linear_formats = set(FORMATS) if only is None else set(only)
     linears: dict[str, Blocks] = {}

@@ -45,6 +45,7 @@ class _Captured:
     argmax: torch.Tensor  # [B, T_pad] int64
     hidden: torch.Tensor  # [B, T_pad, H]
     cache_ptrs: tuple[int, ...]
+    layers: torch.Tensor | None = None  # [B, T_pad, taps*H] with feature_layers
 
 
 class TorchBackend(Backend):
@@ -52,7 +53,8 @@ class TorchBackend(Backend):
 
     def __init__(self, bundle_dir: str | Path, manifest: BundleManifest, device: str | None = None,
                  precision: str = "fp32", cuda_graphs: bool | None = None, threads: int | None = None,
-                 weights: dict[str, torch.Tensor] | None = None, shape: StepShape | None = None):
+                 weights: dict[str, torch.Tensor] | None = None, shape: StepShape | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise BackendUnavailableError("The torch backend was asked for CUDA, but PyTorch sees no CUDA GPU.")
@@ -69,12 +71,13 @@ class TorchBackend(Backend):
         self.bundle_dir, self.manifest = Path(bundle_dir), manifest
         self.device, self.dtype, self.cuda_graphs = torch.device(device), DTYPES[precision], cuda_graphs
         self.name = f"torch-{device.split(':')[0]}-{precision}" + ("-graphs" if cuda_graphs else "")
-        if weights is None:
+        if weights is None:  # the bundle's own: with the taps its graph has, which its Chimera reads
             weights, shape = bundle_weights(self.bundle_dir, manifest)
+            feature_layers = feature_layers or manifest.find_graph("base", "ort", FP32).feature_layers
         elif shape is None:
             raise ValueError("weights need their shape")
         try:
-            step = step_from_weights(weights, shape)
+            step = step_from_weights(weights, shape, feature_layers)
         except (KeyError, ValueError) as exc:
             raise BundleError(f"The bundle's weights do not fit its model: {exc}.") from None
         step.inplace_kv, step.sdpa = True, True
@@ -110,11 +113,21 @@ class TorchBackend(Backend):
         return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity, self._allocator())
 
     # --- the step ----------------------------------------------------------------------------------
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose residual outputs each step returns (``layer_states``)."""
+        return self.step_module.feature_layers
+
+    @property
+    def layer_states(self) -> bool:  # what a fusing draft (EAGLE-3 taps) needs from every step
+        return bool(self.step_module.feature_layers)
+
     def _forward(self, ids, pos, mask, widx, lidx, past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """BaseStep with the cache written in place; fp32 logits, each row's argmax and the hidden states."""
-        logits, hidden, *_ = self.step_module(ids, pos, mask, widx, lidx, past)
-        logits = logits.float()
-        return logits, logits.argmax(-1), hidden
+        """BaseStep with the cache written in place; fp32 logits, each row's argmax, the hidden states and the
+        tapped layers' states (None without feature_layers)."""
+        out = self.step_module(ids, pos, mask, widx, lidx, past)
+        logits = out[0].float()
+        return logits, logits.argmax(-1), out[1], out[2] if self.step_module.feature_layers else None
 
     def _to_device(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
         dev = self.device
@@ -129,9 +142,12 @@ class TorchBackend(Backend):
             "lidx": torch.from_numpy(inputs.logits_index).to(dev),
         }
 
-    def _outputs(self, logits: torch.Tensor, argmax: torch.Tensor, hidden: torch.Tensor) -> StepOutputs:
-        """Hidden states and argmax to the host now; logits stay on the device until a row is read."""
-        return StepOutputs(DeviceRows(logits), hidden.float().cpu().numpy(), argmax=argmax.cpu().numpy())
+    def _outputs(self, logits: torch.Tensor, argmax: torch.Tensor, hidden: torch.Tensor,
+                 layers: torch.Tensor | None = None) -> StepOutputs:
+        """Hidden states (and tapped layers) and argmax to the host now; logits stay on the device until a row
+        is read."""
+        taps = None if layers is None else layers.float().cpu().numpy()
+        return StepOutputs(DeviceRows(logits), hidden.float().cpu().numpy(), taps, argmax=argmax.cpu().numpy())
 
     def step(self, inputs: StepInputs, cache: KVCache) -> StepOutputs:
         with torch.no_grad():
@@ -147,7 +163,8 @@ class TorchBackend(Backend):
             cap.graph.replay()
             # Only the real rows; the logits are copied on the device, since the next replay rewrites them.
             k, n = padded.k_real, padded.n_real
-            return self._outputs(cap.logits[:, :k].clone(), cap.argmax[:, :k], cap.hidden[:, :n])
+            return self._outputs(cap.logits[:, :k].clone(), cap.argmax[:, :k], cap.hidden[:, :n],
+                                 None if cap.layers is None else cap.layers[:, :n])
 
     def capture_all(self) -> int:
         """Capture every graph a one-row decode can replay (each capacity bucket x padded T), so that no
@@ -181,9 +198,9 @@ class TorchBackend(Backend):
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            logits, argmax, hidden = self._forward(*args)
+            logits, argmax, hidden, layers = self._forward(*args)
         self.captures += 1
-        cap = self._graphs[key] = _Captured(graph, static, logits, argmax, hidden, ptrs)
+        cap = self._graphs[key] = _Captured(graph, static, logits, argmax, hidden, ptrs, layers)
         return cap
 
     can_gather = True  # BaseStep.gathered: each row's keys in plain-step order (exact trees by construction)

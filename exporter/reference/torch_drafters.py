@@ -40,7 +40,8 @@ class TorchChimeraDrafter(ChimeraDrafter):
         self.graph = graph.to(self.device, dtype).eval()
         if tree is None and dynamic_nodes is None:
             tree = parse_tree_arg(f"chain{cfg.num_heads}")
-        super().__init__(None, cfg.num_heads, cfg.num_key_value_heads, cfg.head_dim, topk, tree, dynamic_nodes)
+        super().__init__(None, cfg.num_heads, cfg.num_key_value_heads, cfg.head_dim, topk, tree, dynamic_nodes,
+                         feature_layers=cfg.feature_layers)
         self._neg_t = torch.finfo(dtype).min
         self.calls = 0
 
@@ -54,8 +55,6 @@ class TorchChimeraDrafter(ChimeraDrafter):
 
     def _run(self, hidden: np.ndarray, trigrams: np.ndarray, start: int, base_hidden: np.ndarray, head: int,
              layers: np.ndarray | None = None):
-        if layers is not None:
-            raise DraftMismatchError("The torch Chimera drafter runs drafts without base-layer fusion only.")
         t = hidden.shape[0]
         self._ensure(start + t)
         cap = self._k.shape[2]
@@ -67,8 +66,11 @@ class TorchChimeraDrafter(ChimeraDrafter):
         mask[0, 0, :, start:start + t] = torch.where(causal, 0.0, self._neg_t).to(dt)
         slots = torch.arange(start, start + t, device=dev)
         with torch.no_grad():
+            x = torch.from_numpy(np.ascontiguousarray(hidden, np.float32)).to(dev, dt)[None]
+            if layers is not None:  # a fusing draft's real slots read the tapped base layers (its chain slots: hidden)
+                x = self.graph.draft.fusion(torch.from_numpy(np.ascontiguousarray(layers, np.float32)).to(dev, dt)[None])
             feat, ids, logp, self._k, self._v = self.graph.step(
-                torch.from_numpy(np.ascontiguousarray(hidden, np.float32)).to(dev, dt)[None],
+                x,
                 torch.from_numpy(np.ascontiguousarray(trigrams, np.int64)).to(dev)[None], slots[None], mask, slots,
                 torch.from_numpy(np.ascontiguousarray(base_hidden, np.float32)).to(dev, dt)[None],
                 torch.tensor([head], device=dev), self._k, self._v)
@@ -99,8 +101,6 @@ def load_chimera(path, embed_weight: torch.Tensor, lm_weight: torch.Tensor, devi
 
     weights = load_draft_weights(path, CHIMERA)
     cfg = weights.config
-    if cfg.feature_layers:
-        raise DraftMismatchError("The torch Chimera drafter runs drafts without base-layer fusion only.")
     if tuple(embed_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise DraftMismatchError(
             f"The Chimera draft is for a base of hidden size {cfg.hidden_size} and vocabulary {cfg.vocab_size}, "
@@ -160,8 +160,6 @@ def chimera_bundle_drafter(name: str, manifest, embed_weight: torch.Tensor, lm_w
     from specdeploy.runtime.draft_contract import CHIMERA_STEP
 
     desc, entry, _, topk, spec, dynamic = _entry_tree(name, manifest, tree, chains)
-    if entry.setting("feature_layers"):
-        raise DraftMismatchError("The torch Chimera drafter runs drafts without base-layer fusion only.")
     module = torch_draft_modules(entry, lm_weight, embed_weight)[desc.role(CHIMERA_STEP).role]
     return TorchChimeraDrafter(module, device, dtype, spec, topk, dynamic)
 

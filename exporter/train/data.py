@@ -95,7 +95,8 @@ class _OutOfTime(Exception):
 
 def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DEFAULT_DATA, threads: int | None = None,
                 show_progress: bool = True, device: str = "cpu", generator=None,
-                time_limit_s: float | None = None, keep_partial: bool = False) -> HiddenCache | None:
+                time_limit_s: float | None = None, keep_partial: bool = False,
+                sequences=None) -> HiddenCache | None:
     """Run the frozen base over the selected ShareGPT sequences once and write the cache to ``out``.
 
     ``loaded`` is an :class:`~specdeploy.exporter.source.LoadedModel`. Finished shards of an
@@ -109,6 +110,9 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DEFAULT_DAT
     the finished shards stay for a rerun to resume from, their replies go to ``replies.partial.npz``
     (self replies), and the result is None. With ``keep_partial`` the finished shards become the cache
     instead: fewer sequences than asked for, the shortfall recorded in its meta (``planned_sequences``).
+
+    ``sequences`` replaces :func:`select_sequences` (its (conversation, ids, mask) triples, made where the
+    tokenizer and ShareGPT are: the GPU's engine has neither, :mod:`.ondevice`).
     """
     import torch
     from tqdm import tqdm
@@ -152,7 +156,7 @@ def build_cache(loaded, out: str | os.PathLike, config: DataConfig = DEFAULT_DAT
 
     try:
         with torch.inference_mode():
-            for conv, ids, mask in select_sequences(loaded.tokenizer, config):
+            for conv, ids, mask in select_sequences(loaded.tokenizer, config) if sequences is None else sequences:
                 conv_ids.append(conv.id)
                 heldout.append(is_heldout(conv, config.heldout_fraction, config.seed))
                 pending.append((ids, mask))

@@ -60,36 +60,15 @@ def shard_arrays(seqs: Sequence[Sequenced]) -> dict[str, np.ndarray]:
     }
 
 
-class RuntimeGenerator:
-    """The bundle's standard-op base graph on ONNX Runtime, driven in batches with one cache per batch."""
+class BatchGenerator:
+    """A base step backend that takes any batch, driven in batches with one cache per batch: what
+    :class:`RuntimeGenerator` (ONNX Runtime) and the GPU's torch engine (:mod:`.ondevice`) share.
+    ``description`` names the engine in the cache's identity."""
 
-    def __init__(self, bundle: str | os.PathLike, threads: int | None = None):
-        from specdeploy.runtime.backends.ort import OrtBackend
-        from specdeploy.runtime.bundle import read_manifest
-
-        self.bundle = Path(bundle)
-        self.manifest = read_manifest(self.bundle)
-        graph = self.manifest.find_graph("base", "trt")
-        if graph is None:
-            raise TrainingError(
-                f"The bundle '{self.bundle}' has no standard-op base graph, which batched generation needs "
-                "(ONNX Runtime's fused attention takes one sequence at a time); export one with --target all or trt."
-            )
-        self.backend = OrtBackend(self.bundle, self.manifest, threads=threads, graph=graph)
-        self.graph = graph
+    def __init__(self, backend, eos_token_ids, description: str):
+        self.backend, self.description = backend, description
         self._neg = np.finfo(self.backend.mask_dtype).min
-        self.eos = frozenset(self.manifest.model.eos_token_ids)
-
-    @property
-    def description(self) -> str:
-        """Which graph made the features (part of the cache's identity)."""
-        return f"{self.graph.file} ({self.graph.precision}) {self.graph.sha[:12]}"
-
-    def check_base(self, weight_sha: str) -> None:
-        if self.manifest.source.weight_sha != weight_sha:
-            raise TrainingError(
-                f"The bundle '{self.bundle}' was exported from another base model than the one being trained for."
-            )
+        self.eos = frozenset(int(e) for e in eos_token_ids)
 
     # --- one batch ----------------------------------------------------------------------------------
     def _step(self, cache, ids: np.ndarray, pos: np.ndarray, mask: np.ndarray, write: np.ndarray,
@@ -140,7 +119,7 @@ class RuntimeGenerator:
         reach = np.zeros((len(prompts), capacity), dtype=bool)  # per cache row, the slots it attends
         for r, n in enumerate(lengths):
             reach[r, width - n : width] = True
-        nxt = out.logits[:, 0].argmax(-1)
+        nxt = _greedy(out)
         for t in range(max_new_tokens):
             slot = width + t
             reach[:, slot] = True
@@ -153,7 +132,7 @@ class RuntimeGenerator:
                 hidden[r].append(step.hidden_states[i])
                 if taps:
                     layers[r].append(step.layer_states[i])
-            nxt = step.logits[:, 0].argmax(-1)
+            nxt = _greedy(step)
             after[rows[done]] = nxt[done]
             if done.all():
                 break
@@ -181,11 +160,42 @@ class RuntimeGenerator:
             rows = np.arange(first, n)
             step = self._step(cache, np.asarray(ids)[None], np.arange(n)[None], attn, np.arange(n), rows)
             labels = np.append(np.asarray(ids[1:], dtype=np.int32), 0)
-            labels[rows] = step.logits[0].argmax(-1)
+            labels[rows] = step.argmax[0] if step.argmax is not None else step.logits[0].argmax(-1)
             out.append(Sequenced(np.asarray(ids, np.int32), np.asarray(mask, np.uint8),
                                  step.hidden_states[0].astype(np.float16), labels.astype(np.int32),
                                  None if step.layer_states is None else fp16_states(step.layer_states[0])))
         return out
+
+
+class RuntimeGenerator(BatchGenerator):
+    """The bundle's standard-op base graph on ONNX Runtime."""
+
+    def __init__(self, bundle: str | os.PathLike, threads: int | None = None):
+        from specdeploy.runtime.backends.ort import OrtBackend
+        from specdeploy.runtime.bundle import read_manifest
+
+        self.bundle = Path(bundle)
+        self.manifest = read_manifest(self.bundle)
+        graph = self.manifest.find_graph("base", "trt")
+        if graph is None:
+            raise TrainingError(
+                f"The bundle '{self.bundle}' has no standard-op base graph, which batched generation needs "
+                "(ONNX Runtime's fused attention takes one sequence at a time); export one with --target all or trt."
+            )
+        self.graph = graph
+        super().__init__(OrtBackend(self.bundle, self.manifest, threads=threads, graph=graph),
+                         self.manifest.model.eos_token_ids, f"{graph.file} ({graph.precision}) {graph.sha[:12]}")
+
+    def check_base(self, weight_sha: str) -> None:
+        if self.manifest.source.weight_sha != weight_sha:
+            raise TrainingError(
+                f"The bundle '{self.bundle}' was exported from another base model than the one being trained for."
+            )
+
+
+def _greedy(step) -> np.ndarray:
+    """Each row's greedy next token after a one-logits-row step (the backend's argmax where it has one)."""
+    return np.asarray(step.argmax[:, 0]) if step.argmax is not None else np.asarray(step.logits[:, 0]).argmax(-1)
 
 
 def _keep_rows(backend, cache, rows: np.ndarray):

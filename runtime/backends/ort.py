@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,7 @@ class OrtBackend(Backend):
         # cache never loads the graph it does not run.
         self._sessions: dict[str, tuple[Any, bool]] = {}  # "base" | "one_row" -> (session, spinning)
         self._split = False
+        self.graph_steps: Counter[str] = Counter()  # steps run per graph ("base", "one_row", "tree")
         m = manifest.model
         self._past, self._present = past_names(m.num_layers), present_names(m.num_layers)
         dtype = next(s.dtype for s in entry.inputs if s.name == self._past[0])
@@ -251,6 +253,7 @@ class OrtBackend(Backend):
             # prefill alike, so their caches stay equal)
             which, entry = "tree", self.tree_graph
         session = self._session(which)
+        self.graph_steps[which] += 1
         binding = self._cache_binding(session, cache)
         for name in INPUT_NAMES:  # the StepInputs fields carry the contract's names
             binding.bind_cpu_input(name, getattr(inputs, name))

@@ -89,6 +89,9 @@ class StepClock:
 
 class HybridDrafter(Drafter):
     keep_estimates = False  # True: what the model earned (acceptance, call cost) outlives a generation
+    # True: the model drafts every step, whatever it has earned: for measuring a draft's acceptance (the
+    # output stays exact; the speed may fall below plain decoding). ``specdeploy.exporter.train.ondevice`` keep.
+    always_model = False
 
     def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, chains: bool = False):
         self.model = model
@@ -139,6 +142,8 @@ class HybridDrafter(Drafter):
     # --- what each source has earned ------------------------------------------------------------------
     def _model_value(self) -> float:
         """Expected tokens per unit of cost of a step the model drafts (infinite on a retry)."""
+        if self.always_model:
+            return float("inf")
         if self._plain_run >= self._retry_every:  # nothing has paid for a while: give the model one more try
             self._plain_run, self._retry_now = 0, True
             return float("inf")

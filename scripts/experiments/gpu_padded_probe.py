@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
-from specdeploy.exporter.bench.gpu import SMOLLM2_135M, TINY, Check, _decode, prompts, warm_clock
+from specdeploy.exporter.bench.gpu import SMOLLM2_135M, TINY, Check, prompts, warm_clock
+from specdeploy.exporter.bench.gpu_common import timed_decode
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.plan import Candidate, choose
 from specdeploy.runtime.probe import probe
@@ -65,12 +66,12 @@ def main() -> None:
                         "checks": [(c.what, c.max_abs) for c in r.checks]}
                     save()
                 one = choose([verdicts["one-graph"]], 16, allow_inexact=True)
-                ar1 = _decode(check, backend, one, None, ids, max_new)
+                ar1 = timed_decode(check.manifest, backend, one, None, ids, max_new)
                 entry["ar_1row_tok_s"] = ar1["tok_s"]
                 pad = verdicts["padded-16"]
                 plan = choose([pad], 16, allow_inexact=True)
-                ar = _decode(check, backend, plan, None, ids, max_new)
-                pl = _decode(check, backend, plan, PromptLookupDrafter(), ids, max_new)
+                ar = timed_decode(check.manifest, backend, plan, None, ids, max_new)
+                pl = timed_decode(check.manifest, backend, plan, PromptLookupDrafter(), ids, max_new)
                 entry["padded16"] = {"plan": plan.reason, "exact": plan.exact, "ar_tok_s": ar["tok_s"],
                                      "prompt_lookup_tok_s": pl["tok_s"], "tau_random_weights": pl["tau"],
                                      "speedup_vs_padded_ar": round(pl["tok_s"] / ar["tok_s"], 3),

@@ -81,14 +81,15 @@ def test_the_gguf_precision_needs_a_gguf(tiny_model_factory, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_duplicate_rows_match_in_order():
-    """An embedding's padding tokens decode to equal rows; they still map one to one."""
-    from specdeploy.exporter.export.gguf_blocks import _row_order
+def test_llama_cpps_rotary_row_order_is_undone_per_head():
+    """q_proj/k_proj rows as llama.cpp's converter writes them (each head's halves interleaved), put back."""
+    from specdeploy.exporter.export.gguf_blocks import gguf_row_order
 
-    rows = np.array([[1.0], [0.0], [0.0], [2.0]], np.float32)
-    assert list(_row_order(rows, rows)) == [0, 1, 2, 3]
-    assert list(_row_order(rows, rows[[3, 1, 0, 2]])) == [3, 1, 0, 2]
-    assert _row_order(rows, np.array([[1.0], [1.0], [0.0], [2.0]], np.float32)) is None
+    heads, dim = 3, 8
+    hf = np.arange(heads * dim)  # row ids in transformers' order
+    gguf = hf.reshape(heads, 2, dim // 2).swapaxes(1, 2).reshape(-1)  # the converter's permutation
+    assert gguf_row_order(heads * dim, heads).tolist() == np.argsort(gguf).tolist()
+    assert gguf[gguf_row_order(heads * dim, heads)].tolist() == hf.tolist()
 
 
 def test_quantized_outputs_pass_on_relative_error_and_a_broken_graph_still_fails():

@@ -296,7 +296,7 @@ def test_drafters_match_plain_greedy(heads_bundle, draft, tree):
     prompts = ["Hello there, how are you today?", "1 2 3 4 5 6 7 8", "The cat sat on the mat. The cat"]
     with load(heads_bundle, draft=None) as plain, load(heads_bundle, draft=draft, tree=tree) as spec:
         # Identity whatever is drafted: the rule is set aside, so the draft (and Cerberus's gate) run every step.
-        spec.decoder.drafter._model_value = lambda: float("inf")
+        spec.decoder.drafter.always_model = True
         drafter = spec.decoder.drafter.model  # behind the rule (or the hybrid's): the draft itself
         if draft == "cerberus":  # a signal that alternates between a band that pays and one that never does
             drafter.gate = GateSpec("learned")

@@ -274,16 +274,17 @@ def _session(g, inputs: dict[str, list], outputs: dict[str, list]):
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_decode_like_gguf(kind):
-    from specdeploy.exporter.export.gguf_blocks import _row_order, parse
+    from specdeploy.exporter.export.gguf_blocks import _exact, parse
 
     raw, want = _random_blocks(kind, 24, 512)
     blocks = parse(raw, kind, 24, 512)
     assert np.array_equal(blocks.dequantize(), want)  # bit for bit, as transformers loads it
     assert blocks.bits in (4, 8) and blocks.q.max() < 2 ** blocks.bits
     perm = np.random.default_rng(1).permutation(24)
-    assert np.array_equal(_row_order(want, want[perm]), perm)
     assert np.array_equal(blocks.rows(perm).dequantize(), want[perm])
-    assert _row_order(want, want[perm] + 1e-3) is None  # a weight that does not decode exactly refuses
+    assert np.array_equal(_exact(blocks, want[perm], perm).dequantize(), want[perm])  # kept, in that order
+    assert _exact(blocks, want[perm]) is None  # rows in another order than asked refuse
+    assert _exact(blocks, want + 1e-3) is None  # a weight that does not decode exactly refuses
     if kind.endswith("_K"):  # a K-quant needs whole super-blocks of 256 along K
         assert parse(raw, kind, 96, 128) is None
     assert parse(raw, "Q2_K", 24, 512) is None  # a format MatMulNBits cannot hold

@@ -233,6 +233,34 @@ def test_the_runtime_engine_gives_the_tapped_layers_of_a_bundle_that_outputs_the
     assert no_taps.layers is None and not (tmp_path / "notaps" / "layers.npy").exists()
 
 
+def test_the_torch_backend_generates_the_runtimes_data_with_its_taps(setup, tiny_model_factory, tmp_path):
+    """The GPU's engine (exporter/train/ondevice.py): the torch backend, rebuilt from the bundle's weights with
+    the graph's taps, through the same batched generator, gives the ONNX Runtime engine's replies, hidden states,
+    tapped layers and labels."""
+    from specdeploy.exporter.export.base import export_base
+    from specdeploy.exporter.reference.torch_backend import TorchBackend
+    from specdeploy.exporter.train.selfdistill import BatchGenerator
+    from specdeploy.runtime.bundle import read_manifest
+
+    bundle = tmp_path / "taps"
+    export_base(str(tiny_model_factory("llama")), bundle, max_context=512, max_tree=64, feature_layers="0",
+                progress=lambda m: None)
+    ort = RuntimeGenerator(bundle, threads=2)
+    manifest = read_manifest(bundle)
+    with TorchBackend(bundle, manifest, device="cpu", cuda_graphs=False) as backend:
+        assert backend.feature_layers == (0,)  # the bundle graph's taps, unasked
+        gen = BatchGenerator(backend, manifest.model.eos_token_ids, "torch")
+        with load(bundle, draft=None) as plain:
+            prompts = _prompts(plain)
+        got, want = gen.generate(prompts, max_new_tokens=10), ort.generate(prompts, max_new_tokens=10)
+    for g, w in zip(got, want, strict=True):
+        assert g.ids.tolist() == w.ids.tolist() and g.mask.tolist() == w.mask.tolist()
+        assert g.labels.tolist() == w.labels.tolist()
+        np.testing.assert_allclose(g.hidden.astype(np.float32), w.hidden.astype(np.float32), atol=2e-2)
+        assert g.layers is not None and g.layers.shape == w.layers.shape
+        np.testing.assert_allclose(g.layers.astype(np.float32), w.layers.astype(np.float32), atol=2e-2)
+
+
 def test_feature_layers_options_are_checked_in_one_sentence(setup):
     from specdeploy.exporter.train.options import resolve_feature_layers
 

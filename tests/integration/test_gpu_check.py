@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specdeploy.exporter.bench.gpu import TINY, Check, Report, prompts, synthetic_manifest
+from specdeploy.exporter.bench.gpu import TINY, Check, prompts, synthetic_manifest
+from specdeploy.exporter.bench.gpu_common import Report
 from specdeploy.exporter.reference.torch_backend import DeviceRows, TorchBackend
 from specdeploy.graphs.base_step import rms_norm
 from specdeploy.graphs.native_step import random_weights, step_from_weights
@@ -74,11 +75,19 @@ def test_dry_run_real_reads_the_embedded_gguf_and_decodes_it(tmp_path):
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["passed"] and summary["real"] and set(summary["stages"]) == {"env", "setup", "weights", "real"}
     real = summary["real"]
-    assert {k: v["status"] for k, v in real["stages"].items()} == {"load": "ok", "decode": "ok"}
+    assert {k: v["status"] for k, v in real["stages"].items()} == {"load": "ok", "decode": "ok", "drafts": "ok"}
     assert real["load"]["shape"]["num_layers"] == 30 and real["load"]["shape"]["vocab_size"] == 49152
     dec = real["decode"]["fp32"]
     assert "one-graph" in dec["verdicts"] and (dec["trees"] or any(n.startswith("gathered") for n in dec["verdicts"]))
     assert all(dec["speculative_identical_to_plain"]) and dec["ar_tok_s"] > 0
+    # the shipped drafts in torch (Chimera with its taps), on an exact plan: where the probe's does not
+    # speculate at a plain step's cost, the first exact one, each output against plain decoding on it
+    drafts = real["drafts"]["fp32"]
+    assert drafts["plan"].startswith("exact speculation") and drafts["plain_tok_s"] > 0
+    runs = {k: v for k, v in drafts.items() if isinstance(v, dict)}
+    assert {"chimera-chain", "medusa-chain", "cerberus-chain"} <= set(runs)
+    assert all(all(r["identical_to_plain"]) and not r["lossy"] and r["tau"] >= 1.0 for r in runs.values())
+    assert ("chimera-tree16" in runs) == drafts["trees"]
 
 
 @pytest.mark.slow
@@ -103,15 +112,15 @@ def test_the_gguf_reader_gives_the_exporters_weights_bit_for_bit():
 
 
 def test_the_real_stage_says_what_is_missing_in_one_sentence(tmp_path):
-    from specdeploy.exporter.bench import gpu_real
-
     run = subprocess.run([sys.executable, "-m", "specdeploy.exporter.bench.gpu_real", "run", str(tmp_path / "r.json"),
                           "--gguf", str(tmp_path / "none.gguf"), "--dry-run"], check=False, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 2 and "There is no GGUF at" in run.stderr and "Traceback" not in run.stderr
+    from specdeploy.exporter.export.gguf_blocks import gguf_row_order
+
     w = np.arange(2 * 8 * 3, dtype=np.float32).reshape(16, 3)  # 2 heads of 8 rows, llama.cpp's order undone
     perm = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)  # what llama.cpp's converter does
-    assert np.array_equal(gpu_real.unpermute(perm, 2), w)
+    assert np.array_equal(perm[gguf_row_order(16, 2)], w)
     from specdeploy.runtime.architectures import gguf_architecture
     from specdeploy.runtime.errors import UnsupportedArchitectureError
 
@@ -156,17 +165,17 @@ def test_a_stage_that_raises_skips_what_builds_on_it_and_exits_1(tmp_path, monke
 
 
 def test_an_exact_plan_whose_output_leaves_plain_fails_the_stage():
-    from specdeploy.exporter.bench.gpu import _lossless
+    from specdeploy.exporter.bench.gpu_common import require_lossless
     from specdeploy.runtime.plan import Candidate, StepPlan
 
     exact = StepPlan(Candidate("one-graph", False, 1), True, True, True, 16, "exact")
     entry: dict = {}
-    _lossless(entry, exact, [True, True], "fp32 lookup")
+    require_lossless(entry, exact, [True, True], "fp32 lookup")
     assert entry["lossy"] is False
     with pytest.raises(AssertionError, match="left plain decoding on 1 of 2 prompts"):
-        _lossless(entry, exact, [True, False], "bf16 lookup")
+        require_lossless(entry, exact, [True, False], "bf16 lookup")
     lossy = StepPlan(Candidate("one-graph", False, 1), True, False, True, 16, "LOSSY")
-    _lossless(entry, lossy, [True, False], "bf16 lookup")  # labelled lossy: recorded, not a failure
+    require_lossless(entry, lossy, [True, False], "bf16 lookup")  # labelled lossy: recorded, not a failure
     assert entry["lossy"] is True
 
 
@@ -266,16 +275,17 @@ def test_device_rows_copies_only_what_is_read():
 def test_half_precision_decoding_with_a_torch_draft(precision):
     """fp16/bf16 steps go through the exactness probe (bf16 caches are widened for it) and the torch Chimera
     drafter runs in the base's precision (its fp32 rotary tables cast), as on a GPU."""
-    from specdeploy.exporter.bench.gpu import _decode, draft_call_ms
+    from specdeploy.exporter.bench.gpu import draft_call_ms
+    from specdeploy.exporter.bench.gpu_common import timed_decode
 
     check = Check(TINY, "cpu", max_context=128, max_tree=16)
     ids = prompts(TINY, 1, 24)
     with check.backend(precision, False) as backend:
         plan = resolve_plan(backend, check.manifest, use_cache=False)
-        plain = _decode(check, backend, plan, None, ids, 8)
+        plain = timed_decode(check.manifest, backend, plan, None, ids, 8)
         assert len(plain["tokens"][0]) == 8 and plain["plan"]
         for name, drafter in check.drafters(precision):
-            run = _decode(check, backend, plan, drafter, ids, 8)
+            run = timed_decode(check.manifest, backend, plan, drafter, ids, 8)
             assert run["tokens"] == plain["tokens"]  # the plan speculates only where exact
             if name == "chimera":
                 assert drafter.graph.embed_weight.dtype == backend.dtype
@@ -352,16 +362,16 @@ def test_synthetic_manifest_runs_the_real_architecture_on_the_device():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_torch_drafts_on_the_device_keep_plain_output(precision):
-    from specdeploy.exporter.bench.gpu import _decode
+    from specdeploy.exporter.bench.gpu_common import timed_decode
 
     check = Check(TINY, "cuda", max_context=256, max_tree=16)
     ids = prompts(TINY, 2, 24)
     with check.backend(precision, True) as backend:
         backend.capture_all()
         plan = resolve_plan(backend, check.manifest, use_cache=False)
-        plain = _decode(check, backend, plan, None, ids, 32)
+        plain = timed_decode(check.manifest, backend, plan, None, ids, 32)
         for _, drafter in check.drafters(precision):
-            assert _decode(check, backend, plan, drafter, ids, 32)["tokens"] == plain["tokens"]
+            assert timed_decode(check.manifest, backend, plan, drafter, ids, 32)["tokens"] == plain["tokens"]
 
 
 def test_the_padded_probe_experiment_runs_its_dry_run(tmp_path):

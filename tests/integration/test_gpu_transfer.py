@@ -42,9 +42,14 @@ def test_parts_travel_over_calls_and_join_to_the_same_bytes(tmp_path):
             (tmp_path / "parts" / "parts.json").rename(call / "parts.json")
             (call / "prompts.json").write_text('{"prompts": [[1, 2]]}')
             (call / "stray.txt").write_text("not carried on")
-        assert stash(call, store) == sorted([part.name] + (["parts.json", "prompts.json"] if i == 0 else []))
+        last = i == len(parts) - 1
+        if last:  # the device training's prompts ride with the last, smallest part
+            (call / "train-prompts.npz").write_bytes(b"ids")
+        assert stash(call, store) == sorted([part.name] + (["parts.json", "prompts.json"] if i == 0 else []) +
+                                            (["train-prompts.npz"] if last else []))
     assert join(store, tmp_path / "joined.gguf").read_bytes() == data
     assert json.loads((store / "prompts.json").read_text())["prompts"] == [[1, 2]]
+    assert (store / "train-prompts.npz").read_bytes() == b"ids" and not (store / "stray.txt").exists()
 
 
 @pytest.mark.slow
@@ -74,10 +79,15 @@ def test_a_missing_or_corrupt_part_is_one_sentence_and_leaves_no_file(tmp_path):
 
 
 def test_the_tree_and_one_part_fit_in_a_call():
+    from specdeploy.exporter.train.ondevice import PROMPTS_BOUND
+
     tree = tree_bytes(ROOT)
-    tp = plan(94 * MIB, tree)
-    assert tp.tree_bytes == tree and tree + tp.part_bytes <= CALL_LIMIT
+    size = 94 * MIB
+    tp = plan(size, tree)
+    assert tp.tree_bytes == tree and tree + tp.part_bytes + 64 * 1024 <= CALL_LIMIT  # the first, with prompts.json
     assert tp.fits() == (tp.part_bytes >= 4 * MIB)
+    last = size - (tp.calls - 1) * tp.part_bytes  # the last part carries train-prompts.npz (prepare bounds it)
+    assert tp.calls == 3 and tree + last + PROMPTS_BOUND <= CALL_LIMIT
     assert plan(94 * MIB, 20 * MIB).calls == 3 and plan(94 * MIB, 20 * MIB).fits()
 
 

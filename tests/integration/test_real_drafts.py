@@ -49,7 +49,7 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
                 for ids in (plain.encode(p, chat=True) for p in prompts)]
     for tree in (None, "tree16", "dynamic:16"):
         with load(bundle, draft="chimera", tree=tree) as eng:
-            eng.decoder.drafter._model_value = lambda: float("inf")  # what it learned: it drafts every step
+            eng.decoder.drafter.always_model = True  # what it learned: it drafts every step
             tokens = steps = 0  # over the steps it drafted (the rule runs the others plainly)
             for ids, ref in refs:
                 st = DecodeStats()
@@ -82,7 +82,7 @@ def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
     for draft, tree in (("medusa", None), ("cerberus", None), ("medusa", "tree16"), ("cerberus-nogate", "tree16")):
         with load(bundle, draft=draft, tree=tree) as eng:
             if tree == "tree16":  # what the heads learned: they draft every step, the rule set aside
-                eng.decoder.drafter._model_value = lambda: float("inf")
+                eng.decoder.drafter.always_model = True
             tokens = steps = 0  # over the steps it drafted (the rule runs the others plainly)
             for ids, ref in refs:
                 st = DecodeStats()

@@ -49,7 +49,7 @@ def test_tree_drafts_on_the_exact_tree_plan_equal_plain_on_80_mtbench_prompts(re
     for draft in ("chimera", "medusa", "cerberus-nogate"):
         with load(bundle, draft=draft, tree="tree16", step_plan="gathered") as eng:
             assert eng.plan.candidate.gathered and not eng.decoder.chains_only
-            eng.decoder.drafter._model_value = lambda: float("inf")  # draft every step: trees, not the rule
+            eng.decoder.drafter.always_model = True  # draft every step: trees, not the rule
             branched: list[bool] = []
 
             def counted(state, tree, buffers, _verify=eng.decoder.verify, _seen=branched):

@@ -58,16 +58,12 @@ def test_gathered_trees_are_exact_where_the_fused_ones_may_not_be(tiny_bundle):
 
 def test_the_tree_graph_is_used_for_steps_and_the_fused_one_for_long_prefills(tiny_bundle):
     with load(tiny_bundle, draft=None, step_plan="gathered") as engine:
-        backend, seen = engine.backend, []
-        make = backend._session
-        backend._session = lambda which: seen.append(which) or make(which)
-        try:
-            ids = engine.encode(PROMPTS[0] * 6)
-            assert len(ids) > engine.manifest.limits.max_tree
-            engine.generate_ids(ids, GenerationConfig(4))
-        finally:
-            backend._session = make
-        assert seen[0] == "base" and set(seen[1:]) == {"tree"}
+        backend = engine.backend
+        backend.graph_steps.clear()  # the probe's steps
+        ids = engine.encode(PROMPTS[0] * 6)
+        assert len(ids) > engine.manifest.limits.max_tree
+        engine.generate_ids(ids, GenerationConfig(4))
+        assert backend.graph_steps == {"base": 1, "tree": 3}  # the long prefill, then every decode step
 
 
 @pytest.mark.parametrize("seed", [0, 1])
