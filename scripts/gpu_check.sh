@@ -26,7 +26,7 @@
 # environment, bench, tests, real, train), bench.json (rewritten after every bench stage), stages.log (every
 # stage's output), tests.xml; with --real or --train instead of bench.json and tests.xml: real.json, and
 # train.json with chimera.safetensors and cerberus.safetensors (under 16 MiB each). Stages and limits: env 60 s,
-# setup 30 s, weights 90 s, then bench 300 s and tests 60 s, or the real stage 200 s and the train stage 180 s
+# setup 30 s, weights 90 s, then bench 300 s and tests 60 s, or the real stage 220 s and the train stage 160 s
 # (dry runs: 400 s each); summary 30 s.
 set -uo pipefail
 
@@ -136,7 +136,7 @@ if [ "$REAL" = 1 ]; then
     "$PY" -m specdeploy.exporter.bench.gpu_real run "$OUT/real.json" --gguf "$gguf" "${args[@]}"
   }
   export -f real
-  stage real "$([ "$DRY" = 1 ] && echo 400 || echo 200)" bash -c real  # the dry run: 135M in torch on 2 cores
+  stage real "$([ "$DRY" = 1 ] && echo 400 || echo 220)" bash -c real  # the dry run: 135M in torch on 2 cores
 fi
 if [ "$TRAIN" = 1 ]; then
   # --- train: self-distilled data and the two drafts, from the joined GGUF (a dry run: the embedded one) -------
@@ -151,7 +151,7 @@ if [ "$TRAIN" = 1 ]; then
     "$PY" -m specdeploy.exporter.train.ondevice run "$OUT" --gguf "$gguf" --prompts "$prompts" "${args[@]}"
   }
   export -f train
-  stage train "$([ "$DRY" = 1 ] && echo 400 || echo 180)" bash -c train
+  stage train "$([ "$DRY" = 1 ] && echo 400 || echo 160)" bash -c train
 fi
 if [ "$REAL" = 0 ] && [ "$TRAIN" = 0 ]; then
   # --- bench: before the tests, so that a slow test costs no figure -------------------------------------

@@ -6,11 +6,13 @@ if the device lacks it), undoes llama.cpp's row order of q/k, and builds the bas
 (``graphs/native_step.py``). Then, per precision, with CUDA graphs on a GPU:
 
 * ``decode``: the step plan the probe chooses on the real weights (every candidate's verdict, the exact-tree
-  plans included), plain against prompt-lookup decoding on it (tok/s, tau, every output equal to plain);
+  plans included), plain against prompt-lookup decoding on it (tok/s, tau, every output equal to plain), and
+  both eager (``eager``: one prompt; the plan was probed on captured steps, so its identity is recorded);
 * ``drafts`` (fp32 and bf16): the shipped drafts (``graphs/weights``: Chimera with its EAGLE-3 taps, Medusa,
   Cerberus without its gate) in torch on the device, on the same plan (where it does not speculate, the first
   exact one, against plain decoding there), drafting every step as chains and, where the plan
-  verifies trees, as ``tree16``: tok/s, tau, every output equal to plain;
+  verifies trees, as ``tree16``; and ``auto`` as the runtime builds it, less the bundle's n-gram table: tok/s,
+  tau, every output equal to plain;
 * ``identity``: fp16/bf16 greedy tokens against fp32, per prompt the first divergence.
 
 Prompts are MT-bench first turns in the chat template, tokenized on the CPU (``prompts`` below) and carried
@@ -47,7 +49,7 @@ from specdeploy.exporter.train.weights import load_draft_weights
 from specdeploy.graphs.native_step import StepShape
 from specdeploy.runtime.architectures import gguf_architecture
 from specdeploy.runtime.drafters import PromptLookupDrafter
-from specdeploy.runtime.drafters.kinds import CERBERUS, CHIMERA, MEDUSA
+from specdeploy.runtime.drafters.kinds import AUTO, CERBERUS, CHIMERA, MEDUSA
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
 from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, asked_for, choose
 from specdeploy.runtime.probe import resolve_plan
@@ -134,7 +136,9 @@ class RealCheck(Check):
         from specdeploy.exporter.export.draft import draft_graph_module
         from specdeploy.exporter.reference.torch_drafters import TorchSession, load_chimera
         from specdeploy.runtime.draft_contract import HEADS
+        from specdeploy.runtime.drafters.auto import AutoDrafter, FreeSources
         from specdeploy.runtime.drafters.heads import HeadsDrafter
+        from specdeploy.runtime.drafters.suffix import CACHE_TOKENS, SuffixCache, SuffixDrafter
         from specdeploy.runtime.tree_table import parse_tree_arg
 
         embed, lm = self._weights["embed_tokens"], self._weights["lm_head_t"].t()
@@ -149,16 +153,23 @@ class RealCheck(Check):
                 heads = TorchSession(draft_graph_module(w, lm, TOPK, w.vocab_trim), HEADS.input_names(), self.device,
                                      dtype)
                 yield f"{kind}-{shape}", HeadsDrafter(kind, heads, n, TOPK, tree or parse_tree_arg(f"chain{n}"))
+        # auto as the runtime makes it, less the n-gram table (built into a bundle): prompt lookup and suffix
+        # drafts, and the Chimera where its call pays on this device's cost curve
+        free = FreeSources(PromptLookupDrafter(), SuffixDrafter(SuffixCache(CACHE_TOKENS), chains=not trees,
+                                                                local=False))
+        chimera = load_chimera(WEIGHTS_DIR / f"{CHIMERA}.safetensors", embed, lm, self.device, dtype)
+        yield AUTO, AutoDrafter(chimera, free, chains=not trees)
 
 
-def measuring_plan(plan: StepPlan, max_tree: int) -> StepPlan:
-    """The plan the drafts are measured on: the probe's where it speculates; else the first exact candidate (exact
-    trees first), whatever its plain step costs (plain decoding on it is then the reference); else the fastest,
-    labelled lossy."""
+def measuring_plan(plan: StepPlan, max_tree: int, trees_first: bool = True) -> StepPlan:
+    """The plan the drafts are measured on: the probe's where it speculates; else an exact candidate (with exact
+    trees first, unless ``trees_first`` is off; then the fastest), whatever its plain step costs (plain decoding on
+    it is then the reference); else the fastest, labelled lossy."""
     if plan.speculate:
         return plan
     depth = max(2, min(PROBE_DEPTH, max_tree))
-    exact = sorted((r for r in plan.probes if r.chains_exact), key=lambda r: (not r.trees_exact, r.plain_ms))
+    exact = sorted((r for r in plan.probes if r.chains_exact),
+                   key=lambda r: (trees_first and not r.trees_exact, r.plain_ms))
     return asked_for(exact[0], depth) if exact else choose(list(plan.probes), depth, allow_inexact=True)
 
 
@@ -206,6 +217,14 @@ def run(out: Path, gguf: Path, prompts_file: Path | None, dry_run: bool, max_new
                                  "ar_tok_s": ar["tok_s"], "prompt_lookup_tok_s": pl["tok_s"], "tau": pl["tau"],
                                  "speedup": round(pl["tok_s"] / ar["tok_s"], 2) if ar["tok_s"] else None,
                                  "speculative_identical_to_plain": same}
+            with check.backend(prec, False) as eager:  # end to end without CUDA graphs, one prompt (slow steps)
+                e_ar = timed_decode(check.manifest, eager, plan, None, ids[:1], max_new)
+                e_pl = timed_decode(check.manifest, eager, plan, PromptLookupDrafter(), ids[:1], max_new)
+            # the plan was probed on captured steps: eager identity is recorded, not required
+            entry["eager"] = {"prompts": len(e_ar["tokens"]), "ar_tok_s": e_ar["tok_s"],
+                              "prompt_lookup_tok_s": e_pl["tok_s"],
+                              "plain_identical_to_graphs": outputs_equal(ar["tokens"][:1], e_ar["tokens"]),
+                              "speculative_identical_to_plain": outputs_equal(e_ar["tokens"], e_pl["tokens"])}
             rep.save()
             problems += lossless_problems(entry, plan, same, f"{prec} prompt lookup on the real weights")
         if problems:
@@ -213,19 +232,20 @@ def run(out: Path, gguf: Path, prompts_file: Path | None, dry_run: bool, max_new
     if rep.ready("drafts", ("decode",)):
         with rep.stage("drafts") as res:
             problems = []
+            some = ids[:1] if dry_run else ids  # a dry run's exact plans are slow ones (135M in torch on 2 cores)
             for prec in (p for p in precisions if p != "fp16"):  # fp16 steps as fast as bf16: the time for fp32
-                plan = measuring_plan(plans[prec], check.manifest.limits.max_tree)
+                plan = measuring_plan(plans[prec], check.manifest.limits.max_tree, trees_first=not dry_run)
                 with check.backend(prec, cuda) as backend:
                     backend.capture_all()
-                    ref = plain[prec] if plan is plans[prec] else None
+                    ref = plain[prec][:len(some)] if plan is plans[prec] else None
                     if ref is None:  # the decode stage's plan does not speculate: plain on this one is the reference
-                        ref_run = timed_decode(check.manifest, backend, plan, None, ids, max_new)
+                        ref_run = timed_decode(check.manifest, backend, plan, None, some, max_new)
                         ref, ar_tok_s = ref_run["tokens"], ref_run["tok_s"]
                     else:
                         ar_tok_s = rep.data["decode"][prec]["ar_tok_s"]
                     res[prec] = {"plan": plan.reason, "trees": plan.trees, "plain_tok_s": ar_tok_s}
                     for name, drafter in check.shipped_drafters(prec, plan.trees):
-                        run = timed_decode(check.manifest, backend, plan, drafter, ids, max_new)
+                        run = timed_decode(check.manifest, backend, plan, drafter, some, max_new)
                         same = outputs_equal(ref, run["tokens"])
                         entry = res[prec][name] = {
                             "tok_s": run["tok_s"], "tau": run["tau"], "identical_to_plain": same,

@@ -62,7 +62,7 @@ class Budget:
     shortest: bool = False  # the max_seqs shortest prompts (in their order), not the first ones
 
 
-DEVICE = Budget(data_s=80, chimera_s=35, cerberus_s=20, gen_batch=512, chimera_batch=32, heads_batch=4096,
+DEVICE = Budget(data_s=70, chimera_s=30, cerberus_s=15, gen_batch=512, chimera_batch=32, heads_batch=4096,
                 epochs=8)
 DRY_RUN = Budget(data_s=None, chimera_s=6, cerberus_s=4, gen_batch=16, chimera_batch=4, heads_batch=256, epochs=1,
                  max_seqs=12, heldout_fraction=0.3, shortest=True)

@@ -64,19 +64,27 @@ def test_dry_run_writes_every_stage_and_the_bench_schema(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_real_reads_the_embedded_gguf_and_decodes_it(tmp_path):
+def test_dry_run_real_reads_the_embedded_gguf_and_decodes_it(tmp_path, real_quant_bundle):
     """``--real`` on the CPU: the embedded GGUF through the real-weights stage (its plan verdicts, exact-tree
-    plans included, and prompt lookup equal to plain); three files, no bench.json or tests.xml."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    plans included, prompt lookup and the shipped drafts equal to plain, on MT-bench prompts carried as the
+    device gets them); three files, no bench.json or tests.xml."""
+    from specdeploy.exporter.bench.gpu_real import write_prompts
+
+    store = tmp_path / "store"
+    store.mkdir()
+    write_prompts(real_quant_bundle("q4_1"), store / "prompts.json", 2)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "SPECDEPLOY_GPU_STORE": str(store)}
     run = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--real"], check=False, cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "real.json", "stages.log"]
-    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "real.json", "stages.log"]
+    summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["passed"] and summary["real"] and set(summary["stages"]) == {"env", "setup", "weights", "real"}
     real = summary["real"]
     assert {k: v["status"] for k, v in real["stages"].items()} == {"load": "ok", "decode": "ok", "drafts": "ok"}
     assert real["load"]["shape"]["num_layers"] == 30 and real["load"]["shape"]["vocab_size"] == 49152
+    assert real["load"]["prompts"] == "MT-bench, chat template"
     dec = real["decode"]["fp32"]
     assert "one-graph" in dec["verdicts"] and (dec["trees"] or any(n.startswith("gathered") for n in dec["verdicts"]))
     assert all(dec["speculative_identical_to_plain"]) and dec["ar_tok_s"] > 0
@@ -85,8 +93,10 @@ def test_dry_run_real_reads_the_embedded_gguf_and_decodes_it(tmp_path):
     drafts = real["drafts"]["fp32"]
     assert drafts["plan"].startswith("exact speculation") and drafts["plain_tok_s"] > 0
     runs = {k: v for k, v in drafts.items() if isinstance(v, dict)}
-    assert {"chimera-chain", "medusa-chain", "cerberus-chain"} <= set(runs)
+    assert {"chimera-chain", "medusa-chain", "cerberus-chain", "auto"} <= set(runs)
+    assert dec["eager"]["prompts"] == 1 and dec["eager"]["ar_tok_s"] > 0  # end to end without CUDA graphs too
     assert all(all(r["identical_to_plain"]) and not r["lossy"] and r["tau"] >= 1.0 for r in runs.values())
+    assert runs["chimera-chain"]["tau"] > 1.0  # drafts accepted (its taps: test_the_torch_chimera_reads_its_taps)
     assert ("chimera-tree16" in runs) == drafts["trees"]
 
 
@@ -386,3 +396,28 @@ def test_the_padded_probe_experiment_runs_its_dry_run(tmp_path):
     if pad["exact"]:
         assert all(pad["identical_to_padded_plain"])
     assert pad["prompt_lookup_tok_s"] > 0 and pad["ar_tok_s"] > 0
+
+
+def test_the_torch_chimera_reads_its_taps():
+    """A fusing Chimera (EAGLE-3 taps) in torch, as the exported graph computes it: real slots read the fused
+    taps (``FusedChimeraStepGraph`` with ``from_layers`` 1), chain slots the fed-back feature."""
+    from specdeploy.exporter.reference.torch_drafters import TorchChimeraDrafter
+    from specdeploy.graphs.chimera import ChimeraConfig, ChimeraDraft, FusedChimeraStepGraph
+
+    torch.manual_seed(0)
+    cfg = ChimeraConfig("chimera", 3, 16, 50, 4, 2, 4, 24, feature_layers=(0, 1))
+    graph = FusedChimeraStepGraph(ChimeraDraft(cfg), torch.randn(50, 16), torch.randn(50, 16), 5)
+    with torch.no_grad():
+        for p in graph.draft.parameters():
+            p.normal_(0.0, 0.3)
+    drafter = TorchChimeraDrafter(graph, "cpu", torch.float32, topk=5)
+    assert drafter.feature_layers == (0, 1)
+    seen, step = [], graph.step
+    graph.step = lambda x, *rest: seen.append(x.clone()) or step(x, *rest)
+    rng = np.random.default_rng(0)
+    hidden, layers = rng.normal(size=(4, 16)).astype(np.float32), rng.normal(size=(4, 32)).astype(np.float32)
+    drafter.head_topk(np.array([3, 7, 9, 11, 4]), hidden, layers=layers)
+    want = graph.draft.fusion(torch.from_numpy(layers)[None])  # what the graph blends in at from_layers = 1
+    assert len(seen) == 3 and torch.allclose(seen[0], want, atol=1e-6)  # the real slots: the taps, fused
+    assert not torch.allclose(seen[0], torch.from_numpy(hidden)[None])
+    assert all(x.shape == (1, 1, 16) for x in seen[1:])  # each chain slot: one fed-back feature
