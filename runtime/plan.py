@@ -130,6 +130,12 @@ class StepPlan:
         return self.candidate.split
 
 
+def probe_depth(max_tree: int) -> int:
+    """The rows the probe checks (so the longest step an exact plan runs): the bundle's tree limit, 2 to
+    :data:`PROBE_DEPTH`."""
+    return max(2, min(PROBE_DEPTH, max_tree))
+
+
 def candidates(backend: Backend, depth: int = PROBE_DEPTH) -> list[Candidate]:
     """The plans this backend can run, fastest plain step first; ``depth`` rows for the padded ones; the
     gathered plans (exact trees) last, where the backend has the gathered form."""
@@ -166,12 +172,8 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
     else:  # the exact-tree plan, or where no other is exact, the first usable one
         pick = trees or next(iter(usable), None)
     if pick is not None:
-        shape = "trees" if pick.trees_exact else "chains (a tree's rows differ)"
-        skipped = f" ({why_not})" if why_not else ""
-        when = "when first probed" if pick.cached else "now"
-        reason = (f"exact speculation: step plan '{pick.candidate.name}' ({pick.plain_ms:.1f} ms per plain step "
-                  f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
-        return StepPlan(pick.candidate, True, True, pick.trees_exact, depth, reason, tuple(results))
+        when = " when first probed" if pick.cached else " now"
+        return _exact(pick, depth, tuple(results), when=when, skipped=f" ({why_not})" if why_not else "")
     fastest = results[0]
     if allow_inexact:
         reason = (f"LOSSY speculation (--allow-inexact): no step plan is exact on this machine ({why_not}); "
@@ -183,6 +185,15 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
     return StepPlan(fastest.candidate, False, False, False, 1, reason, tuple(results))
 
 
+def _exact(res: ProbeResult, depth: int, results: tuple[ProbeResult, ...], asked: str = "", when: str = "",
+           skipped: str = "") -> StepPlan:
+    """The exact plan on ``res``'s candidate, with the sentence that says why."""
+    shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
+    reason = (f"exact speculation: step plan '{res.candidate.name}'{asked} ({res.plain_ms:.1f} ms per plain step"
+              f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
+    return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, results)
+
+
 def asked_for(res: ProbeResult, depth: int, allow_inexact: bool = False) -> StepPlan:
     """The plan a caller named (``step_plan``), where the probe finds it exact; with ``allow_inexact`` it
     speculates there anyway, labelled lossy; else :class:`StepPlanError`."""
@@ -190,10 +201,7 @@ def asked_for(res: ProbeResult, depth: int, allow_inexact: bool = False) -> Step
 
     name, worst = res.candidate.name, res.worst()
     if res.chains_exact:
-        shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
-        reason = (f"exact speculation: step plan '{name}' as asked ({res.plain_ms:.1f} ms per plain step), {shape}, "
-                  f"probed bit for bit on this machine.")
-        return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, (res,))
+        return _exact(res, depth, (res,), asked=" as asked")
     if allow_inexact:
         reason = (f"LOSSY speculation (--allow-inexact): step plan '{name}' as asked differs by {worst.max_abs:.2g} "
                   f"at {worst.what} on this machine; greedy output may differ from plain decoding.")
@@ -322,4 +330,4 @@ def store_verdict(key: str, res: ProbeResult) -> None:
 
 
 __all__ = ["Candidate", "ProbeCheck", "ProbeResult", "StepPlan", "asked_for", "cache_dir", "cached_verdict", "candidates",
-           "choose", "cpu_isa", "machine_id", "process_features", "store_verdict", "verdict_key"]
+           "choose", "cpu_isa", "machine_id", "probe_depth", "process_features", "store_verdict", "verdict_key"]

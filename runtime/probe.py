@@ -15,7 +15,6 @@ import numpy as np
 from .decode import Decoder
 from .errors import StepPlanError
 from .plan import (
-    PROBE_DEPTH,
     PROBE_LONG,
     PROBE_PROMPT,
     Candidate,
@@ -26,6 +25,7 @@ from .plan import (
     cached_verdict,
     candidates,
     choose,
+    probe_depth,
     store_verdict,
     verdict_key,
 )
@@ -151,11 +151,11 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
     """Probe the candidates in order (cached per machine) and return the fastest exact plan.
 
     No exact candidate: plain decoding with the fastest candidate, or with ``allow_inexact`` speculation
-    there, labelled lossy. The probe depth is the bundle's tree limit, at most :data:`PROBE_DEPTH`.
+    there, labelled lossy. The probe depth is the bundle's tree limit, at most :data:`~.plan.PROBE_DEPTH`.
     ``step_plan`` names a candidate to take instead (:func:`~.plan.asked_for`: probed like the others, and
     refused where it is not exact, unless ``allow_inexact``).
     """
-    depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
+    depth = probe_depth(manifest.limits.max_tree)
     results: list[ProbeResult] = []
 
     def verdict(cand: Candidate) -> ProbeResult:

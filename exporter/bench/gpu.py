@@ -61,7 +61,7 @@ from specdeploy.runtime.capture import chain_feed
 from specdeploy.runtime.drafters import PromptLookupDrafter, kinds
 from specdeploy.runtime.drafters.hybrid import HybridDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
-from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, choose
+from specdeploy.runtime.plan import StepPlan, choose, probe_depth
 from specdeploy.runtime.probe import resolve_plan
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "weights"  # the shipped drafts (tracked)
@@ -303,7 +303,7 @@ def run(out: Path, dry_run: bool, cpu_results: Path | None, max_new: int, num_pr
     plain: dict[str, list[list[int]]] = {}
     res_plain: dict[str, float] = {}
     plans: dict[str, StepPlan] = {}
-    depth = max(2, min(PROBE_DEPTH, check.manifest.limits.max_tree))
+    depth = probe_depth(check.manifest.limits.max_tree)
     problems: list[str] = []
     with rep.stage("decode") as res:
         for prec in precisions:

@@ -51,7 +51,7 @@ from specdeploy.runtime.architectures import gguf_architecture
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.drafters.kinds import AUTO, CERBERUS, CHIMERA, MEDUSA
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
-from specdeploy.runtime.plan import PROBE_DEPTH, StepPlan, asked_for, choose
+from specdeploy.runtime.plan import StepPlan, asked_for, choose, probe_depth
 from specdeploy.runtime.probe import resolve_plan
 
 TOPK = 10  # the heads' top-k per depth, as exported (export draft's default)
@@ -167,7 +167,7 @@ def measuring_plan(plan: StepPlan, max_tree: int, trees_first: bool = True) -> S
     it is then the reference); else the fastest, labelled lossy."""
     if plan.speculate:
         return plan
-    depth = max(2, min(PROBE_DEPTH, max_tree))
+    depth = probe_depth(max_tree)
     exact = sorted((r for r in plan.probes if r.chains_exact),
                    key=lambda r: (trees_first and not r.trees_exact, r.plain_ms))
     return asked_for(exact[0], depth) if exact else choose(list(plan.probes), depth, allow_inexact=True)
@@ -237,12 +237,11 @@ def run(out: Path, gguf: Path, prompts_file: Path | None, dry_run: bool, max_new
                 plan = measuring_plan(plans[prec], check.manifest.limits.max_tree, trees_first=not dry_run)
                 with check.backend(prec, cuda) as backend:
                     backend.capture_all()
-                    ref = plain[prec][:len(some)] if plan is plans[prec] else None
-                    if ref is None:  # the decode stage's plan does not speculate: plain on this one is the reference
+                    if plan is plans[prec]:
+                        ref, ar_tok_s = plain[prec][:len(some)], rep.data["decode"][prec]["ar_tok_s"]
+                    else:  # the decode stage's plan does not speculate: plain on this one is the reference
                         ref_run = timed_decode(check.manifest, backend, plan, None, some, max_new)
                         ref, ar_tok_s = ref_run["tokens"], ref_run["tok_s"]
-                    else:
-                        ar_tok_s = rep.data["decode"][prec]["ar_tok_s"]
                     res[prec] = {"plan": plan.reason, "trees": plan.trees, "plain_tok_s": ar_tok_s}
                     for name, drafter in check.shipped_drafters(prec, plan.trees):
                         run = timed_decode(check.manifest, backend, plan, drafter, some, max_new)

@@ -220,10 +220,10 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     and acts on at load, not the export's.
     """
     from specdeploy.runtime.backends import make_backend
-    from specdeploy.runtime.plan import PROBE_DEPTH, candidates, machine_id, store_verdict, verdict_key
+    from specdeploy.runtime.plan import candidates, machine_id, probe_depth, store_verdict, verdict_key
     from specdeploy.runtime.probe import probe, resolve_plan
 
-    depth = max(2, min(PROBE_DEPTH, manifest.limits.max_tree))
+    depth = probe_depth(manifest.limits.max_tree)
     progress(f"probing step plans bit for bit on this machine ({machine_id()}), chains of 2..{depth} rows ...")
     with make_backend("ort-cpu", bundle_dir, manifest) as backend:
         results = []

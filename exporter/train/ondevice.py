@@ -170,16 +170,17 @@ def _training_data(prep: Prepared, weights, shape, device: str, work: Path, budg
     rows = np.sort(np.argsort(lengths, kind="stable")[:count]) if budget.shortest else np.arange(count)
     longest = int(lengths[rows].max()) + int(data["reply_tokens"]) + 4
     manifest = synthetic_manifest(shape, max_context=max(longest, 64), max_tree=4)
-    backend = TorchBackend("", manifest, device=device, precision="fp32", cuda_graphs=False, weights=weights,
-                           shape=shape, feature_layers=data["feature_layers"])
     where = "a CUDA GPU" if device.startswith("cuda") else "the CPU"
-    gen = BatchGenerator(backend, prep.eos_token_ids, f"torch fp32 on {where}, GGUF {prep.weight_sha[:12]}")
-    config = replace(DataConfig(**data), max_seqs=count, shard_size=budget.gen_batch, engine=gen.description,
-                     replies_file=None, heldout_fraction=budget.heldout_fraction or data["heldout_fraction"])
     loaded = SimpleNamespace(model=_Base(shape), tokenizer=None, weight_sha=prep.weight_sha, path="GGUF on the device")
     sequences = ((Conversation(prep.conversation_ids[i], ()), prep.prompts[i], np.zeros(0, np.uint8)) for i in rows)
-    cache = build_cache(loaded, work / "data", config, device=device, generator=gen, time_limit_s=budget.data_s,
-                        keep_partial=True, sequences=sequences, show_progress=sys.stderr.isatty())
+    # closed once the data is made: training then has the device to itself
+    with TorchBackend("", manifest, device=device, precision="fp32", cuda_graphs=False, weights=weights,
+                      shape=shape, feature_layers=data["feature_layers"]) as backend:
+        gen = BatchGenerator(backend, prep.eos_token_ids, f"torch fp32 on {where}, GGUF {prep.weight_sha[:12]}")
+        config = replace(DataConfig(**data), max_seqs=count, shard_size=budget.gen_batch, engine=gen.description,
+                         replies_file=None, heldout_fraction=budget.heldout_fraction or data["heldout_fraction"])
+        cache = build_cache(loaded, work / "data", config, device=device, generator=gen, time_limit_s=budget.data_s,
+                            keep_partial=True, sequences=sequences, show_progress=sys.stderr.isatty())
     if cache is None:
         raise TrainingError("The data's time limit came before its first shard was made.")
     np.save(cache.path / "token_counts.npy", prep.token_counts)  # the draft vocabulary's order needs no tokenizer
@@ -251,7 +252,7 @@ def run(out_dir: Path, gguf: Path, prompts: Path, dry_run: bool = False, budget:
     rep = Report(out_dir / "train.json", {"dry_run": dry_run, "device": device, "torch": torch.__version__,
                                           "device_name": torch.cuda.get_device_name(0) if cuda else
                                           platform.processor(), "budget": asdict(budget)})
-    state: dict[str, Any] = {}
+    cache = None
     with tempfile.TemporaryDirectory(prefix="specdeploy-ondevice-") as tmp:
         work = Path(tmp)
         with rep.stage("load") as res:
@@ -263,12 +264,11 @@ def run(out_dir: Path, gguf: Path, prompts: Path, dry_run: bool = False, budget:
             weights, shape = read_gguf(gguf)
             if (shape.hidden_size, shape.vocab_size) != (prep.base["hidden_size"], prep.base["vocab_size"]):
                 raise TrainingError("The GGUF's shape differs from the prepared base's.")
-            state.update(weights=weights, shape=shape, prep=prep)
             res.update({"prompts": len(prep.prompts), "feature_layers": prep.data["feature_layers"]})
         if rep.ready("data", ("load",)):
             with rep.stage("data") as res:
                 t0 = time.time()
-                cache = state["cache"] = _training_data(prep, weights, shape, device, work, budget, log)
+                cache = _training_data(prep, weights, shape, device, work, budget, log)
                 positions = int(cache.assistant.sum())
                 res.update({"sequences": cache.num_sequences, "tokens": cache.num_tokens,
                             "reply_positions": positions, "of_prompts": len(prep.prompts),
@@ -278,7 +278,7 @@ def run(out_dir: Path, gguf: Path, prompts: Path, dry_run: bool = False, budget:
             if not rep.ready(kind, ("data",)):
                 continue
             with rep.stage(kind) as res:
-                summary = _train_kind(kind, state["cache"], weights, shape, prep, device, work, budget, log)
+                summary = _train_kind(kind, cache, weights, shape, prep, device, work, budget, log)
                 if summary["bytes"] > MAX_FILE_BYTES:
                     raise TrainingError(f"{kind}.safetensors is {summary['bytes'] / 2**20:.1f} MiB, over the "
                                         f"{MAX_FILE_BYTES >> 20} MiB a file may weigh on its way back.")
@@ -288,20 +288,28 @@ def run(out_dir: Path, gguf: Path, prompts: Path, dry_run: bool = False, budget:
 
 
 # --- 3. keep (here) ---------------------------------------------------------------------------------------------
-def _tau(bundle: Path, kind: str, prompts: list[str], tokens: int, threads: int) -> dict[str, Any]:
+def _plain(bundle: Path, prompts: list[str], tokens: int, threads: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, plain greedy reply) per prompt: the reference every draft's output must equal."""
+    from specdeploy.runtime import load
+    from specdeploy.runtime.decode import GenerationConfig
+
+    with load(bundle, draft=None, threads=threads) as plain:
+        ids = [plain.encode(p, chat=True) for p in prompts]
+        return [(i, plain.generate_ids(i, GenerationConfig(tokens))) for i in ids]
+
+
+def _tau(bundle: Path, kind: str, refs: list[tuple[list[int], list[int]]], tokens: int,
+         threads: int) -> dict[str, Any]:
     """Tokens per verify step of ``kind``'s draft in ``bundle``, drafting every step, on this CPU's plan; each
-    output checked against plain decoding."""
+    output checked against plain decoding (``refs``)."""
     from specdeploy.runtime import load
     from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 
     draft = CERBERUS_NOGATE if kind == CERBERUS else kind  # the gate would decline: acceptance, not the rule
-    with load(bundle, draft=None, threads=threads) as plain:
-        ids = [plain.encode(p, chat=True) for p in prompts]
-        refs = [plain.generate_ids(i, GenerationConfig(tokens)) for i in ids]
     made = steps = 0
     with load(bundle, draft=draft, threads=threads, tree=KEEP_TREE) as eng:
         eng.decoder.drafter.always_model = True
-        for i, ref in zip(ids, refs, strict=True):
+        for i, ref in refs:
             st = DecodeStats()
             if eng.generate_ids(i, GenerationConfig(tokens), st) != ref:
                 raise TrainingError(f"The {kind} draft in '{bundle}' changed the output: the runtime is not exact "
@@ -312,37 +320,34 @@ def _tau(bundle: Path, kind: str, prompts: list[str], tokens: int, threads: int)
     return {"tau": round(made / max(1, steps), 4), "steps": steps, "plan": plan}
 
 
-def _bundle_with(bundle: Path, kind: str, weights: Path, dest: Path) -> Path:
-    """A copy of ``bundle`` whose ``kind`` draft is exported from ``weights``."""
-    from specdeploy.exporter.export.draft import export_draft
-
-    shutil.copytree(bundle, dest, symlinks=True)
-    export_draft(dest, kind, weights, progress=lambda m: None)
-    return dest
-
-
 def keep(new_dir: Path, bundle: Path, out: Path, dest: Path = WEIGHTS_DIR, num_prompts: int = 24,
          tokens: int = 64, threads: int = 2, calibrate: dict[str, Any] | None = None, log=print) -> dict[str, Any]:
     """Each new draft in ``new_dir`` against the one in ``dest``, tau on MT-bench prompts on this CPU; a new one
     that accepts more replaces it (weights, then its calibration for this machine). ``out``: ``keep.json`` (and
     ``keep.png`` beside it)."""
     from specdeploy.exporter.bench.promptsets import mt_bench
+    from specdeploy.exporter.export.draft import export_draft
+    from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters import kinds
 
-    prompts = [item.text for item in mt_bench(num_prompts)]
+    read_manifest(bundle)  # a wrong path or a corrupt bundle: one sentence, before any work
     found = [k for k in KINDS if (new_dir / f"{k}.safetensors").is_file()]
     if not found:
         raise TrainingError(f"'{new_dir}' holds no chimera.safetensors or cerberus.safetensors to weigh.")
+    prompts = [item.text for item in mt_bench(num_prompts)]
+    refs = _plain(bundle, prompts, tokens, threads)  # the base is the same in every copy below
     result: dict[str, Any] = {"bundle": str(bundle), "prompts": f"MT-bench first turns x {len(prompts)}",
                               "max_new_tokens": tokens, "kinds": {}}
     with tempfile.TemporaryDirectory(prefix="specdeploy-keep-") as tmp:
         work = Path(tmp)
         for kind in found:
             new, shipped = new_dir / f"{kind}.safetensors", dest / f"{kind}.safetensors"
+            copy = work / kind  # one copy of the bundle; the new draft replaces the shipped one in it
+            shutil.copytree(bundle, copy, symlinks=True)
             taus = {}
             for side, weights in (("shipped", shipped), ("new", new)):
-                copy = _bundle_with(bundle, kind, weights, work / f"{kind}-{side}")
-                taus[side] = _tau(copy, kind, prompts, tokens, threads)
+                export_draft(copy, kind, weights, progress=lambda m: None)
+                taus[side] = _tau(copy, kind, refs, tokens, threads)
                 log(f"{kind} {side}: tau {taus[side]['tau']} ({taus[side]['plan']})")
             better = taus["new"]["tau"] > taus["shipped"]["tau"]
             entry = result["kinds"][kind] = {**{f"{s}_tau": t["tau"] for s, t in taus.items()}, "kept": better,
@@ -351,7 +356,7 @@ def keep(new_dir: Path, bundle: Path, out: Path, dest: Path = WEIGHTS_DIR, num_p
                 staged = work / f"staged-{kind}" / f"{kind}.safetensors"
                 staged.parent.mkdir()
                 shutil.copyfile(new, staged)
-                kinds.resolve(kinds.describe(kind).calibrator)(work / f"{kind}-new", kind, staged, threads=threads,
+                kinds.resolve(kinds.describe(kind).calibrator)(copy, kind, staged, threads=threads,
                                                                **(calibrate or {}))
                 for f in staged.parent.iterdir():
                     shutil.copyfile(f, dest / f.name)

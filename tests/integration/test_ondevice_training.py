@@ -16,7 +16,7 @@ import pytest
 import torch
 from specdeploy.exporter.train import ondevice
 from specdeploy.exporter.train.weights import load_draft_weights
-from specdeploy.runtime.errors import TrainingError
+from specdeploy.runtime.errors import BundleError, TrainingError
 
 ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = ROOT / "graphs" / "weights"
@@ -89,6 +89,9 @@ def test_another_gguf_or_a_bad_prompts_file_is_one_sentence(tmp_path):
     with pytest.raises(TrainingError, match="is not a prepared prompts file"):
         ondevice.Prepared.read(bad)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["train.json"]  # no weights half-made
+    with pytest.raises(BundleError, match="No bundle directory at"):  # before any work
+        ondevice.keep(tmp_path, tmp_path / "nowhere", tmp_path / "keep.json", dest=tmp_path)
+    assert not (tmp_path / "keep.json").exists()
     run = subprocess.run([sys.executable, "-m", "specdeploy.exporter.train.ondevice", "run", str(tmp_path / "o2"),
                           "--gguf", str(other), "--prompts", str(prompts)], check=False, capture_output=True, text=True,
                          timeout=300)
