@@ -7,6 +7,11 @@ and IEEE-exact software floating point, so each machine that runs these tests ch
 own, and AVX2 without AVX-512 or VNNI. ``scripts/test.sh`` installs ``qemu-user`` where it can; without
 it the emulated tests skip and say so. No test asserts what the kernels do: only that the plan the probe
 chose there gives speculative output identical to plain output.
+
+The runs under the emulator are a sweep (marked ``sweep``: ``SPECDEPLOY_SWEEPS=1`` or ``-m sweep``): a minute
+or more each, and on a host that is itself an AVX2-only CPU the default tier's real-bundle tests check that kind
+natively. What needs no emulator (the machine's CPUID view, the verdict key, the worker's command line, the
+one-sentence errors) runs in every run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from specdeploy.exporter.cli import main
 from specdeploy.runtime import plan
 
 ROME = "EPYC-Rome-v2"  # AMD EPYC 7002: AVX2, FMA; no AVX-512, no VNNI
+# the tests under the emulator: a sweep, and only where QEMU is installed
+sweep = pytest.mark.sweep
 needs_qemu = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("qemu-x86_64") is None,
                                 reason="needs qemu-x86_64 (Debian package qemu-user; scripts/test.sh installs it)")
 # On a host that is itself an AVX2-only CPU, the native real-bundle tests already run on the emulated
@@ -163,6 +170,7 @@ def _emulated_lookup(bundle: Path, prompts: list[str], tokens: int) -> dict:
     return got
 
 
+@sweep
 @needs_qemu
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
 def test_emulated_avx2_cpu_speculation_equals_plain(precision, tiny_bundle, tiny_model_factory, tmp_path):
@@ -184,6 +192,7 @@ def test_emulated_avx2_cpu_speculation_equals_plain(precision, tiny_bundle, tiny
         assert any(m.split(" | ")[2] == got["isa"] for m in machines)
 
 
+@sweep
 @needs_qemu
 def test_bench_emulate_cpu_labels_the_report(tiny_bundle, tmp_path):
     out = tmp_path / "emu.json"
@@ -198,6 +207,7 @@ def test_bench_emulate_cpu_labels_the_report(tiny_bundle, tmp_path):
     assert f"EMULATED CPU {ROME}" in table and f"Step plan (ar): {ran['ar']['plan']}" in table
 
 
+@sweep
 @needs_qemu
 @not_avx2_host
 @real_on_request

@@ -64,6 +64,40 @@ def test_dry_run_writes_every_stage_and_the_bench_schema(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_real_stage_decodes_the_embedded_gguf_and_its_drafts_keep_plain_output(tmp_path, real_bundle):
+    """The real-weights stage's parts on the embedded GGUF, in this process, at the dry run's sizes (the sweep below
+    runs the stage itself): its plan verdicts on the weights read without transformers, exact-tree plans included,
+    and on the plan the drafts are measured on, prompt lookup and the shipped drafts in torch (Chimera with its
+    taps) equal to plain decoding, on an MT-bench prompt carried as the device gets it."""
+    from specdeploy.exporter.bench.gpu_common import timed_decode
+    from specdeploy.exporter.bench.gpu_real import RealCheck, measuring_plan, read_gguf, write_prompts
+    from specdeploy.exporter.source import default_gguf_path
+    from specdeploy.exporter.train.weights import load_draft_weights
+    from specdeploy.runtime.drafters import PromptLookupDrafter
+
+    weights, shape = read_gguf(default_gguf_path())
+    assert (shape.num_layers, shape.vocab_size) == (30, 49152)
+    taps = load_draft_weights(ROOT / "graphs" / "weights" / "chimera.safetensors", "chimera").config.feature_layers
+    check = RealCheck(weights, shape, "cpu", max_context=1024, max_tree=4, feature_layers=taps)  # the dry run's
+    ids = json.loads(write_prompts(real_bundle, tmp_path / "prompts.json", 1).read_text())["prompts"]
+    with check.backend("fp32", False) as backend:
+        probed = resolve_plan(backend, check.manifest, use_cache=False)
+        names = [r.candidate.name for r in probed.probes]
+        assert names[0] == "one-graph" and (probed.trees or any(n.startswith("gathered") for n in names))
+        plan = measuring_plan(probed, check.manifest.limits.max_tree, trees_first=False)
+        assert plan.exact, plan.reason  # an exact plan, whatever its plain step costs (gathered-padded: by construction)
+        plain = timed_decode(check.manifest, backend, plan, None, ids, 16)["tokens"]
+        taus = {}
+        for name, drafter in [("prompt-lookup", PromptLookupDrafter()), *check.shipped_drafters("fp32", plan.trees)]:
+            run = timed_decode(check.manifest, backend, plan, drafter, ids, 16)
+            assert run["tokens"] == plain, name
+            taus[name] = run["tau"]
+    assert {"chimera-chain", "medusa-chain", "cerberus-chain", "auto"} <= set(taus)
+    assert all(t >= 1.0 for t in taus.values()) and taus["chimera-chain"] > 1.0, taus  # the drafts were accepted
+
+
+@pytest.mark.slow
+@pytest.mark.sweep
 def test_dry_run_real_reads_the_embedded_gguf_and_decodes_it(tmp_path, real_quant_bundle):
     """``--real`` on the CPU: the embedded GGUF through the real-weights stage (its plan verdicts, exact-tree
     plans included, prompt lookup and the shipped drafts equal to plain, on MT-bench prompts carried as the

@@ -22,14 +22,36 @@ SUFFIX_PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON 
                   "one two three four one two three four one two"]
 
 
-@pytest.mark.slow
-def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
-    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
+@pytest.fixture(scope="module")
+def drafted(real_bundle, tmp_path_factory):
+    """A copy of the real bundle with the three shipped drafts exported into it, and validate's checks of it:
+    made and validated once for both tests below."""
     from specdeploy.exporter.check.validate import validate_bundle
     from specdeploy.exporter.export.draft import export_draft
 
-    bundle = tmp_path / "real"
+    bundle = tmp_path_factory.mktemp("drafted") / "real"
     shutil.copytree(real_bundle, bundle)
+    for kind in ("chimera", "medusa", "cerberus"):
+        export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
+    return bundle, validate_bundle(bundle, progress=lambda m: None)
+
+
+def _drafting_tau(eng, refs, what) -> float:
+    """Tokens per step over the steps ``eng`` drafted (the rule runs the others plainly), each output held to
+    plain decoding's."""
+    tokens = steps = 0
+    for ids, ref in refs:
+        st = DecodeStats()
+        assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, what
+        tokens += st.new_tokens - 1 - st.gate_ar
+        steps += st.gate_parallel
+    return tokens / steps
+
+
+@pytest.mark.slow
+def test_shipped_chimera_on_the_real_model(real_bundle, drafted, plain_runs):
+    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
+    bundle, checks = drafted
     w = load_draft_weights(WEIGHTS / "chimera.safetensors", "chimera")
     assert (WEIGHTS / "chimera.safetensors").stat().st_size <= 30 * 2**20
     # trained on the base model's own replies to 5120 ShareGPT first turns, fusing EAGLE-3's low, mid and
@@ -37,60 +59,37 @@ def test_shipped_chimera_on_the_real_model(real_bundle, tmp_path):
     assert w.config.num_heads == 4 and w.meta["data"]["tokens"] > 1_000_000
     assert w.config.feature_layers == (1, 14, 26)
     assert w.meta["data"]["config"]["replies"] == "self"
-    export_draft(bundle, "chimera", WEIGHTS / "chimera.safetensors", progress=lambda m: None)
     from specdeploy.exporter.export.shared_data import stored_twice
 
     assert stored_twice(bundle, _graph_files(bundle)) == []  # the trt and ort graphs share their fp32 weights
-    checks = validate_bundle(bundle, progress=lambda m: None)
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int4"}
-    prompts = mtbench_first_turns(3)
-    with load(bundle, draft=None) as plain:
-        refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
-                for ids in (plain.encode(p, chat=True) for p in prompts)]
+    refs = plain_runs.refs(real_bundle, mtbench_first_turns(3), 48)  # the copy's base is the session bundle's
     for tree in (None, "tree16", "dynamic:16"):
         with load(bundle, draft="chimera", tree=tree) as eng:
+            plain_runs.same_plan(real_bundle, eng)
             eng.decoder.drafter.always_model = True  # what it learned: it drafts every step
-            tokens = steps = 0  # over the steps it drafted (the rule runs the others plainly)
-            for ids, ref in refs:
-                st = DecodeStats()
-                assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, tree
-                tokens += st.new_tokens - 1 - st.gate_ar
-                steps += st.gate_parallel
+            tau = _drafting_tau(eng, refs, tree)
             # An untrained draft stays near 1.0. The adaptive chain is sized by the cost curve measured at
             # load, so tau moves with the machine's timing (1.28 in one CI run on the AMD EPYC, above 1.3 in others).
-            assert tokens / steps > 1.2, (tree, tokens / steps)
+            assert tau > 1.2, (tree, tau)
 
 
 @pytest.mark.slow
-def test_shipped_heads_on_the_real_model(real_bundle, tmp_path):
+def test_shipped_heads_on_the_real_model(real_bundle, drafted, plain_runs):
     """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
-    from specdeploy.exporter.check.validate import validate_bundle
-    from specdeploy.exporter.export.draft import export_draft
-
-    bundle = tmp_path / "real"
-    shutil.copytree(real_bundle, bundle)
-    for kind in ("medusa", "cerberus"):
-        export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
-    checks = validate_bundle(bundle, progress=lambda m: None)
+    bundle, checks = drafted
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int4", "cerberus",
                                                                           "cerberus-int4", "cerberus-gate"}
-    prompts = mtbench_first_turns(3)
-    with load(bundle, draft=None) as plain:
-        refs = [(ids, plain.generate_ids(ids, GenerationConfig(48)))
-                for ids in (plain.encode(p, chat=True) for p in prompts)]
+    refs = plain_runs.refs(real_bundle, mtbench_first_turns(3), 48)
     # The calibrated defaults (tree, vocabulary, gate) and a 16-node tree, whose tau shows the heads learned.
     for draft, tree in (("medusa", None), ("cerberus", None), ("medusa", "tree16"), ("cerberus-nogate", "tree16")):
         with load(bundle, draft=draft, tree=tree) as eng:
+            plain_runs.same_plan(real_bundle, eng)
             if tree == "tree16":  # what the heads learned: they draft every step, the rule set aside
                 eng.decoder.drafter.always_model = True
-            tokens = steps = 0  # over the steps it drafted (the rule runs the others plainly)
-            for ids, ref in refs:
-                st = DecodeStats()
-                assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, (draft, tree)
-                tokens += st.new_tokens - 1 - st.gate_ar
-                steps += st.gate_parallel
+            tau = _drafting_tau(eng, refs, (draft, tree))
             if tree == "tree16":  # a chains-only step plan verifies the tree's best chain only
-                assert tokens / steps > (1.3 if eng.plan.trees else 1.1), (draft, tokens / steps, eng.plan.reason)
+                assert tau > (1.3 if eng.plan.trees else 1.1), (draft, tau, eng.plan.reason)
 
 
 @pytest.mark.slow

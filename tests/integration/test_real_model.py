@@ -48,16 +48,15 @@ def test_ort_graph_keeps_the_gguf_blocks(real_bundle):
     assert data < 0.6 * weight_bytes(real_bundle, manifest.graph("base", "trt").file)
 
 
-def test_32_greedy_tokens_match_transformers(real_bundle):
+def test_32_greedy_tokens_match_transformers(real_bundle, plain_runs):
     import torch
     from specdeploy.exporter.source import load_model
 
-    with load(real_bundle, draft=None) as engine:
-        assert engine.backend.graph.file == "base-ort.onnx"  # the prefill: the fused fp32 graph
-        # 1-token steps run the GGUF-block graph only where the probe found that exact on this machine
-        assert engine.plan.split == (engine.backend.one_row_session is not None)
-        ids = engine.encode("What is the capital of France? Answer in one sentence.", chat=True)
-        ours = engine.generate_ids(ids, GenerationConfig(32))
+    engine = plain_runs.engine(real_bundle)  # a plain engine on the bundle, as load(real_bundle, draft=None) opens
+    assert engine.backend.graph.file == "base-ort.onnx"  # the prefill: the fused fp32 graph
+    # 1-token steps run the GGUF-block graph only where the probe found that exact on this machine
+    assert engine.plan.split == (engine.backend.one_row_session is not None)
+    [(ids, ours)] = plain_runs.refs(real_bundle, ["What is the capital of France? Answer in one sentence."], 32)
     hf = load_model(None).model
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
@@ -66,20 +65,18 @@ def test_32_greedy_tokens_match_transformers(real_bundle):
 
 
 @pytest.mark.parametrize("tree", [None, "tree16"])
-def test_prompt_lookup_identical_on_real_prompts(real_bundle, tree):
-    prompts = _mtbench_prompts(10)
+def test_prompt_lookup_identical_on_real_prompts(real_bundle, plain_runs, tree):
     taus = []
-    with load(real_bundle, draft=None) as plain, load(real_bundle, draft="prompt-lookup", tree=tree) as spec:
-        for p in prompts:
-            ids = plain.encode(p, chat=True)
-            ref = plain.generate_ids(ids, GenerationConfig(64))
+    with load(real_bundle, draft="prompt-lookup", tree=tree) as spec:
+        plain_runs.same_plan(real_bundle, spec)
+        for ids, ref in plain_runs.refs(real_bundle, _mtbench_prompts(8), 64):  # the n-gram test's too
             stats = DecodeStats()
             assert spec.generate_ids(ids, GenerationConfig(64), stats) == ref
             taus.append(stats.mean_accepted)
     assert max(taus) > 1.0  # prompt lookup found real matches
 
 
-def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, tmp_path):
+def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, plain_runs, tmp_path):
     """The embedded model's n-gram table, from its committed replies, on the fp32 bundle (a hard-linked
     copy: the session's bundle stays as it is)."""
     import os
@@ -93,11 +90,11 @@ def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, tmp
     replies = Path(__file__).resolve().parents[2] / "graphs" / "weights" / "self-replies.npz"
     export_ngram(bundle, replies, progress=lambda m: None)
     taus = []
-    with load(real_bundle, draft=None) as plain, load(bundle, draft="ngram") as spec:
-        for p in _mtbench_prompts(8):
-            ids = plain.encode(p, chat=True)
+    with load(bundle, draft="ngram") as spec:
+        plain_runs.same_plan(real_bundle, spec)
+        for ids, ref in plain_runs.refs(real_bundle, _mtbench_prompts(8), 64):
             stats = DecodeStats()
-            assert spec.generate_ids(ids, GenerationConfig(64), stats) == plain.generate_ids(ids, GenerationConfig(64))
+            assert spec.generate_ids(ids, GenerationConfig(64), stats) == ref
             taus.append(stats.mean_accepted)
         sources = spec.decoder.drafter.sources
     assert sources["table"] > sources["lookup"] > 0  # both sources drafted, the table most (MT-bench: ~2x)
@@ -105,7 +102,7 @@ def test_ngram_table_drafts_and_stays_identical_on_real_prompts(real_bundle, tmp
 
 
 @pytest.mark.parametrize("tree", ["tree16", "tree32"])
-def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
+def test_static_trees_identical_with_branching_acceptance(real_bundle, plain_runs, tree):
     """Static trees filled with the true continuation on random branches (see test_decode.OracleDrafter)."""
     from specdeploy.runtime.drafters.base import Drafter
     from specdeploy.runtime.tree import DraftTree
@@ -113,26 +110,24 @@ def test_static_trees_identical_with_branching_acceptance(real_bundle, tree):
 
     spec = STATIC_TREES[tree]
     rng = np.random.default_rng(1)
-    with load(real_bundle, draft=None) as engine:
-        for p in _mtbench_prompts(3):
-            ids = engine.encode(p, chat=True)
-            ref = engine.generate_ids(ids, GenerationConfig(48))
+    engine = plain_runs.engine(real_bundle)  # the session's plain engine and replies (the drafts' tests' too)
+    for ids, ref in plain_runs.refs(real_bundle, _mtbench_prompts(3), 48):
 
-            class Oracle(Drafter):
-                def propose(self, ctx, ids=ids, ref=ref):
-                    done = len(ctx.tokens) - len(ids)
-                    topk = rng.integers(0, 49152, (spec.depth, spec.topk))
-                    for d in range(spec.depth):  # truth at a random rank per depth
-                        if done + d < len(ref):
-                            topk[d, rng.integers(0, spec.topk)] = ref[done + d]
-                    tree = DraftTree.from_static(spec, ctx.tokens[-1], topk)
-                    n = min(ctx.max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
-                    return DraftTree(tree.tokens[:n], tree.parents[:n])
+        class Oracle(Drafter):
+            def propose(self, ctx, ids=ids, ref=ref):
+                done = len(ctx.tokens) - len(ids)
+                topk = rng.integers(0, 49152, (spec.depth, spec.topk))
+                for d in range(spec.depth):  # truth at a random rank per depth
+                    if done + d < len(ref):
+                        topk[d, rng.integers(0, spec.topk)] = ref[done + d]
+                tree = DraftTree.from_static(spec, ctx.tokens[-1], topk)
+                n = min(ctx.max_nodes, tree.num_nodes)  # a prefix of a sorted static tree is a tree
+                return DraftTree(tree.tokens[:n], tree.parents[:n])
 
-            stats = DecodeStats()
-            out = list(Decoder(engine.backend, engine.manifest, Oracle(), plan=engine.plan).generate(ids, GenerationConfig(48), stats))
-            assert out == ref
-            assert stats.mean_accepted > 1.0
+        stats = DecodeStats()
+        out = list(Decoder(engine.backend, engine.manifest, Oracle(), plan=engine.plan).generate(ids, GenerationConfig(48), stats))
+        assert out == ref
+        assert stats.mean_accepted > 1.0
 
 
 def test_sampling_and_typical_acceptance_on_real_model(real_bundle):

@@ -14,7 +14,7 @@ from specdeploy.runtime.decode import GenerationConfig
 
 
 @pytest.mark.slow
-def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bundle):
+def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bundle, plain_runs):
     """SmolLM2 as its own Q4_1 blocks with int8 activations: near-fp32 quality, lossless speculation."""
     from specdeploy.exporter.check.validate import validate_bundle
 
@@ -43,11 +43,11 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     from specdeploy.exporter.bench.run import default_prompts_file
 
     prompts = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[4:7]]
-    with load(out, draft=None) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec:
-        check_plan(plain, spec, text)
-        for p in prompts:
-            ids = plain.encode(p, chat=True)
-            assert spec.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
+    refs = plain_runs.refs(out, prompts, 48)  # plain decoding's replies, once: the drafts added below leave the base
+    with load(out, draft="prompt-lookup", tree="tree16") as spec:
+        check_plan(plain_runs.engine(out), spec, text)
+        for ids, ref in refs:
+            assert spec.generate_ids(ids, GenerationConfig(48)) == ref
     # The main job's bundle: plus the shipped Chimera draft, lean, and the hybrid lossless on it.
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.exporter.export.shared_data import stored_twice
@@ -59,19 +59,18 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     assert files == ["base-ort.onnx", "base-batch.onnx", "base-tree.onnx", "chimera-int4.onnx"]  # what the CPU runs
     assert stored_twice(out, files) == []  # the draft reads the base's embedding table
     assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
-    with load(out, draft=None) as plain, load(out, draft="hybrid") as hybrid:
-        for p in prompts:
-            ids = plain.encode(p, chat=True)
-            assert hybrid.generate_ids(ids, GenerationConfig(48)) == plain.generate_ids(ids, GenerationConfig(48))
+    with load(out, draft="hybrid") as hybrid:
+        plain_runs.same_plan(out, hybrid)
+        for ids, ref in refs:
+            assert hybrid.generate_ids(ids, GenerationConfig(48)) == ref
     # ... and the model's n-gram table (what the main job adds): ngram and the hybrid over it, lossless.
     from specdeploy.exporter.export.ngram import export_ngram
 
     export_ngram(out, weights.parent / "self-replies.npz", progress=lambda m: None)
-    with load(out, draft=None) as plain, load(out, draft="ngram") as ngram, load(out, draft="hybrid") as hybrid:
+    with load(out, draft="ngram") as ngram, load(out, draft="hybrid") as hybrid:
         assert hybrid.decoder.drafter.lookup.kind == "ngram"
-        for p in prompts:
-            ids = plain.encode(p, chat=True)
-            ref = plain.generate_ids(ids, GenerationConfig(48))
+        plain_runs.same_plan(out, ngram)
+        for ids, ref in refs:
             assert ngram.generate_ids(ids, GenerationConfig(48)) == ref
             assert hybrid.generate_ids(ids, GenerationConfig(48)) == ref
         assert ngram.decoder.drafter.sources["table"] > 0
@@ -87,7 +86,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
 
 
 @pytest.mark.slow
-def test_real_int4_bundle_validates_and_stays_lossless(real_quant_bundle):
+def test_real_int4_bundle_validates_and_stays_lossless(real_quant_bundle, plain_runs):
     """SmolLM2 at int4 (int8 activations): validate passes, prompt-lookup == plain greedy on the probed plan."""
     from specdeploy.exporter.check.validate import validate_bundle
 
@@ -103,11 +102,11 @@ def test_real_int4_bundle_validates_and_stays_lossless(real_quant_bundle):
 
     replies = Path(__file__).resolve().parents[2] / "graphs" / "weights" / "self-replies.npz"
     export_ngram(out, replies, progress=lambda m: None)
-    with load(out, draft=None) as plain, load(out, draft="prompt-lookup", tree="tree16") as spec, load(out, draft="ngram") as ngram:
-        check_plan(plain, spec, text)
-        ids_all = [plain.encode(p, chat=True) for p in prompts]
-        refs = [plain.generate_ids(ids, GenerationConfig(48)) for ids in ids_all]
-        for ids, ref in zip(ids_all, refs):
+    with load(out, draft="prompt-lookup", tree="tree16") as spec, load(out, draft="ngram") as ngram:
+        check_plan(plain_runs.engine(out), spec, text)
+        refs = plain_runs.refs(out, prompts, 48)
+        ids_all = [ids for ids, _ in refs]
+        for ids, ref in refs:
             assert spec.generate_ids(ids, GenerationConfig(48)) == ref
             assert ngram.generate_ids(ids, GenerationConfig(48)) == ref
         refused = [r for r in spec.plan.probes if not r.chains_exact]

@@ -19,8 +19,8 @@ def test_real_model_batched_equals_alone(real_bundle):
              "Repeat: the cat sat on the mat, the cat sat on the mat.")]
     for draft in (None, "prompt-lookup"):
         with load(real_bundle, draft=draft, max_batch=4, threads=2) as eng:
-            alone = [eng.generate(messages=m, max_new_tokens=48) for m in msgs]
-            batched = concurrently(eng, [None] * len(msgs), messages_list=msgs, max_new_tokens=48)
+            alone = [eng.generate(messages=m, max_new_tokens=32) for m in msgs]
+            batched = concurrently(eng, [None] * len(msgs), messages_list=msgs, max_new_tokens=32)
         assert [a.token_ids for a in alone] == [b.token_ids for b in batched]
         assert all(np.isfinite(a.stats.tokens_per_s) for a in alone)
 

@@ -4,7 +4,8 @@ The q4_1 main bundle's fused graph verifies a tree's rows otherwise than plain s
 (siblings between a node and its ancestors move terms in the attention's sums), so there the probe keeps
 chains. Its ``ort-tree`` graph gathers each row's keys in plain-step order (exporter/export/ort_gathered.py):
 where the probe finds that plan's trees exact on this machine, Chimera, Medusa and Cerberus drafting 16-node
-trees must give plain decoding's tokens on all 80 MT-bench first turns.
+trees must give plain decoding's tokens on MT-bench first turns: the first 8 in every run, all 80 as a sweep
+(``SPECDEPLOY_SWEEPS=1``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from pathlib import Path
 
 import pytest
 from specdeploy.runtime import load
-from specdeploy.runtime.backends import make_backend
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
-from specdeploy.runtime.plan import PROBE_DEPTH, Candidate
-from specdeploy.runtime.probe import probe
+from specdeploy.runtime.errors import StepPlanError
 from tiny_training import mtbench_first_turns
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
@@ -24,27 +23,36 @@ TOKENS = 24
 
 
 @pytest.mark.slow
-def test_tree_drafts_on_the_exact_tree_plan_equal_plain_on_80_mtbench_prompts(real_quant_bundle):
+def test_tree_drafts_on_the_exact_tree_plan_equal_plain_on_8_mtbench_prompts(real_quant_bundle, plain_runs):
+    _tree_drafts_equal_plain(real_quant_bundle("q4_1"), 8, plain_runs)
+
+
+@pytest.mark.slow
+@pytest.mark.sweep
+def test_tree_drafts_on_the_exact_tree_plan_equal_plain_on_80_mtbench_prompts(real_quant_bundle, plain_runs):
+    _tree_drafts_equal_plain(real_quant_bundle("q4_1"), 80, plain_runs)
+
+
+def _tree_drafts_equal_plain(bundle: Path, count: int, plain_runs) -> None:
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest
 
-    bundle = real_quant_bundle("q4_1")
     have = {d.kind for d in read_manifest(bundle).drafts}
     for kind in ("chimera", "medusa", "cerberus"):
         if kind not in have:
             export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
-    manifest = read_manifest(bundle)
-    with make_backend("ort-cpu", bundle, manifest) as backend:  # the probe's verdict on this machine, asked directly
-        verdict = probe(backend, manifest, Candidate("gathered", False, 1, True), PROBE_DEPTH)
+    try:  # the probe's verdict on this machine: the gathered plan, asked for, is refused where its chains differ
+        plain = plain_runs.engine(bundle, step_plan="gathered")
+    except StepPlanError as exc:
+        pytest.skip(f"the gathered plan is not exact on this machine: {exc}")
+    verdict = next(r for r in plain.plan.probes if r.candidate.name == "gathered")
     if not verdict.trees_exact:
         pytest.skip(f"the gathered plan's trees are not exact on this machine ({verdict.worst()}): the runtime keeps "
                     f"chains here (test_gathered.py checks that it refuses)")
-    prompts = mtbench_first_turns(80)
-    assert len(prompts) == 80
-    with load(bundle, draft=None, step_plan="gathered") as plain:
-        assert plain.plan.trees and plain.plan.exact
-        refs = [(ids, plain.generate_ids(ids, GenerationConfig(TOKENS)))
-                for ids in (plain.encode(p, chat=True) for p in prompts)]
+    assert plain.plan.trees and plain.plan.exact
+    prompts = mtbench_first_turns(count)
+    assert len(prompts) == count
+    refs = plain_runs.refs(bundle, prompts, TOKENS, step_plan="gathered")
     taus = {}
     for draft in ("chimera", "medusa", "cerberus-nogate"):
         with load(bundle, draft=draft, tree="tree16", step_plan="gathered") as eng:

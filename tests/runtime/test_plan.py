@@ -163,6 +163,9 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(probe_mod, "probe", counting)
+    looked_up = []  # every candidate resolve_plan asks a verdict of, cached or probed
+    key = probe_mod.verdict_key
+    monkeypatch.setattr(probe_mod, "verdict_key", lambda b, m, c, d: looked_up.append(c.name) or key(b, m, c, d))
     with load(tiny_bundle, draft=None) as engine:
         first = engine.plan
         assert calls and (tmp_path / "exactness.json").is_file()
@@ -171,13 +174,31 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         assert len(calls) == n and again.candidate == first.candidate and again.exact == first.exact
         if first.exact:  # the plan line says which step time it quotes: measured now, or the first probe's
             assert "per plain step now)" in first.reason and "per plain step when first probed)" in again.reason
+        # What the backend can still run: at load the engine frees the graphs its plan does not use (release_unused:
+        # the 1-row graph without a split plan, the gathered one without a gathered plan), and with them their
+        # candidates. Which plan a CPU picks (and so which graphs stay) is the probe's verdict there.
+        runnable = [c.name for c in plan.candidates(engine.backend, plan.probe_depth(engine.manifest.limits.max_tree))]
+        assert first.candidate.name in runnable
         monkeypatch.setattr(plan, "machine_id", lambda: "another CPU | x86_64 | 000")
+        del looked_up[:]
         resolve_plan(engine.backend, engine.manifest)
-        # another machine: probed again (but for the gathered plans, whose graph the engine freed at load)
-        assert calls[n:] == [c for c in calls[:n] if not c.startswith("gathered")]
-    (tmp_path / "exactness.json").write_text("{not json")  # a corrupt cache is ignored
+        # another machine: no verdict of this one's is reused, so each candidate asked about is probed again, and
+        # those are the ones the backend can still run, in their order, from the first (a cache not keyed per
+        # machine would probe none)
+        assert calls[n:] == looked_up and looked_up[0] == runnable[0], (calls, looked_up, runnable)
+        assert [c for c in runnable if c in looked_up] == looked_up, (looked_up, runnable)
+    n = len(calls)
+    (tmp_path / "exactness.json").write_text("{not json")  # a corrupt cache is ignored: the load probes afresh
     with load(tiny_bundle, draft=None) as engine:
-        assert engine.plan.candidate == first.candidate
+        got = engine.plan
+        assert len(calls) > n
+        # the plan its verdicts allow, and those verdicts are the first probe's (timings decide between exact plans
+        # near a cost limit, so the choice itself may differ from the first load's)
+        mine = plan.choose(list(got.probes), plan.probe_depth(engine.manifest.limits.max_tree))
+        assert (got.candidate, got.exact, got.trees) == (mine.candidate, mine.exact, mine.trees)
+        verdicts = {r.candidate: (r.chains_exact, r.trees_exact) for r in first.probes}
+        assert all(verdicts[r.candidate] == (r.chains_exact, r.trees_exact) for r in got.probes
+                   if r.candidate in verdicts)
 
 
 def test_choose_orders_and_explains():
