@@ -62,7 +62,7 @@ def _fused_linear(linears: list[nn.Linear]) -> nn.Linear:
     return out
 
 
-class _FusedBlock(nn.Module):
+class FusedBlock(nn.Module):
     """One decoder layer's weights, with q/k/v and gate/up projections concatenated."""
 
     def __init__(self, qkv: nn.Linear, o_proj: nn.Linear, gate_up: nn.Linear, down_proj: nn.Linear,
@@ -72,7 +72,7 @@ class _FusedBlock(nn.Module):
         self.qkv, self.o_proj, self.gate_up, self.down_proj, self.act = qkv, o_proj, gate_up, down_proj, act
 
     @classmethod
-    def from_hf(cls, layer: nn.Module) -> _FusedBlock:
+    def from_hf(cls, layer: nn.Module) -> FusedBlock:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, _eps(layer.input_layernorm),
                  layer.post_attention_layernorm.weight, _eps(layer.post_attention_layernorm))
@@ -100,12 +100,12 @@ class BaseStep(nn.Module):
         super().__init__()
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self._set_parts(model.model.embed_tokens, [_FusedBlock.from_hf(layer) for layer in model.model.layers],
+        self._set_parts(model.model.embed_tokens, [FusedBlock.from_hf(layer) for layer in model.model.layers],
                         (model.model.norm.weight, _eps(model.model.norm)), model.lm_head, model.model.rotary_emb,
                         (cfg.num_attention_heads, cfg.num_key_value_heads, head_dim), feature_layers)
 
     @classmethod
-    def from_parts(cls, embed: nn.Embedding, blocks: list[_FusedBlock], norm: tuple[torch.Tensor, float],
+    def from_parts(cls, embed: nn.Embedding, blocks: list[FusedBlock], norm: tuple[torch.Tensor, float],
                    lm_head: nn.Linear, rotary: nn.Module, heads: tuple[int, int, int],
                    feature_layers: tuple[int, ...] = ()) -> BaseStep:
         """A step from its parts: ``rotary(x, position_ids)`` gives (cos, sin) ``[B, T, D]`` in x's dtype;

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base_step import BaseStep, _FusedBlock
+from .base_step import BaseStep, FusedBlock
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def step_from_weights(weights: dict[str, torch.Tensor], shape: StepShape,
     for i in range(s.num_layers):
         p = f"layers.{i}."
         norms = (_param(weights[p + "input_norm"]), s.rms_norm_eps, _param(weights[p + "post_norm"]), s.rms_norm_eps)
-        blocks.append(_FusedBlock(_linear(weights[p + "qkv_t"], weights.get(p + "qkv_bias")),
+        blocks.append(FusedBlock(_linear(weights[p + "qkv_t"], weights.get(p + "qkv_bias")),
                                   _linear(weights[p + "o_proj_t"]), _linear(weights[p + "gate_up_t"]),
                                   _linear(weights[p + "down_t"]), norms, nn.SiLU()))
     embed = nn.Embedding(s.vocab_size, s.hidden_size, device="meta")

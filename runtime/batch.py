@@ -1,29 +1,25 @@
-"""Continuous batching: every active sequence is one row of one decode step (``load(..., max_batch=N)``).
+"""Continuous batching: every active sequence brings its rows to one decode step (``load(..., max_batch=N)``).
 
 A scheduler thread owns the backend. Requests wait in arrival order and join at step boundaries: a
 joining prompt is prefilled alone (batch 1, as it would be with no one else), its K/V copied into a
-free row of the shared cache, and from then on each step runs every active sequence as one row of the
-batch dimension of the bundle's batching graph (``BundleManifest.batch_graph``: the base step with a
-sequence length per row). A sequence that ends (EOS, its token budget, the context, or its caller went
-away) leaves after that step and its row goes to the next request.
+free row of the shared cache, and from then on each step runs every active sequence as one batch row of
+the step (:mod:`.rows`): its root and the draft rows its drafter earned, padded to the step's rows. A
+sequence that ends (EOS, its token budget, the context, or its caller went away) leaves after that step
+and its row goes to the next request.
 
-**Layout.** Each sequence keeps its token ``i`` at cache column ``i`` of its row, as it does alone: a
-step writes every row at its own columns (the batching graph shifts row b's by its position's offset
-from row 0's, see ``contract.WRITE_INDICES``) and attends over its own length, and a joining prompt's
-K/V is copied into the first columns of a free row. The sums over a sequence's cache columns then meet
-its keys in the order they meet them alone (measured on an AMD EPYC with ONNX Runtime 1.32, a sequence
-shifted by any number of columns short of 256 computed other logits). What remains (the batch size, the
-other rows, the cache's capacity) is probed bit for bit at load (:mod:`.batch_probe`). A greedy request
-then gives, token for token, the output it gives alone on this engine.
+**The same answer at any load.** The step plan (:mod:`.plan`) batches only where its probe found a
+sequence's rows computed bit for bit as alone whatever else the step holds (``StepPlan.rows``: the gathered
+layout, each row's keys in plain-step order). A request's greedy answer is then the one ``generate`` gives
+on the same bundle, and speculation stays exact in a batch. Where no plan is so, the engine serves one
+request at a time (:class:`~.scheduler.SerialScheduler`) unless ``allow_inexact`` asks for lossy batching.
 
-**Speculation that adapts to load.** With a ``prompt-lookup`` or ``ngram`` draft, a sequence that has
-the batch to itself drafts a lookup (or n-gram table) chain, sized by the measured cost of T-row steps,
-exactly as alone, where the step plan verifies chains without padding rows (``StepPlan.min_rows`` 1):
-ONNX Runtime's attention takes several sequences of one row each, or one sequence of several rows, so
-a padded plan's plain steps could not batch, and a sequence's rows must be computed the same way alone
-and in a batch. Two or more rows decode plainly: a batch already reads the weights once for many
-tokens, and a step of several rows per sequence multiplies its work where the batch is already bound
-by arithmetic.
+**Speculation fades with load.** Each sequence keeps its own drafter (prompt lookup, the bundle's n-gram
+table, the suffix cache shared across requests, or ``auto``'s choice between them) and its own earned
+acceptance. Every step the rows per sequence ``T`` are chosen to maximise the batch's expected tokens
+per unit of the measured cost of a step of ``B x T`` rows (:class:`~.cost_meter.StepCostMeter`, fed by
+the loop's own steps), so a draft row is spent only where it returns more than it costs the batch.
+Acceptance and the end-of-sequence cut are the decode loop's own (:func:`~.decode.accept_step`,
+:func:`~.decode.cut_at_stop`).
 """
 
 from __future__ import annotations
@@ -37,84 +33,99 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backends.base import StepInputs
-from .decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
-from .drafters.kinds import AUTO, KINDS, NGRAM, NONE, PROMPT_LOOKUP
-from .drafters.prompt_lookup import PromptLookupDrafter
-from .errors import BackendUnavailableError, BundleError, DraftMismatchError, SpecDeployError
+from .cost_meter import StepCostMeter
+from .decode import Decoder, DecodeStats, GenerationConfig, accept_step, cut_at_stop, measure_cost_curve
+from .drafters.base import DraftContext, Drafter
+from .drafters.kinds import AUTO, NGRAM, NONE, PROMPT_LOOKUP, SUFFIX
+from .drafters.prompt_lookup import ChainAcceptance
+from .errors import DraftMismatchError
 from .kvcache import KVCache, bucket_for
-from .verify import position_rng, sample_from, warp_logits
+from .rows import SeqRows, step_inputs
+from .tree import DraftTree
+from .tree_cost import step_cost
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .backends.base import Backend
+    from .backends.base import Backend, StepOutputs
     from .bundle import BundleManifest
     from .plan import StepPlan
 
 _END = object()
 _IDLE_POLL_S = 0.05  # how often an idle scheduler looks at waiting callers' cancel flags
 _HEADROOM = 128  # spare columns when the cache grows, so that it does not grow every few steps
-MAX_DRAFT = 10  # longest lookup chain per row
+MAX_DRAFT = 10  # longest chain per sequence
 
 
-BATCH_DRAFTS = (None, "", NONE, *(k.name for k in KINDS if k.batches))  # prompt-lookup, ngram
+def row_drafters(draft: str | None, bundle_dir: Path, manifest: BundleManifest, suffix_cache_tokens: int | None = None,
+                 threads: int | None = None, backend: Backend | None = None) -> Callable[[], Drafter] | None:
+    """What makes each batched sequence's own drafter for ``draft`` (chains), or None for plain decoding: the
+    same sources ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (each
+    trained draft keeps a model of its own per sequence). A draft the bundle lacks or does not know fails here,
+    in one sentence, before anything is served."""
+    from .drafters import make_drafter
+    from .drafters.kinds import AUTO_MODELS
+    from .drafters.make import DraftRequest, bundle_lookup, suffix_cache, trained
+    from .drafters.prompt_lookup import PromptLookupDrafter
+
+    if draft in (None, "", NONE):
+        return None
+    req = DraftRequest(draft, bundle_dir, manifest, threads=threads, chains=True, backend=backend,
+                       suffix_cache_tokens=suffix_cache_tokens)
+    if draft not in (PROMPT_LOOKUP, NGRAM, SUFFIX, AUTO):  # a trained draft, or a hybrid with one
+        return lambda: make_drafter(draft, bundle_dir, manifest, threads=threads, chains=True, backend=backend)
+    table = getattr(bundle_lookup(req), "table", None) if draft in (NGRAM, AUTO) else None
+    if draft == NGRAM and table is None:
+        from .drafters.ngram import load_ngram_drafter
+
+        load_ngram_drafter(bundle_dir, manifest)  # the bundle has no table: its one sentence
+    cache = suffix_cache(req) if draft in (SUFFIX, AUTO) else None
+    has = {d.kind for d in manifest.drafts}
+    model = next((k for k in AUTO_MODELS if k in has), None) if draft == AUTO else None
+
+    def lookup() -> PromptLookupDrafter:
+        if table is None:
+            return PromptLookupDrafter(branches=1, num_tokens=MAX_DRAFT)
+        from .drafters.ngram import NgramDrafter
+
+        return NgramDrafter(table, branches=1, num_tokens=MAX_DRAFT)
+
+    def make() -> Drafter:
+        from .drafters.auto import AutoDrafter, FreeSources
+        from .drafters.suffix import SuffixDrafter
+
+        if draft in (PROMPT_LOOKUP, NGRAM):
+            return lookup()
+        if draft == SUFFIX:
+            return SuffixDrafter(cache, chains=True)
+        free = FreeSources(lookup(), SuffixDrafter(cache, chains=True, local=False))
+        return free if model is None else AutoDrafter(trained(model, req), free, chains=True)
+
+    return make
 
 
-def batch_draft(draft: str | None, manifest: BundleManifest) -> str | None:
-    """The draft batched rows use for ``draft``: ``auto`` (per-step sources for one sequence) becomes the free
-    source batching has, the bundle's n-gram table where it has one, else prompt lookup."""
-    if draft != AUTO:
-        return draft
-    return NGRAM if any(d.kind == NGRAM for d in manifest.drafts) else PROMPT_LOOKUP
+def rows_per_sequence(expected: list[list[float]], cost: Callable[[int], float], min_rows: int = 1) -> int:
+    """The rows ``T`` each sequence brings to the step (1: plain), the most expected tokens per unit of cost.
 
-
-def batch_refusal(manifest: BundleManifest, backend: str, draft: str | None) -> SpecDeployError | None:
-    """The one-sentence error that batching this bundle, backend and draft meets, or None when it can batch."""
-    if backend != "ort-cpu":
-        return BackendUnavailableError(f"Batching (max_batch > 1) runs on the ort-cpu backend only, not '{backend}'.")
-    if draft not in BATCH_DRAFTS:
-        return DraftMismatchError(f"Batching (max_batch > 1) drafts with prompt lookup or ngram only; the '{draft}' "
-                                  "draft needs max_batch 1.")
-    if manifest.batch_graph() is None:
-        return BundleError("The bundle has no batching graph; re-export its base with this specdeploy (--target ort "
-                           "or all), or use max_batch 1.")
-    return None
-
-
-def lone_row_drafts(plan: StepPlan) -> bool:
-    """Whether a sequence alone in the batch may draft: where the step plan verifies exact chains without
-    padding rows, as batched plain steps of one row per sequence run."""
-    return plan.speculate and plan.min_rows == 1
-
-
-def batch_drafter(draft: str | None, bundle_dir: Path, manifest: BundleManifest) -> Callable[[], PromptLookupDrafter] | None:
-    """What makes each batched sequence's drafter (one chain, at most ``MAX_DRAFT`` tokens), or None."""
-    if draft == PROMPT_LOOKUP:
-        return lambda: PromptLookupDrafter(branches=1, num_tokens=MAX_DRAFT)
-    if draft == NGRAM:
-        from .drafters.ngram import NgramDrafter, load_ngram_drafter
-
-        table = load_ngram_drafter(bundle_dir, manifest).table  # one table, shared by every sequence
-        return lambda: NgramDrafter(table, branches=1, num_tokens=MAX_DRAFT)
-    return None
-
-
-def batch_backend(bundle_dir: Path, manifest: BundleManifest, threads: int | None) -> Backend:
-    """The backend batching runs: ONNX Runtime on the CPU with the bundle's batching graph."""
-    from .backends.ort import OrtBackend
-
-    return OrtBackend(bundle_dir, manifest, provider="cpu", threads=threads, graph=manifest.batch_graph())
+    ``expected[b][j]``: sequence ``b``'s expected tokens when ``j`` of its draft tokens are verified (its draft
+    has ``len(expected[b]) - 1``); ``cost(rows)``: a step of that many rows in all, ``B x max(T, min_rows)``."""
+    b = len(expected)
+    best_t, best = 1, sum(e[0] for e in expected) / cost(b * max(1, min_rows))
+    for t in sorted({len(e) for e in expected if len(e) > 1}):
+        value = sum(e[min(len(e), t) - 1] for e in expected) / cost(b * max(t, min_rows))
+        if value > best:
+            best_t, best = t, value
+    return best_t
 
 
 class _Seq:
-    """One request: its tokens, what is not yet in the cache, its sampling and where its tokens go."""
+    """One request: its tokens, what is not yet in the cache, its sampling, its drafter and where its tokens go."""
 
     def __init__(self, ids: list[int], config: GenerationConfig, stats: DecodeStats,
-                 cancelled: Callable[[], bool], drafter: PromptLookupDrafter | None):
+                 cancelled: Callable[[], bool], drafter: Drafter | None):
         self.tokens = list(ids)  # prompt + emitted
-        self.root = 0  # the last token, fed next (its K/V is not in the cache yet)
-        self.committed = 0  # tokens whose K/V is in the cache
+        self.prompt_len = len(ids)
+        self.committed = 0  # tokens whose K/V is in the cache; tokens[-1] is the root, fed next
         self.config, self.stats, self.drafter = config, stats, drafter
         self.rng = np.random.default_rng(config.sampling.seed)
         self.remaining = config.max_new_tokens
@@ -122,34 +133,48 @@ class _Seq:
         self._cancelled = cancelled
         self.left = threading.Event()  # set when the caller stopped reading
         self.t_join = 0.0
+        self.hidden: np.ndarray | None = None  # [A, H] of the nodes accepted last step
+        self.root_logits: np.ndarray | None = None  # [V] that produced the root
+        self.layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (trained drafts)
+        self.acceptance = ChainAcceptance()  # this sequence's drafts, as the batch rule weighs them
+        self.tree = DraftTree.root(0)  # this step's rows
+        self.whole = True  # this step verifies its drafter's whole proposal
 
     def cancelled(self) -> bool:
         return self.left.is_set() or self._cancelled()
+
+    def expected(self, drafted: int) -> float:
+        """Expected tokens of a step verifying ``drafted`` of this sequence's draft tokens."""
+        return self.acceptance.expected_up_to(drafted)[drafted] if drafted else 1.0
 
 
 class BatchScheduler:
     """N decode slots over one backend; ``submit`` returns a token iterator, like ``Decoder.generate``."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int,
-                 drafter: Callable[[], PromptLookupDrafter] | None = None, lossy: bool = False, min_batch: int = 1):
+                 drafter: Callable[[], Drafter] | None = None, lossy: bool = False):
         self.backend, self.manifest, self.plan = backend, manifest, plan
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch = max_batch
-        # A plain step of fewer rows runs with copies of row 0 up to min_batch rows (their outputs dropped), where
-        # the batch probe found a lone row computed otherwise than a row of a batch (BatchVerdict.min_batch).
-        self.min_batch = min(min_batch, max_batch)
-        self.lossy = lossy  # batched rows are not bitwise a lone row's here (allow_inexact)
+        self.lossy = lossy  # rows of several sequences are not bitwise as alone here (allow_inexact)
         self.decoder = Decoder(backend, manifest, None, plan=plan)  # prefills and prompt checks
         self.limit = manifest.limits.max_context
-        lone_drafts = drafter is not None and lone_row_drafts(plan)
-        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if lone_drafts else 1
+        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if drafter is not None and plan.speculate else 1
+        self.min_rows = plan.min_rows
         self.draft = self.max_rows > 1
-        self._new_drafter = drafter  # a lookup drafter per sequence (its state is the sequence's)
+        self._new_drafter = drafter  # a drafter per sequence (its state is the sequence's)
+        self._spare: list[Drafter] = []  # drafters of requests that ended, for the next ones (a model is kept)
+        if drafter is not None:  # the first made now: a draft the base's graph cannot feed fails at load
+            first = drafter()
+            first.check(manifest)
+            if first.feature_layers and not backend.layer_states:
+                raise DraftMismatchError(f"The {first.kind} draft reads base layers {list(first.feature_layers)}, "
+                                         f"which the {backend.name} backend does not return.")
+            self._spare.append(first)
         # Capacities in steps of 64 columns, not doublings: the cache holds max_batch rows of fp32 K/V.
-        top = self.limit + self.max_rows
+        top = self.limit + max(self.max_rows, self.min_rows)
         self.buckets = (*range(64, top, 64), top)
         self.eos = frozenset(manifest.model.eos_token_ids)
-        self._neg = np.finfo(backend.mask_dtype).min
         self._full = backend.new_cache(max_batch, self.buckets[0])
         self._view: KVCache | None = None  # the first rows of the cache that the next step runs
         self.rows: list[_Seq] = []
@@ -159,8 +184,9 @@ class BatchScheduler:
         self._closed = False
         self.busy_s = 0.0
         self.steps = 0
-        # A lone row's chain is sized by the cost of T-row steps on this backend (~1 s to measure).
-        self.cost: dict[int, float] = measure_cost_curve(self.decoder) if self.draft else {1: 1.0}
+        # The cost of a step by its rows in all (B x T), measured at load (~1 s) and then from the loop's steps.
+        self.lone_cost: dict[int, float] = measure_cost_curve(self.decoder) if self.draft else {1: 1.0}
+        self.cost = StepCostMeter(self.lone_cost)
         backend.forget_buffers()  # the measurement's scratch cache is freed
         self._thread = threading.Thread(target=self._loop, name="specdeploy-batch", daemon=True)
         self._thread.start()
@@ -178,15 +204,20 @@ class BatchScheduler:
     def submit(self, ids: list[int], config: GenerationConfig, stats: DecodeStats,
                cancelled: Callable[[], bool] | None = None, namespace: str = "") -> Iterator[int] | None:
         """Queue a generation; the iterator yields its tokens as the batch makes them, None once the scheduler
-        closed. (``namespace`` is the :class:`~.scheduler.Scheduler`'s: batched rows draft from their own context
-        only.)"""
+        closed. ``namespace``: the part of the shared suffix cache its drafter reads and adds to."""
         cancelled = cancelled or (lambda: False)
         self.decoder.check_prompt(ids, config)
         stats.prompt_tokens = len(ids)
-        stats.lossy = self.lossy or (self.draft and self.plan.lossy)
-        drafter = self._new_drafter() if self.draft else None
-        if drafter is not None:
-            drafter.use_cost_curve(self.cost)
+        stats.lossy = self.lossy or (self.draft and self.plan.lossy) or (
+            config.sampling.typical and not config.sampling.greedy)
+        drafter = None
+        if self.draft:
+            with self._cv:
+                drafter = self._spare.pop() if self._spare else None
+            drafter = drafter or self._new_drafter()
+            drafter.use_cost_curve(self.lone_cost)  # sized as alone; the batch rule trims it to what pays
+            if hasattr(drafter, "namespace"):
+                drafter.namespace = namespace
         seq = _Seq(ids, config, stats, cancelled, drafter)
         with self._cv:
             if self._closed:
@@ -251,6 +282,11 @@ class BatchScheduler:
         seq.stats.finish_reason = reason
         if seq.t_join:
             seq.stats.decode_s = time.perf_counter() - seq.t_join
+        if seq.drafter is not None:  # e.g. the suffix cache learns the output; the drafter serves the next request
+            seq.drafter.finished(seq.tokens, seq.prompt_len)
+            with self._cv:
+                self._spare.append(seq.drafter)
+            seq.drafter = None
         seq.out.put(_END)
 
     def _admit(self) -> None:
@@ -263,7 +299,7 @@ class BatchScheduler:
                 self._joining.append(self._waiting.popleft())
         joining = self._joining
         if joining:  # room for the longest prompt and the steps ahead: at most one resize for all of them
-            self._fit(max(len(s.tokens) for s in joining) + self.max_rows)
+            self._fit(max(len(s.tokens) for s in joining) + max(self.max_rows, self.min_rows))
         while joining:
             self._join(joining[0])
             joining.pop(0)
@@ -275,8 +311,12 @@ class BatchScheduler:
         state, out = self.decoder.prefill(seq.tokens)  # batch 1, as alone
         seq.stats.prefill_s = time.perf_counter() - t0
         seq.t_join = time.perf_counter()
-        first = self._pick(seq, out.logits[0, -1])
-        reason = self._emit(seq, [first])
+        if seq.drafter is not None:
+            seq.drafter.reset()
+        root = DraftTree.root(seq.tokens[-1])
+        first = accept_step(root, root.buffers(), out.logits[0], None, seq.config.sampling, seq.rng, n)
+        seq.hidden, seq.root_logits, seq.layers = state.hidden, state.root_logits, state.layers
+        reason = self._emit(seq, [int(first.tokens[-1])])
         if reason is not None:
             self.backend.forget_buffers()  # the prefill's cache is freed now
             self._finish(seq, reason)
@@ -284,26 +324,17 @@ class BatchScheduler:
         r = len(self.rows)
         for dst, src in zip(self._full.buffers(), state.cache.buffers()):
             dst[r, :, :n] = src[0, :, :n]  # its token i at column i, as alone
-        seq.committed, seq.root = n, first
+        seq.committed = n
         self.rows.append(seq)
         self._view = None
         self.backend.forget_buffers()
-
-    def _pick(self, seq: _Seq, logits: np.ndarray) -> int:
-        sp = seq.config.sampling
-        if sp.greedy:
-            return int(np.argmax(logits))
-        # a seeded request draws as it would alone (Decoder.accept: one stream per position)
-        rng = seq.rng if sp.seed is None else position_rng(sp.seed, len(seq.tokens))
-        return sample_from(warp_logits(logits, sp.temperature, sp.top_k, sp.top_p), rng)
 
     def _emit(self, seq: _Seq, tokens: list[int]) -> str | None:
         """Hand tokens to the caller, cut at EOS and the budget; the finish reason once the sequence is done.
 
         The caller finishes it only after its row has left, so whoever holds a completion sees the row free.
         """
-        cut = next((i + 1 for i, t in enumerate(tokens) if t in self.eos), len(tokens))
-        tokens = tokens[: min(cut, seq.remaining)]
+        tokens = cut_at_stop(tokens, self.eos, seq.remaining)
         seq.tokens.extend(tokens)
         seq.remaining -= len(tokens)
         st = seq.stats
@@ -319,74 +350,82 @@ class BatchScheduler:
         return None
 
     # --- one step over the batch ----------------------------------------------------------------
-    def _draft(self) -> tuple[int, list[int]]:
-        """A lone greedy sequence's lookup chain (matched n-gram size, tokens), sized by its cost curve.
+    def _propose(self) -> int:
+        """Each sequence's draft (its ``tree``, a chain), trimmed to the rows per sequence that pay; returns them.
 
-        Two or more rows decode plainly: a batch already reads the weights once for many tokens, and a
-        step of several rows per sequence multiplies its arithmetic.
-        """
-        if not self.draft or len(self.rows) != 1:
-            return 0, []
-        seq = self.rows[0]
-        room = min(self.max_rows - 1, self.limit - len(seq.tokens) - 1, seq.remaining - 1)
-        if seq.drafter is None or not seq.config.sampling.greedy or room <= 0:
-            return 0, []
-        return seq.drafter.chain(np.asarray(seq.tokens), room)
+        A step of ``B`` sequences at ``T`` rows each costs what ``B x T`` rows cost on the measured curve; ``T``
+        is the one with the most expected tokens of the whole batch per unit of that cost (1: a plain step)."""
+        drafted = []
+        for seq in self.rows:
+            chain: list[int] = []
+            room = min(self.max_rows - 1, self.limit - len(seq.tokens) - 1, seq.remaining - 1)
+            if seq.drafter is not None and room > 0:
+                ctx = DraftContext(np.asarray(seq.tokens, dtype=np.int64), seq.hidden, seq.root_logits, room + 1,
+                                   seq.layers)
+                if seq.drafter.wants_draft(ctx):
+                    chain = seq.drafter.propose(ctx).main_path().tokens[1:].tolist()
+            drafted.append(chain)
+        curve = self.cost.curve
+        best_t = rows_per_sequence([[s.expected(j) for j in range(len(c) + 1)] for s, c in zip(self.rows, drafted)],
+                                   lambda rows: step_cost(curve, rows), self.min_rows)
+        for seq, chain in zip(self.rows, drafted):
+            seq.tree = DraftTree.chain([seq.tokens[-1], *chain[: best_t - 1]])
+            seq.whole = len(chain) < best_t  # its drafter hears of the verdict only on a draft verified whole
+        return best_t
 
     def _step(self) -> None:
         for seq in [s for s in self.rows if s.cancelled()]:
             self._leave(seq, "cancelled")
         if not self.rows:
             return
-        n, chain = self._draft()
+        t = max(self._propose(), self.min_rows)
         b = len(self.rows)
-        t = 1 + len(chain)  # a lone row drafts only where plain steps need no padding (lone_row_drafts)
-        committed = np.array([seq.committed for seq in self.rows])
-        self._fit(int(committed.max()) + t)
-        rows = max(b, self.min_batch) if t == 1 else b  # GQA takes several sequences of one row each only
-        ids = np.empty((rows, t), dtype=np.int64)
-        for r, seq in enumerate(self.rows):
-            feed = [seq.root] + chain  # chain is empty unless this is the only row
-            ids[r, : len(feed)], ids[r, len(feed) :] = feed, feed[-1]
-        ids[b:] = ids[0]  # copies of row 0 in free rows, up to min_batch: written there, dropped after
-        committed = np.pad(committed, (0, rows - b), "edge")
-        pos = committed[:, None] + np.arange(t)  # [rows, t]: also each row's columns
-        visible = np.arange(self._full.capacity)[None, None, :] <= pos[:, :, None]  # its past, causal in the step
-        mask = np.where(visible, 0.0, self._neg).astype(self.backend.mask_dtype)[:, None]
-        if self._view is None or self._view.keys[0].shape[0] != rows:
-            self._view = KVCache([k[:rows] for k in self._full.keys], [v[:rows] for v in self._full.values], 0,
+        self._fit(max(s.committed for s in self.rows) + t)
+        if self._view is None or self._view.keys[0].shape[0] != b:
+            self._view = KVCache([k[:b] for k in self._full.keys], [v[:b] for v in self._full.values], 0,
                                  self._full.allocate)
             self.backend.forget_buffers()  # a view of other rows: nothing may alias the last one
+        inputs = step_inputs([SeqRows(s.committed, s.tree) for s in self.rows], t, self._full.capacity,
+                             self.backend.mask_dtype)
         tb = time.perf_counter()
-        out = self.backend.step(StepInputs(ids, pos, mask, pos[0], np.arange(t)), self._view)
+        out = self.backend.step(inputs, self._view)
         took = time.perf_counter() - tb
+        self.cost.add(b * t, took)
         self.steps += 1
-        top = out.logits.argmax(-1)  # [b, t]
         done = []
         for r, seq in enumerate(self.rows):
-            a = 0
-            if seq.config.sampling.greedy:
-                while a < len(chain) and top[r, a] == chain[a]:
-                    a += 1
-                nxt = int(top[r, a])
-            else:
-                nxt = self._pick(seq, out.logits[r, 0])
-            if chain:
-                seq.drafter.record(n, a, len(chain))
-            st = seq.stats
-            st.steps += 1
-            st.backend_s += took
-            st.tree_sizes.append(1 + len(chain))
-            before = st.new_tokens
-            reason = self._emit(seq, chain[:a] + [nxt])
-            st.accepted.append(st.new_tokens - before)
-            if reason is None:
-                seq.committed += 1 + a  # the root and the accepted tokens keep their K/V
-                seq.root = nxt
-            else:
+            reason = self._advance(r, seq, out, took)
+            if reason is not None:
                 done.append((seq, reason))
         for seq, reason in done:
             self._leave(seq, reason)
+
+    def _advance(self, r: int, seq: _Seq, out: StepOutputs, took: float) -> str | None:
+        """Accept row ``r``'s draft (the decode loop's rule), keep its accepted K/V, emit; the finish reason or None."""
+        tree = seq.tree
+        n = len(tree.tokens)
+        buffers = tree.buffers()
+        acc = accept_step(tree, buffers, out.logits[r, :n], None, seq.config.sampling, seq.rng, len(seq.tokens))
+        nodes = acc.nodes
+        if n > 1:
+            seq.acceptance.update(len(nodes) - 1, n - 1)
+            if seq.whole:  # a trimmed draft's cut tokens were never tried: its drafter would count them rejected
+                seq.drafter.accepted(nodes, tree)
+        st = seq.stats
+        st.steps += 1
+        st.backend_s += took
+        st.tree_sizes.append(n)
+        before = st.new_tokens
+        reason = self._emit(seq, acc.tokens.tolist())
+        st.accepted.append(st.new_tokens - before)
+        if reason is None:
+            # a chain's accepted nodes are its first ones: their K/V already lie at committed .. committed + a
+            seq.committed += len(nodes)
+            seq.hidden = out.hidden_states[r, : len(nodes)]
+            seq.root_logits = out.logits[r, int(nodes[-1])]
+            if out.layer_states is not None:
+                seq.layers = out.layer_states[r, : len(nodes)]
+        return reason
 
     def _leave(self, seq: _Seq, reason: str) -> None:
         """Drop a row (the last row moves into its place, one row's copy), then finish its request."""

@@ -75,6 +75,9 @@ class GraphEntry:
     # Graphs written from a GGUF's blocks: (GGUF tensor, how it is held): its own format ("Q5_0", ...)
     # where its blocks were kept, "requantized-8bit" where they could not be.
     weight_blocks: tuple[tuple[str, str], ...] = ()
+    # The gathered graph takes rows of several sequences, each at its own cache columns (runtime/rows.py): what
+    # batching runs. False in bundles written before it could.
+    rows_apart: bool = False
 
 
 @dataclass(frozen=True)

@@ -221,15 +221,8 @@ class Decoder:
     def accept(self, tree: DraftTree, buffers: TreeBuffers, out: StepOutputs, sampling: SamplingParams,
                rng: np.random.Generator, position: int) -> Acceptance:
         """``position``: the index (in prompt + output) of the token after the tree's root."""
-        logits = out.logits[0]  # [N, V]
-        if sampling.greedy:
-            return greedy_accept(tree, buffers, logits, None if out.argmax is None else out.argmax[0])
-        if sampling.typical:
-            return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_rule, rng)
-        if sampling.seed is not None:  # reproducible whatever the drafter proposed (its state spans requests)
-            return seeded_accept(tree, buffers, logits, sampling.seed, position, sampling.temperature,
-                                 sampling.top_p, sampling.top_k)
-        return sample_accept(tree, buffers, logits, rng, sampling.temperature, sampling.top_p, sampling.top_k)
+        return accept_step(tree, buffers, out.logits[0], None if out.argmax is None else out.argmax[0], sampling,
+                           rng, position)
 
     def commit(self, state: DecodeState, tree: DraftTree, acc: Acceptance, out: StepOutputs) -> list[int]:
         """Keep the accepted nodes' K/V and hidden states; the bonus token becomes the next root."""
@@ -314,26 +307,44 @@ class Decoder:
             emitted = self.commit(state, tree, acc, out)
             stats.steps += 1
             stats.tree_sizes.append(len(tree.tokens))
-            # Stop inside the accepted path at EOS or the token budget.
-            cut = len(emitted)
-            for i, tok in enumerate(emitted):
-                if tok in self.eos:
-                    cut = i + 1
-                    break
-            cut = min(cut, remaining)
-            emitted = emitted[:cut]
+            emitted = cut_at_stop(emitted, self.eos, remaining)
             stats.accepted.append(len(emitted))
             stats.new_tokens += len(emitted)
             remaining -= len(emitted)
             stats.decode_s = time.perf_counter() - t_dec
-            for tok in emitted:
-                yield tok
+            yield from emitted
             if emitted and emitted[-1] in self.eos:
                 stats.finish_reason = "stop"
                 break
         else:
             stats.finish_reason = "length"
         stats.decode_s = time.perf_counter() - t_dec
+
+
+def accept_step(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray, argmax: np.ndarray | None,
+                sampling: SamplingParams, rng: np.random.Generator, position: int) -> Acceptance:
+    """The decode loop's one acceptance rule, for a sequence's ``N`` rows of ``logits`` ``[N, V]`` (``argmax``
+    ``[N]`` where the backend gave it): greedy, Medusa's typical acceptance (lossy, opt-in), seeded sampling
+    (reproducible whatever was drafted) or tree rejection sampling. ``position``: the index (in prompt + output)
+    of the token after the tree's root."""
+    if sampling.greedy:
+        return greedy_accept(tree, buffers, logits, argmax)
+    if sampling.typical:
+        return typical_accept(tree, buffers, logits, sampling.temperature, sampling.typical_rule, rng)
+    if sampling.seed is not None:  # reproducible whatever the drafter proposed (its state spans requests)
+        return seeded_accept(tree, buffers, logits, sampling.seed, position, sampling.temperature,
+                             sampling.top_p, sampling.top_k)
+    return sample_accept(tree, buffers, logits, rng, sampling.temperature, sampling.top_p, sampling.top_k)
+
+
+def cut_at_stop(emitted: list[int], eos: frozenset[int], remaining: int) -> list[int]:
+    """The accepted tokens up to and including the first end-of-sequence token, and at most ``remaining``."""
+    cut = len(emitted)
+    for i, tok in enumerate(emitted):
+        if tok in eos:
+            cut = i + 1
+            break
+    return emitted[: min(cut, remaining)]
 
 
 def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,

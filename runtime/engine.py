@@ -20,13 +20,14 @@ One engine owns one backend session and is safe to share between threads. With `
 default) it has a single decode slot: concurrent callers queue for it in arrival order and each
 generation runs start to finish on its own, never interleaved with another. With ``max_batch=N`` it
 batches continuously (:mod:`.batch`): up to N generations share every decode step, joining and
-leaving at step boundaries, and a greedy request's output is the one it gets alone on that engine
-(probed bit for bit at load, :mod:`.batch_probe`). Prompt encoding and validation happen before
+leaving at step boundaries, and a greedy request's output is the one ``generate`` gives on the same
+bundle (the step plan's probe checks a sequence's rows among others' bit for bit at load, :mod:`.rows`). Prompt encoding and validation happen before
 queueing, in the caller's thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 import weakref
@@ -36,18 +37,28 @@ from pathlib import Path
 from typing import Self
 
 from .backends import make_backend
-from .batch import BatchScheduler, batch_backend, batch_draft, batch_drafter, batch_refusal, lone_row_drafts
-from .batch_probe import probe_batch
+from .batch import BatchScheduler, row_drafters
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
 from .drafters import make_drafter
 from .drafters.kinds import AUTO
 from .errors import ExactnessWarning, PromptError, SpecDeployError
-from .plan import StepPlan
+from .plan import ROWS_CHECK, StepPlan
 from .probe import resolve_plan
 from .scheduler import Scheduler, SerialScheduler
 from .streaming import Completion, TextStream, text_deltas
 from .text import TextCodec
+
+
+def _rows_verdict(plan: StepPlan) -> str:
+    """What the probe found of the rows of several sequences on ``plan``'s candidate, in a few words."""
+    res = next((r for r in plan.probes if r.candidate == plan.candidate), None)
+    rows = [c for c in (res.checks if res else ()) if c.what.startswith(ROWS_CHECK)]
+    if not rows:
+        return "not the gathered layout, the one that can take them"
+    worst = max(rows, key=lambda c: c.max_abs)
+    return f"a row differs by {worst.max_abs:.2g} in '{worst.what}'"
+
 
 __all__ = ["Completion", "Engine", "EngineStats", "TextStream", "load"]
 
@@ -89,14 +100,7 @@ class Engine:
         self.bundle_dir = Path(bundle)
         self.manifest: BundleManifest = read_manifest(self.bundle_dir)
         self.codec = TextCodec.for_bundle(self.bundle_dir, self.manifest)
-        if max_batch > 1:
-            draft = batch_draft(draft, self.manifest)
-            refusal = batch_refusal(self.manifest, backend, draft)
-            if refusal is not None:
-                raise refusal
-            self.backend = batch_backend(self.bundle_dir, self.manifest, threads)
-        else:
-            self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
+        self.backend = make_backend(backend, self.bundle_dir, self.manifest, threads=threads)
         # The step plan, measured on this machine (cached per CPU, ONNX Runtime version and bundle): plain
         # and speculative decoding both follow it, whether or not this engine drafts.
         self.plan: StepPlan = resolve_plan(self.backend, self.manifest, allow_inexact=allow_inexact,
@@ -110,8 +114,9 @@ class Engine:
             self.draft_name = "none"
         self.batch_reason = "one generation at a time (max_batch 1)."
         drafter = None
-        if max_batch > 1:
-            self.scheduler: Scheduler = self._batching(max_batch, allow_inexact, progress)
+        scheduler = self._batching(max_batch, allow_inexact, suffix_cache_tokens, threads) if max_batch > 1 else None
+        if scheduler is not None:
+            self.scheduler: Scheduler = scheduler
         else:
             drafter = make_drafter(self.draft_name, self.bundle_dir, self.manifest, tree=tree, threads=threads,
                                    chains=not self.plan.trees, backend=self.backend,
@@ -133,31 +138,41 @@ class Engine:
         self._last = (0.0, 1.0)  # tokens/s and tau of the last generation
         self._closed = False
 
-    def _batching(self, max_batch: int, allow_inexact: bool, progress: Callable[[str], None] | None
-                  ) -> BatchScheduler:
-        """The continuous-batching scheduler, where the batch probe finds batched rows exact on this machine (or
-        labelled lossy with ``allow_inexact``)."""
-        if progress is not None:
-            progress("probing whether batched rows equal lone rows on this machine ...")
-        lone_drafts = lone_row_drafts(self.plan)
-        drafter = batch_drafter(self.draft_name, self.bundle_dir, self.manifest) if lone_drafts else None
-        verdict = probe_batch(self.backend, self.manifest, chains=drafter is not None)
-        self.batch_reason = verdict.reason
-        if not verdict.exact:
-            if not allow_inexact:
-                warnings.warn(f"Batching is off: {verdict.reason}; pass allow_inexact to batch anyway, labelled "
-                              "lossy.", ExactnessWarning, stacklevel=4)
-                self.batch_reason = f"batching off: {verdict.reason}."
-                max_batch = 1
-            else:
-                self.batch_reason = f"LOSSY batching (allow_inexact): {verdict.reason}."
-        if self.draft_name != "none" and not lone_drafts:
-            why = (self.plan.reason.rstrip(".") if not self.plan.speculate else
-                   f"this machine's exact step plan pads plain steps to {self.plan.min_rows} rows, and a batched step "
-                   "takes one row per sequence")
-            self.batch_reason += f" A request alone in the batch decodes plainly too: {why}."
-        return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafter,
-                              lossy=not verdict.exact and max_batch > 1, min_batch=verdict.min_batch)
+    def _batching(self, max_batch: int, allow_inexact: bool, suffix_cache_tokens: int | None, threads: int | None
+                  ) -> BatchScheduler | None:
+        """The continuous-batching scheduler where the step plan computes a sequence's rows the same whatever else
+        the step holds (``StepPlan.rows``), or labelled lossy with ``allow_inexact``; else None (one generation at
+        a time, with speculation), with one warning that says why."""
+        drafters = row_drafters(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
+                                self.backend)
+        if self.plan.rows:
+            self.batch_reason = (f"exact batching: up to {max_batch} requests share each step, each answer the one "
+                                 f"it gets alone (step plan '{self.plan.candidate.name}', probed on this machine).")
+            return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafters)
+        why = ("no step plan here computes a sequence's rows the same among other sequences' rows "
+               f"({self.plan.candidate.name}: {_rows_verdict(self.plan)})")
+        if not allow_inexact or not self.backend.can_batch_rows:
+            if not self.backend.can_batch_rows:
+                old = getattr(self.backend, "can_gather", False)  # a gathered graph from before rows of sequences
+                why = ("the bundle's gathered graph predates rows of several sequences (re-export its base with this "
+                       "specdeploy)" if old else
+                       f"the {self.backend.name} backend has no graph that takes rows of several sequences")
+            warnings.warn(f"Batching is off: {why}, so requests run one at a time, each exactly as alone; pass "
+                          "allow_inexact to batch anyway, labelled lossy.", ExactnessWarning, stacklevel=4)
+            self.batch_reason = f"one request at a time: {why}."
+            return None
+        # every step of a tree's size on the gathered graph, the one that takes rows of several sequences
+        plan = dataclasses.replace(self.plan, candidate=dataclasses.replace(self.plan.candidate, gathered=True,
+                                                                            split=False))
+        self.batch_reason = f"LOSSY batching (allow_inexact): {why}; answers may differ from a request alone."
+        return BatchScheduler(self.backend, self.manifest, plan, max_batch, drafter=drafters, lossy=True)
+
+    @property
+    def fingerprint(self) -> str:
+        """What a response's ``system_fingerprint`` says: the step plan, and ``exact`` where every answer is the
+        bundle's own at any load, else ``lossy`` (``allow_inexact``: speculation or batching may change it)."""
+        lossy = self.plan.lossy or getattr(self.scheduler, "lossy", False)
+        return f"specdeploy-{self.plan.candidate.name}-{'lossy' if lossy else 'exact'}"
 
     @property
     def closed(self) -> bool:
@@ -197,14 +212,14 @@ class Engine:
         self.decoder.check_prompt(ids, config)
         stops = tuple(s for s in stop if s)
         stream = TextStream(len(ids))
-        stream._deltas = self._run(ids, config, stops, stream, cache_namespace)
+        stream.attach(self._run(ids, config, stops, stream, cache_namespace))
         with self._mutex:
             self._streams.add(stream)
         return stream
 
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
              stream: TextStream, cache_namespace: str = "") -> Iterator[str]:
-        tokens = self._submit(ids, config, stream.stats, stream._cancel.is_set, cache_namespace)
+        tokens = self._submit(ids, config, stream.stats, stream.cancel_flag, cache_namespace)
         if tokens is None:  # cancelled while queued, or the engine closed first
             stream.cancel_unstarted()
             self._record(stream.stats, ran=False)

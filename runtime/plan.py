@@ -49,12 +49,13 @@ if TYPE_CHECKING:
     from .backends.base import Backend
     from .bundle import BundleManifest
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 PROBE_DEPTH = 16  # longest chain the probe checks, so the longest step an exact plan runs
 PROBE_PROMPT = 12  # tokens of context before the probed steps
 PROBE_LONG = 200  # the second context the chains are checked at (a later capacity bucket)
 PADDED_MAX_COST = 1.5  # the padded plan's plain step against the fastest candidate's, at most
-GATHERED_MAX_COST = 1.15  # an exact-tree plan's plain step against the chain plan's, at most
+GATHERED_MAX_COST = 1.15  # an exact-tree plan's plain step against the chain plan's, at most (rows not invariant)
+ROWS_CHECK = "batch"  # the probe's checks of a sequence's rows among other sequences' (ProbeCheck.what)
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,18 @@ class ProbeResult:
 
     @property
     def chains_exact(self) -> bool:
-        return all(c.passed for c in self.checks if not c.what.startswith("tree"))
+        return all(c.passed for c in self.checks if not c.what.startswith(("tree", ROWS_CHECK)))
 
     @property
     def trees_exact(self) -> bool:
-        return self.chains_exact and all(c.passed for c in self.checks)
+        return self.chains_exact and all(c.passed for c in self.checks if not c.what.startswith(ROWS_CHECK))
+
+    @property
+    def rows_exact(self) -> bool:
+        """Rows of several sequences share a step bit for bit as each computes alone (checked on the gathered
+        plans only: :func:`.rows.probe_rows`): one answer at any load."""
+        return self.trees_exact and any(c.what.startswith(ROWS_CHECK) for c in self.checks) and all(
+            c.passed for c in self.checks)
 
     def worst(self) -> ProbeCheck:
         return max(self.checks, key=lambda c: c.max_abs)
@@ -115,6 +123,7 @@ class StepPlan:
     max_rows: int  # the longest step a speculative step may run (the probe's depth for exact plans)
     reason: str  # one line: which plan and why
     probes: tuple[ProbeResult, ...] = ()
+    rows: bool = False  # several sequences' rows share a step exactly (ProbeResult.rows_exact): batching is exact
 
     @property
     def lossy(self) -> bool:
@@ -149,15 +158,29 @@ def candidates(backend: Backend, depth: int = PROBE_DEPTH) -> list[Candidate]:
 
 
 # --- choosing and the verdict cache --------------------------------------------------------------
-def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) -> StepPlan:
-    """The plan the probe results allow: the first exact candidate in the order probed, except that a gathered
-    candidate whose trees are exact comes first where the chosen one's trees differ and its plain step costs at
-    most :data:`GATHERED_MAX_COST` times that one's (every plain step pays for the gathering)."""
+LONE = "lone"  # step_plan: the fastest exact plan for one sequence at a time, whether or not its rows batch
+
+
+def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False, rows_first: bool = True) -> StepPlan:
+    """The plan the probe results allow. A gathered candidate whose rows are invariant (``rows_exact``: a
+    sequence's rows computed alike alone, among other sequences, beside its own draft rows and padding) comes
+    first: one answer at any load, from ``generate`` to a full batch, at the plain-step cost it states against
+    the fastest candidate's (the exactness tax). Else the first exact candidate in the order probed, except
+    that a gathered candidate whose trees are exact comes first where the chosen one's trees differ and its
+    plain step costs at most :data:`GATHERED_MAX_COST` times that one's (every plain step pays for the
+    gathering). ``rows_first`` False (``step_plan`` :data:`LONE`) leaves the invariant plan its place in that order:
+    the exactness tax's baseline."""
     fastest_ms = min(r.plain_ms for r in results)
     too_slow = [r for r in results if r.chains_exact and r.candidate.padded
                 and r.plain_ms > PADDED_MAX_COST * fastest_ms]
     failed = [r for r in results if not r.chains_exact]
     usable = [r for r in results if r.chains_exact and r not in too_slow]
+    invariant = next((r for r in usable if r.rows_exact), None) if rows_first else None
+    if invariant is not None:
+        when = " when first probed" if invariant.cached else " now"
+        tax = invariant.plain_ms / fastest_ms
+        return _exact(invariant, depth, tuple(results), when=when,
+                      tax=f", {tax:.2f}x the fastest plan's plain step (the exactness tax)" if tax > 1 else "")
     first = next((r for r in usable if not r.candidate.gathered), None)
     trees = next((r for r in usable if r.candidate.gathered and r.trees_exact), None)
     if trees is not None and trees.plain_ms > GATHERED_MAX_COST * (fastest_ms if first is None else first.plain_ms):
@@ -186,12 +209,14 @@ def choose(results: list[ProbeResult], depth: int, allow_inexact: bool = False) 
 
 
 def _exact(res: ProbeResult, depth: int, results: tuple[ProbeResult, ...], asked: str = "", when: str = "",
-           skipped: str = "") -> StepPlan:
+           skipped: str = "", tax: str = "") -> StepPlan:
     """The exact plan on ``res``'s candidate, with the sentence that says why."""
     shape = "trees" if res.trees_exact else "chains (a tree's rows differ)"
+    if res.rows_exact:
+        shape += ", and rows of several sequences in one step (one answer at any load)"
     reason = (f"exact speculation: step plan '{res.candidate.name}'{asked} ({res.plain_ms:.1f} ms per plain step"
-              f"{when}), {shape}, probed bit for bit on this machine{skipped}.")
-    return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, results)
+              f"{when}){tax}, {shape}, probed bit for bit on this machine{skipped}.")
+    return StepPlan(res.candidate, True, True, res.trees_exact, depth, reason, results, rows=res.rows_exact)
 
 
 def asked_for(res: ProbeResult, depth: int, allow_inexact: bool = False) -> StepPlan:

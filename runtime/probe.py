@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .bitwise import gap, host_copy
 from .decode import Decoder
 from .errors import StepPlanError
 from .plan import (
+    LONE,
     PROBE_LONG,
     PROBE_PROMPT,
     Candidate,
@@ -29,6 +31,7 @@ from .plan import (
     store_verdict,
     verdict_key,
 )
+from .rows import probe_rows
 from .tree import DraftTree
 
 if TYPE_CHECKING:
@@ -64,6 +67,8 @@ def probe(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: in
             ok = _chains_and_tree(dec, prompt, tokens, depth, tag, times, checks)
             if not ok:
                 break
+        if ok and cand.gathered and backend.can_batch_rows:  # the layout that batches: a sequence's rows among others'
+            checks += probe_rows(dec, tokens)
         return ProbeResult(cand, tuple(checks), 1000 * float(np.median(times)))
     finally:
         backend.use_split(True)
@@ -81,7 +86,7 @@ def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: 
     def run(tree: DraftTree, start: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         cache.length, n = start, len(tree.tokens)
         out = dec.verify(state, tree, tree.buffers())
-        kv = [_host(b[:, :, start : start + n]) for b in cache.buffers()]  # the rows this step wrote
+        kv = [host_copy(b[:, :, start : start + n]) for b in cache.buffers()]  # the rows this step wrote
         return out.logits[0, :n], out.hidden_states[0, :n], kv
 
     plain_logits, plain_hidden, plain_kv = [], [], []
@@ -94,10 +99,10 @@ def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: 
         plain_hidden.append(hd[0])
         plain_kv.append([k[:, :, 0] for k in kv])
 
-    def gap(keep: list[int], lg: np.ndarray, hd: np.ndarray, kv: list[np.ndarray]) -> float:
-        return max(_gap(lg[keep], np.stack([plain_logits[i] for i in range(len(keep))])),
-                   _gap(hd[keep], np.stack([plain_hidden[i] for i in range(len(keep))])),
-                   max(_gap(kv[j][:, :, keep], np.stack([plain_kv[i][j] for i in range(len(keep))], axis=2))
+    def rows_gap(keep: list[int], lg: np.ndarray, hd: np.ndarray, kv: list[np.ndarray]) -> float:
+        return max(gap(lg[keep], np.stack([plain_logits[i] for i in range(len(keep))])),
+                   gap(hd[keep], np.stack([plain_hidden[i] for i in range(len(keep))])),
+                   max(gap(kv[j][:, :, keep], np.stack([plain_kv[i][j] for i in range(len(keep))], axis=2))
                        for j in range(len(kv))))
 
     # Plain steps are taken as the chains need them: plain step i reads slots p..p+i-1, which the
@@ -106,7 +111,7 @@ def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: 
     plain_step(0)
     for t in range(2, depth + 1):
         plain_step(t - 1)
-        checks.append(ProbeCheck(f"chain T={t}{tag}", gap(list(range(t)), *run(DraftTree(
+        checks.append(ProbeCheck(f"chain T={t}{tag}", rows_gap(list(range(t)), *run(DraftTree(
             np.asarray(tokens[:t]), np.arange(-1, t - 1)), p))))
         if checks[-1].max_abs:
             return False
@@ -119,27 +124,8 @@ def _chains_and_tree(dec: Decoder, prompt: list[int], tokens: list[int], depth: 
             parents += [path[-1], path[-1]]
             path.append(len(toks) - 1)
         nodes = DraftTree(np.asarray(toks), np.asarray(parents))
-        checks.append(ProbeCheck("tree" + tag, gap(path, *run(nodes, p))))
+        checks.append(ProbeCheck("tree" + tag, rows_gap(path, *run(nodes, p))))
     return True
-
-
-def _host(x) -> np.ndarray:
-    """A host copy of a cache buffer (numpy here; a torch tensor on the torch backend, widened to fp32 from
-    16-bit floats, which numpy lacks in bf16: widening is exact, so bitwise comparisons still hold)."""
-    if hasattr(x, "detach"):
-        x = x.detach()
-        return (x.float() if x.element_size() == 2 and x.is_floating_point() else x).cpu().numpy().copy()
-    return np.array(x, copy=True)
-
-
-def _gap(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return float("inf")
-    if np.array_equal(a, b):  # bitwise, NaN-free fast path
-        return 0.0
-    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    return float(d.max()) if np.isfinite(d).all() else float("inf")
 
 
 def _probe_plan(cand: Candidate, depth: int) -> StepPlan:
@@ -153,7 +139,8 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
     No exact candidate: plain decoding with the fastest candidate, or with ``allow_inexact`` speculation
     there, labelled lossy. The probe depth is the bundle's tree limit, at most :data:`~.plan.PROBE_DEPTH`.
     ``step_plan`` names a candidate to take instead (:func:`~.plan.asked_for`: probed like the others, and
-    refused where it is not exact, unless ``allow_inexact``).
+    refused where it is not exact, unless ``allow_inexact``), or is :data:`~.plan.LONE`: the fastest exact plan
+    for one sequence at a time, whether or not its rows batch (the exactness tax's baseline).
     """
     depth = probe_depth(manifest.limits.max_tree)
     results: list[ProbeResult] = []
@@ -171,7 +158,7 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
         return res
 
     cands = candidates(backend, depth)
-    if step_plan is not None:
+    if step_plan is not None and step_plan != LONE:
         named = next((c for c in cands if c.name == step_plan), None)
         if named is None:
             raise StepPlanError(f"The {backend.name} backend has no '{step_plan}' step plan for this bundle; it has "
@@ -180,8 +167,7 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
     for cand in (c for c in cands if not c.gathered):
         if verdict(cand).chains_exact:
             break
-    if not any(r.trees_exact for r in results):  # the gathered plans: trees exact by construction
-        for cand in (c for c in cands if c.gathered):
-            if verdict(cand).trees_exact:
-                break
-    return choose(results, depth, allow_inexact)
+    for cand in (c for c in cands if c.gathered):  # exact trees by construction; rows of several sequences?
+        if verdict(cand).rows_exact:
+            break
+    return choose(results, depth, allow_inexact, rows_first=step_plan != LONE)

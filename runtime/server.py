@@ -46,11 +46,11 @@ try:
         ApiError,
         ChatRequest,
         CompletionRequest,
+        GenerationRequest,
         ResponseShape,
-        _error_body,
-        _GenerationRequest,
-        _parse,
-        _unsupported,
+        check_supported,
+        error_body,
+        parse_request,
         sse,
     )
 except ImportError as _exc:  # the server stack is an optional extra
@@ -140,25 +140,25 @@ class AppServer:
 
     # --- endpoints ---
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = _parse(CompletionRequest, await self._body(request))
+        req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
         prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0] if req.prompt else ""
         return await self._generate(request, req, prompt=prompt, messages=None,
                                     max_tokens=req.max_tokens or 16)  # 16: OpenAI's default for completions
 
     async def chat(self, request: Request) -> Response:
-        req: ChatRequest = _parse(ChatRequest, await self._body(request))
+        req: ChatRequest = parse_request(ChatRequest, await self._body(request))
         messages = [{"role": "system" if m.role == "developer" else m.role,
                      "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
                     for m in req.messages]
         max_tokens = req.max_completion_tokens or req.max_tokens or self.max_tokens_limit
         return await self._generate(request, req, prompt=None, messages=messages, max_tokens=max_tokens)
 
-    async def _generate(self, request: Request, req: _GenerationRequest, prompt: str | None,
+    async def _generate(self, request: Request, req: GenerationRequest, prompt: str | None,
                         messages: list[dict] | None, max_tokens: int) -> Response:
         if req.model != self.model_id:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_id}'.",
                            param="model", code="model_not_found")
-        _unsupported(req)
+        check_supported(req)
         if max_tokens > self.max_tokens_limit:
             param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise ApiError(400, f"{param} is {max_tokens} but this server allows at most {self.max_tokens_limit}.",
@@ -182,7 +182,7 @@ class AppServer:
                                     f"{self.max_prompt_tokens}.", param="messages" if messages else "prompt",
                                code="context_length_exceeded")
             shape = ResponseShape(messages is not None, self.model_id,
-                           bool(req.stream_options and req.stream_options.include_usage))
+                                  bool(req.stream_options and req.stream_options.include_usage), self.engine.fingerprint)
             if req.stream:
                 handed_off = True  # the response releases the admission when it ends, however it ends
                 end = self._stream_end(request, stream)
@@ -267,14 +267,14 @@ class AppServer:
                     continue
                 if isinstance(item, BaseException):
                     log.error("generation failed", exc_info=item)
-                    yield sse(_error_body("The generation failed; see the server log.", "server_error"))
+                    yield sse(error_body("The generation failed; see the server log.", "server_error"))
                     break
                 c = stream.completion
                 assert c is not None
                 request.scope["specdeploy.tokens"] = c.stats.new_tokens
                 if c.finish_reason == "cancelled":  # engine closed under us: shutdown
                     request.scope["specdeploy.note"] = " cancelled-at-shutdown"
-                    yield sse(_error_body("The server is shutting down.", "server_error", code="shutting_down"))
+                    yield sse(error_body("The server is shutting down.", "server_error", code="shutting_down"))
                     break
                 yield sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason))
                 if shape.include_usage:
@@ -354,11 +354,11 @@ def build_app(server: AppServer) -> Any:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return JSONResponse(_error_body(str(exc.detail), "invalid_request_error"), exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error"), exc.status_code)
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         # Starlette re-raises after this, so uvicorn still logs the traceback: a bug stays visible.
-        return JSONResponse(_error_body("Internal server error.", "server_error"), 500)
+        return JSONResponse(error_body("Internal server error.", "server_error"), 500)
 
     app = Starlette(
         routes=[

@@ -29,7 +29,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _GenerationRequest(_Strict):
+class GenerationRequest(_Strict):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling
@@ -46,7 +46,7 @@ class _GenerationRequest(_Strict):
     logit_bias: dict[str, float] | None = None
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str]
     echo: bool = False
     best_of: int | None = None
@@ -65,7 +65,7 @@ class ChatMessage(_Strict):
     name: str | None = None
 
 
-class ChatRequest(_GenerationRequest):
+class ChatRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
@@ -85,11 +85,11 @@ class ApiError(Exception):
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         if self.status == 503:
             headers = {"Retry-After": "1"}
-        return JSONResponse(_error_body(self.message, self.type, self.param, self.code), self.status,
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
                             headers=headers)
 
 
-def _error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -105,7 +105,7 @@ def _param(loc: tuple, extra: bool = False) -> str | None:
     return out or None
 
 
-def _parse(model: type[_Strict], body: bytes) -> Any:
+def parse_request(model: type[_Strict], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -124,7 +124,7 @@ def _parse(model: type[_Strict], body: bytes) -> Any:
         raise ApiError(400, msg, param=param, code="invalid_value" if param else None) from None
 
 
-def _unsupported(req: _GenerationRequest) -> None:
+def check_supported(req: GenerationRequest) -> None:
     """Reject OpenAI features this server does not implement instead of silently ignoring them."""
     checks = [
         ("n", req.n != 1, "Only n=1 is supported."),
@@ -158,13 +158,15 @@ def _unsupported(req: _GenerationRequest) -> None:
 class ResponseShape:
     """How one endpoint's responses and stream chunks look."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, fingerprint: str = ""):
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.fingerprint = fingerprint  # the engine's (Engine.fingerprint): says whether answers are exact
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
     def _head(self, object: str) -> dict:
-        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
 
     def chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
         if self.chat:

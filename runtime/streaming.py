@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .decode import DecodeStats
@@ -42,6 +42,15 @@ class TextStream:
             if self._cancel.is_set() and "already executing" in str(exc):
                 raise StopIteration from None
             raise
+
+    def attach(self, deltas: Iterator[str]) -> None:
+        """The text deltas this stream yields (the engine's generation, which starts at the first ``next()``)."""
+        self._deltas = deltas
+
+    @property
+    def cancel_flag(self) -> Callable[[], bool]:
+        """What the scheduler asks before every step: whether the stream was closed."""
+        return self._cancel.is_set
 
     @property
     def cancelled(self) -> bool:

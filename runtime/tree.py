@@ -118,6 +118,9 @@ class DraftTree:
     tokens: np.ndarray  # [N] int64, tokens[0] = last committed token
     parents: np.ndarray  # [N] int64, parents[0] = -1, 0 <= parents[i] < i
     scores: np.ndarray | None = None  # [N] float64 cumulative draft log-prob, root 0.0
+    # What its drafter priced this proposal at: expected tokens per unit of step cost (a plain step's is 1.0);
+    # None where the drafter does not price its proposals (a trained draft's raw proposal)
+    value: float | None = None
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -144,6 +147,7 @@ class DraftTree:
         object.__setattr__(tree, "tokens", np.array([token], dtype=np.int64))
         object.__setattr__(tree, "parents", _ROOT_PARENTS)
         object.__setattr__(tree, "scores", None)
+        object.__setattr__(tree, "value", None)
         return tree
 
     @classmethod
@@ -157,6 +161,15 @@ class DraftTree:
         object.__setattr__(tree, "tokens", np.array(tokens, dtype=np.int64))
         object.__setattr__(tree, "parents", _chain_parents(len(tokens)))
         object.__setattr__(tree, "scores", None)
+        object.__setattr__(tree, "value", None)
+        return tree
+
+    def priced(self, value: float) -> DraftTree:
+        """This proposal with the value its drafter priced it at (the same arrays, no checks again)."""
+        tree = object.__new__(type(self))
+        for name in ("tokens", "parents", "scores"):
+            object.__setattr__(tree, name, getattr(self, name))
+        object.__setattr__(tree, "value", float(value))
         return tree
 
     @property

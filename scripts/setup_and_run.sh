@@ -10,11 +10,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 PRECISION="${PRECISION:-q4_1}"
 if [ "$PRECISION" = fp32 ]; then BUNDLE="${BUNDLE:-bundles/smollm2}"; else BUNDLE="${BUNDLE:-bundles/smollm2-$PRECISION}"; fi
 PROMPT="${PROMPT:-Explain in three sentences why the sky is blue.}"
-current() {  # the bundle exists and has every base graph this specdeploy writes (batching and exact trees included)
+current() {  # the bundle exists and has every base graph this specdeploy writes (exact trees taking rows of several
+  # sequences, which batching runs, included)
   [ -f "$BUNDLE/manifest.json" ] && python -c "import sys
 from specdeploy.runtime.bundle import read_manifest
 m = read_manifest(sys.argv[1], verify=False)
-sys.exit(m.batch_graph() is None or m.tree_graph() is None)" "$BUNDLE" 2>/dev/null
+sys.exit(m.tree_graph() is None or not m.tree_graph().rows_apart)" "$BUNDLE" 2>/dev/null
 }
 if current; then
   echo "[main] bundle $BUNDLE exists; reusing it (delete it or run 'specdeploy export base --force' to redo)" >&2

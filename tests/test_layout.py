@@ -218,3 +218,48 @@ def test_each_draft_kind_names_code_that_resolves():
         if kind.name in TRAINED_KINDS:
             assert all(getattr(kind, field) for field in code), kind.name
         assert kind.drafter and kind.bench_variant in variants, kind.name
+
+
+def _calls(path: Path) -> set[str]:
+    """The names of every function or method this file calls."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            out.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return out
+
+
+def test_one_decode_loop_owns_acceptance_and_the_stop_cut():
+    # Acceptance (greedy, typical, seeded, rejection sampling) is decided in one place, decode.accept_step, and
+    # the end-of-sequence and budget cut in decode.cut_at_stop: the serial loop and the batch of rows call them,
+    # and nothing else in the runtime re-implements either.
+    rules = {"greedy_accept", "sample_accept", "seeded_accept", "typical_accept"}
+    owners = {"runtime/decode.py", "runtime/verify.py"}
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel not in owners:
+            assert not (_calls(path) & rules), f"{rel} accepts drafts itself; call decode.accept_step"
+        text = path.read_text()
+        if rel != "runtime/decode.py":
+            assert "in self.eos:\n" not in text.replace("tokens[-1] in self.eos:\n", ""), f"{rel} cuts at EOS itself"
+    for loop in ("runtime/decode.py", "runtime/batch.py"):
+        assert {"accept_step", "cut_at_stop"} <= _calls(ROOT / loop), loop
+
+
+def test_no_private_name_crosses_a_module():
+    # A name with a leading underscore is its module's own: no other module of the package imports it, and no
+    # module reaches into another object's private attributes (``self``/``cls`` aside).
+    for path in sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("specdeploy")):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                assert not private, f"{path.relative_to(ROOT)} imports {private} from {node.module}"
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Attribute) and target.attr.startswith("_") and not \
+                            target.attr.startswith("__") and not (isinstance(target.value, ast.Name) and
+                                                                target.value.id in ("self", "cls")):
+                        raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} sets another object's "
+                                             f"{target.attr}")

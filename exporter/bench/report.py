@@ -2,7 +2,8 @@
 
 Conventions (Spec-Bench): a variant's ``tokens_per_s`` is the mean over prompts of each prompt's
 end-to-end tokens/s (prefill included); ``decode_tokens_per_s`` leaves out the first forward pass;
-``speedup_vs_ar`` is the ratio of ``tokens_per_s`` to the ``ar`` variant's; ``mean_accepted_tokens``
+``speedup_vs_ar`` is the ratio of ``tokens_per_s`` to the ``ar`` variant's (end to end), ``decode_speedup_vs_ar``
+that of ``decode_tokens_per_s`` (the decode loop alone); ``mean_accepted_tokens``
 (tau) is the mean number of tokens emitted per decode step, pooled over all prompts.
 
 JSON schema (stable; CI and other tools read it)::
@@ -13,7 +14,7 @@ JSON schema (stable; CI and other tools read it)::
             machine {cpu_count, usable_cpus, cpu_model, cpu_isa, platform, python}, versions {package: version|null}
     variants: [ in run order, skipped ones included
       name, description, skipped, note (why skipped, or how outputs differ from ar; else null),
-      tokens_per_s, decode_tokens_per_s, speedup_vs_ar, mean_accepted_tokens (tau),
+      tokens_per_s, decode_tokens_per_s, speedup_vs_ar (end to end), decode_speedup_vs_ar, mean_accepted_tokens (tau),
       identical_to_ar (every prompt's ids equal ar's), identical_prompts (how many),
       loop_overhead (fraction of decode time outside backend.step; ours only, else null),
       acceptance_histogram {"<tokens per step>": steps},
@@ -31,7 +32,7 @@ JSON schema (stable; CI and other tools read it)::
       own_plain, identical_to_own_plain: a peer's speculative variant, the name of that peer's plain
               variant and on how many prompts its output equals that one's (null otherwise),
       categories {<prompt category>: {prompts, tokens_per_s, speedup_vs_ar (against ar on the same
-              prompts), identical_prompts}},
+              prompts, end to end), decode_speedup_vs_ar, identical_prompts}},
       steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
@@ -168,6 +169,7 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
         "tokens_per_s": _mean([p["tokens_per_s"] for p in per]),
         "decode_tokens_per_s": _mean([p["decode_tokens_per_s"] for p in per if p["decode_tokens_per_s"]]),
         "speedup_vs_ar": None,  # filled once the baseline is known
+        "decode_speedup_vs_ar": None,
         "mean_accepted_tokens": _mean(accepted) if have_steps and accepted else None,
         "identical_to_ar": same == len(per),
         "identical_prompts": same,
@@ -191,18 +193,20 @@ def _categories(v: dict[str, Any], ar: dict[str, Any] | None) -> dict[str, dict[
     out: dict[str, dict[str, Any]] = {}
     for cat in dict.fromkeys(p["category"] for p in v["prompts"]):
         idx = [i for i, p in enumerate(v["prompts"]) if p["category"] == cat]
-        tps = _mean([v["prompts"][i]["tokens_per_s"] for i in idx])
-        base = _mean([ar["prompts"][i]["tokens_per_s"] for i in idx]) if ar and ar["prompts"] else None
-        out[cat] = {"prompts": len(idx), "tokens_per_s": tps,
-                    "speedup_vs_ar": tps / base if tps is not None and base else None,
-                    "identical_prompts": sum(v["prompts"][i]["identical_to_ar"] for i in idx)}
+        ratios = {}
+        for key, ratio in (("tokens_per_s", "speedup_vs_ar"), ("decode_tokens_per_s", "decode_speedup_vs_ar")):
+            mine = _mean([v["prompts"][i][key] for i in idx if v["prompts"][i][key]])
+            base = _mean([ar["prompts"][i][key] for i in idx if ar["prompts"][i][key]]) if ar and ar["prompts"] else None
+            ratios[ratio] = mine / base if mine is not None and base else None
+        out[cat] = {"prompts": len(idx), "tokens_per_s": _mean([v["prompts"][i]["tokens_per_s"] for i in idx]),
+                    **ratios, "identical_prompts": sum(v["prompts"][i]["identical_to_ar"] for i in idx)}
     return out
 
 
 def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
     return {"name": spec.name, "description": spec.description, "skipped": True, "note": note, "lossy": False,
             "plan": None,
-            "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None,
+            "tokens_per_s": None, "decode_tokens_per_s": None, "speedup_vs_ar": None, "decode_speedup_vs_ar": None,
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
             "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None,
             "gate_decisions": None, "profile": None, "steps": None,
@@ -261,11 +265,12 @@ def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dic
             entry["note"] = (f"differs from {spec.plain} on {len(own) - entry['identical_to_own_plain']}/{len(own)} "
                              f"prompts (greedy speculative decoding must match it exactly, so this is a bug)")
         variants.append(entry)
-    ar_tps = next((v["tokens_per_s"] for v in variants if v["name"] == BASELINE and not v["skipped"]), None)
-    for v in variants:
-        if ar_tps and v["tokens_per_s"] is not None:
-            v["speedup_vs_ar"] = v["tokens_per_s"] / ar_tps
     ar_entry = next((v for v in variants if v["name"] == BASELINE and not v["skipped"]), None)
+    for v in variants:
+        for key, ratio in (("tokens_per_s", "speedup_vs_ar"), ("decode_tokens_per_s", "decode_speedup_vs_ar")):
+            base = ar_entry[key] if ar_entry else None
+            if base and v[key] is not None:
+                v[ratio] = v[key] / base
     for v in variants:
         v["categories"] = _categories(v, ar_entry)
     config = {**config, "machine": {**machine_info(), **(machine or {})}, "versions": package_versions()}
@@ -306,9 +311,9 @@ def markdown_table(report: dict[str, Any]) -> str:
                 f"teacher-forced on {q['positions']} positions of held-in text; perplexity fp32 "
                 f"{q['perplexity_fp32']:.2f}.")] if (q := _any_quality(report)) else []),
         "",
-        ("| variant | tok/s | decode tok/s | speed-up vs ar | τ | accepted at depth 1, 2, ... | gate: draft / AR "
-         "| identical to ar | same as own plain | quality: top-1 / ppl× | loop overhead | note |"),
-        "|---|---:|---:|---:|---:|---|---:|:---:|:---:|:---:|---:|---|",
+        ("| variant | tok/s | decode tok/s | speed-up vs ar (end to end) | decode speed-up | τ | accepted at depth 1, 2, "
+         "... | gate: draft / AR | identical to ar | same as own plain | quality: top-1 / ppl× | loop overhead | note |"),
+        "|---|---:|---:|---:|---:|---:|---|---:|:---:|:---:|:---:|---:|---|",
     ]
     for v in report["variants"]:
         if v["skipped"]:
@@ -323,7 +328,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         gate_cell = f"{gate['draft']} / {gate['ar']}" if gate else "–"
         lines.append(
             f"| {v['name']}{' [LOSSY]' if v.get('lossy') else ''} | {_fmt(v['tokens_per_s'], '.1f')} | {_fmt(v['decode_tokens_per_s'], '.1f')} | "
-            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | "
+            f"{_fmt(v['speedup_vs_ar'], '.2f', '×')} | {_fmt(v['decode_speedup_vs_ar'], '.2f', '×')} | "
+            f"{_fmt(v['mean_accepted_tokens'], '.2f')} | {depths} | "
             f"{gate_cell} | {ident} | {_own_plain_cell(v)} | {_quality_cell(v)} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
         )
@@ -337,8 +343,8 @@ def _category_table(report: dict[str, Any]) -> list[str]:
     if len(cats) < 2:
         return []
     sizes = {c: next(v["categories"][c]["prompts"] for v in ran if c in v["categories"]) for c in cats}
-    lines = ["", ("Speed-up vs ar by prompt category (prompts per category in the header; a cell says where outputs "
-                  "differ from ar):"), "",
+    lines = ["", ("Speed-up vs ar by prompt category, end to end (prefill included), then the decode loop's alone in "
+                  "brackets (prompts per category in the header; a cell says where outputs differ from ar):"), "",
              "| variant | all | " + " | ".join(f"{c} ({sizes[c]})" for c in cats) + " |",
              "|---|---:|" + "---:|" * len(cats)]
     for v in ran:
@@ -346,8 +352,10 @@ def _category_table(report: dict[str, Any]) -> list[str]:
         for c in cats:
             e = v["categories"].get(c)
             same = "" if not e or e["identical_prompts"] == e["prompts"] else f" ({e['identical_prompts']}/{e['prompts']} same)"
-            cells.append(_fmt(e["speedup_vs_ar"] if e else None, ".2f", "×") + same)
-        lines.append(f"| {v['name']} | {_fmt(v['speedup_vs_ar'], '.2f', '×')} | " + " | ".join(cells) + " |")
+            decode = f" [{_fmt(e.get('decode_speedup_vs_ar'), '.2f', '×')}]" if e else ""
+            cells.append(_fmt(e["speedup_vs_ar"] if e else None, ".2f", "×") + decode + same)
+        lines.append(f"| {v['name']} | {_fmt(v['speedup_vs_ar'], '.2f', '×')} "
+                     f"[{_fmt(v.get('decode_speedup_vs_ar'), '.2f', '×')}] | " + " | ".join(cells) + " |")
     return lines
 
 

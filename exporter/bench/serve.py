@@ -1,12 +1,13 @@
 """``specdeploy bench-serve``: a real ``specdeploy serve`` on loopback under concurrent clients.
 
-For each ``--max-batch`` setting one server process runs (its own ONNX Runtime threads; this process
-only sends requests). At concurrency 1 every prompt is asked once, one after another: that gives the
+For each ``--max-batch`` setting (``N`` or ``N:DRAFT``, a draft of its own) one server process runs (its own
+ONNX Runtime threads; this process only sends requests). At concurrency 1 every prompt is asked once, one after another: that gives the
 single-client speed and, for each prompt, its answer alone on that server. At each higher concurrency
 ``c``, ``c`` clients send their chat requests at once (prompts 1..c, greedy, ``max_tokens`` each).
 Measured: aggregate completion tokens per second of wall time, p50 and p95 request latency, and
 whether each answer is complete (the token budget or the end of the turn) and identical to the same
-prompt's answer alone on that server. Written as JSON with a PNG of throughput and latency.
+prompt's answer alone on that server and on the first server (list ``1:none`` first to hold every answer to the
+bundle's plain greedy answer). Written as JSON with a PNG of throughput and latency.
 """
 
 from __future__ import annotations
@@ -149,14 +150,16 @@ def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: 
             **({"categories": _by_category(answers, prompts, categories)} if categories else {})}
 
 
-def run_serve_bench(bundle: Path, max_batches: list[int], concurrency: list[int], prompts: list[str],
+def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], concurrency: list[int], prompts: list[str],
                     max_new_tokens: int, threads: int, draft: str, json_out: Path,
                     say: Callable[[str], None] = print, categories: dict[str, str] | None = None) -> dict[str, Any]:
-    """``categories``: each prompt's category (a named prompt set), reported apart in every run."""
+    """``max_batches``: one server each, a max_batch or (max_batch, draft) (else ``draft``); ``categories``: each
+    prompt's category (a named prompt set), reported apart in every run."""
     if not prompts:
         raise BenchError("bench-serve needs at least one prompt.")
+    servers = [mb if isinstance(mb, tuple) else (mb, draft) for mb in max_batches]
     levels = sorted(set(concurrency))
-    if not levels or levels[0] < 1 or not max_batches or min(max_batches) < 1:
+    if not levels or levels[0] < 1 or not servers or min(mb for mb, _ in servers) < 1:
         raise BenchError("--concurrency and --max-batch take whole numbers of at least 1.")
     top = levels[-1]
     asked = [prompts[i % len(prompts)] for i in range(top)]
@@ -165,9 +168,9 @@ def run_serve_bench(bundle: Path, max_batches: list[int], concurrency: list[int]
         "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(asked),
         "machine": machine_info(), "servers": []}
     logs = Path(tempfile.mkdtemp(prefix="specdeploy-bench-serve-"))
-    for mb in max_batches:
-        say(f"starting server --max-batch {mb} ...")
-        server = _Server(bundle, mb, draft, threads, logs / f"serve-{mb}.log")
+    for i, (mb, srv_draft) in enumerate(servers):
+        say(f"starting server --max-batch {mb} --draft {srv_draft} ...")
+        server = _Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log")
         try:
             server.chat(asked[0], 8)  # warm-up: first-run allocations
             say(f"  concurrency 1: {len(set(asked))} prompts one after another (each prompt's answer alone) ...")
@@ -177,17 +180,19 @@ def run_serve_bench(bundle: Path, max_batches: list[int], concurrency: list[int]
                 alone[p] = server.chat(p, max_new_tokens)
             wall = time.perf_counter() - t0
             uniq = list(alone)
-            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, categories), "clients": 1}]
+            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, categories), "clients": 1,
+                     "_texts": [(p, alone[p]["text"]) for p in uniq]}]
             for c in levels:
                 if c == 1:
                     continue
                 say(f"  concurrency {c} ...")
                 answers, wall = _concurrent(server, asked[:c], max_new_tokens)
-                runs.append(_summary(answers, wall, alone, asked[:c], max_new_tokens, categories))
+                runs.append({**_summary(answers, wall, alone, asked[:c], max_new_tokens, categories),
+                             "_texts": [(p, a["text"]) for p, a in zip(asked[:c], answers)]})
                 r = runs[-1]
                 say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
                     f"identical {r['identical_to_alone']}/{c}, complete {r['complete']}/{c}")
-            report["servers"].append({"max_batch": mb, "runs": runs,
+            report["servers"].append({"max_batch": mb, "draft": srv_draft, "runs": runs,
                                       "answers_alone": {p: alone[p]["text"] for p in uniq}})
         finally:
             server.close()
@@ -204,6 +209,9 @@ def _compare(report: dict) -> None:
     """Each server against the first (``--max-batch`` as listed first): speed ratios and identical answers."""
     first = report["servers"][0]
     by_c = {r["clients"]: r for r in first["runs"]}
+    for srv in report["servers"]:
+        for r in srv["runs"]:  # every answer against the same prompt's answer alone on the first server
+            r["identical_to_first"] = sum(text == first["answers_alone"].get(p) for p, text in r.pop("_texts"))
     for srv in report["servers"][1:]:
         for r in srv["runs"]:
             ref = by_c.get(r["clients"])
@@ -223,8 +231,8 @@ def _plot(report: dict, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for srv in report["servers"]:
         cs = [r["clients"] for r in srv["runs"]]
-        ax1.plot(cs, [r["tokens_per_s"] for r in srv["runs"]], marker="o", label=f"--max-batch {srv['max_batch']}")
-        ax2.plot(cs, [r["p95_latency_s"] for r in srv["runs"]], marker="o", label=f"--max-batch {srv['max_batch']}")
+        ax1.plot(cs, [r["tokens_per_s"] for r in srv["runs"]], marker="o", label=f"--max-batch {srv['max_batch']} --draft {srv['draft']}")
+        ax2.plot(cs, [r["p95_latency_s"] for r in srv["runs"]], marker="o", label=f"--max-batch {srv['max_batch']} --draft {srv['draft']}")
     for ax, title in ((ax1, "aggregate completion tok/s"), (ax2, "p95 request latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
@@ -232,7 +240,7 @@ def _plot(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     m = report["machine"]
-    fig.suptitle(f"specdeploy serve, {report['max_new_tokens']} tokens, draft {report['draft']}, "
+    fig.suptitle(f"specdeploy serve, {report['max_new_tokens']} tokens, "
                  f"{report['threads']} threads ({m['cpu_model']}; {m['cpu_isa']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

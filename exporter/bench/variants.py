@@ -37,6 +37,7 @@ from specdeploy.runtime.drafters.kinds import (
 
 _HF = ("torch", "transformers")
 _GATHERED_AR = "ar-gathered"
+_LONE_AR = "ar-lone"
 _HF_INSTALL = "pip install torch transformers"
 
 
@@ -74,6 +75,12 @@ OWN_VARIANTS = (
             name=f"{bench_variant(draft)}-gathered", options=(("step_plan", "gathered"),), plain=_GATHERED_AR)
       for draft, what in ((PROMPT_LOOKUP, "prompt-lookup tree drafts"), (CHIMERA, "Chimera draft"),
                           (MEDUSA, "Medusa heads"), (CERBERUS_NOGATE, "Cerberus heads, gate off"))),
+    # The fastest exact plan for one sequence at a time (--step-plan lone), where the probe's choice is the plan
+    # whose rows batch: the exactness tax, side by side.
+    _ours(None, "plain autoregressive on the fastest exact plan for one sequence (not batch-invariant)",
+          name=_LONE_AR, options=(("step_plan", "lone"),)),
+    _ours(AUTO, "auto on the fastest exact plan for one sequence (not batch-invariant)", name="auto-lone",
+          options=(("step_plan", "lone"),), plain=_LONE_AR),
     VariantSpec("hf", "hf", "transformers generate, greedy, fp32 torch", requires=_HF, install=_HF_INSTALL),
     VariantSpec("hf-prompt-lookup", "hf", "transformers assisted generation, prompt_lookup_num_tokens=10",
                 options=(("prompt_lookup_num_tokens", 10),), requires=_HF, install=_HF_INSTALL),

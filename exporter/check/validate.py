@@ -220,7 +220,14 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     and acts on at load, not the export's.
     """
     from specdeploy.runtime.backends import make_backend
-    from specdeploy.runtime.plan import candidates, machine_id, probe_depth, store_verdict, verdict_key
+    from specdeploy.runtime.plan import (
+        ROWS_CHECK,
+        candidates,
+        machine_id,
+        probe_depth,
+        store_verdict,
+        verdict_key,
+    )
     from specdeploy.runtime.probe import probe, resolve_plan
 
     depth = probe_depth(manifest.limits.max_tree)
@@ -236,8 +243,12 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
         chains = "exact" if r.chains_exact else f"DIFFER ({worst.max_abs:.2g} at {worst.what})"
         tree = max((c for c in r.checks if c.what.startswith("tree")), key=lambda c: c.max_abs, default=None)
         trees = "not probed" if tree is None else "exact" if r.trees_exact else f"differ ({tree.max_abs:.2g})"
-        progress(f"  plan {r.candidate.name:<18} chains {chains}; trees {trees}; {r.plain_ms:.1f} ms per plain step"
-                 + ("" if r.chains_exact else "  -> speculative greedy decoding refused on this plan"))
+        batch = [c for c in r.checks if c.what.startswith(ROWS_CHECK)]
+        worst_row = max((c.max_abs for c in batch), default=0.0)
+        rows = "" if not batch else "; rows of several sequences " + (
+            "exact" if r.rows_exact else f"differ ({worst_row:.2g})")
+        progress(f"  plan {r.candidate.name:<18} chains {chains}; trees {trees}{rows}; {r.plain_ms:.1f} ms per plain "
+                 "step" + ("" if r.chains_exact else "  -> speculative greedy decoding refused on this plan"))
     progress(f"  runtime: {plan.reason}")
     return plan
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from specdeploy.exporter.bench.promptsets import SETS
 from specdeploy.exporter.cli.options import decode_options
-from specdeploy.runtime.drafters.kinds import PROMPT_LOOKUP
+from specdeploy.runtime.drafters.kinds import AUTO
 
 DEFAULT_SERVE_BATCH = 32  # measured: docs/benchmarks.md, "Serving many users"
 
@@ -190,8 +190,6 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
       curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
     """
-    from specdeploy.runtime.batch import batch_draft, batch_refusal
-    from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.server import ServerConfig
     from specdeploy.runtime.server_run import run_server
 
@@ -204,12 +202,7 @@ def serve(bundle: Path, host: str, port: int, draft: str, tree: str | None, back
     if max_replicas is not None and max_replicas < replicas:
         raise click.UsageError(f"--max-replicas ({max_replicas}) is below --replicas ({replicas}).")
 
-    if max_batch is None:
-        manifest = read_manifest(bundle)
-        refusal = batch_refusal(manifest, backend, batch_draft(draft, manifest))
-        max_batch = DEFAULT_SERVE_BATCH if refusal is None else 1
-        if refusal is not None:
-            click.echo(f"[plan] one request at a time: {refusal}", err=True)
+    max_batch = DEFAULT_SERVE_BATCH if max_batch is None else max_batch
     config = ServerConfig(host=host, port=port, model_name=model_name, api_key=api_key,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                           max_body_bytes=max_body_bytes, max_queue=max_queue, shutdown_timeout=shutdown_timeout,
@@ -247,10 +240,12 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
 # --- bench-serve -----------------------------------------------------------------------------
 @click.command("bench-serve")
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--max-batch", "max_batches", default=f"1,{DEFAULT_SERVE_BATCH}", show_default=True,
-              help="Comma-separated --max-batch settings; one server each, compared with the first.")
+@click.option("--max-batch", "max_batches", default=f"1:none,1,{DEFAULT_SERVE_BATCH}", show_default=True,
+              help="Comma-separated servers, each N (its --max-batch, with --draft) or N:DRAFT; one server each, "
+                   "compared with the first (speed, and every answer against its answer alone there).")
 @click.option("--concurrency", default="1,4,16,32", show_default=True, help="Comma-separated client counts.")
-@click.option("--draft", default=PROMPT_LOOKUP, show_default=True, help="none, prompt-lookup or ngram.")
+@click.option("--draft", default=AUTO, show_default=True,
+              help="The servers' draft where --max-batch names none: any draft `serve` takes.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL prompts ({'prompt': ...} or MT-bench 'turns'); default: MT-bench first turns.")
 @click.option("--prompt-set", default=None, type=click.Choice(SETS),
@@ -282,6 +277,13 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         except ValueError:
             raise BenchError(f"{what} takes comma-separated whole numbers; got '{text}'.") from None
 
+    def servers(text: str) -> list[tuple[int, str]]:
+        out = []
+        for item in (x.strip() for x in text.split(",") if x.strip()):
+            mb, _, name = item.partition(":")
+            out.append((ints(mb, "--max-batch")[0] if mb.strip() else 0, name.strip() or draft))
+        return out
+
     categories = None
     if prompt_set is not None:
         if prompts_file is not None:
@@ -296,7 +298,7 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         records = read_prompt_records(prompts_file or default_prompts_file())
         prompts = [text for text, _ in records]
         categories = {text: c for text, c in records if c} if prompts_file is not None else None
-    report = run_serve_bench(bundle, ints(max_batches, "--max-batch"), ints(concurrency, "--concurrency"), prompts,
+    report = run_serve_bench(bundle, servers(max_batches), ints(concurrency, "--concurrency"), prompts,
                              max_new_tokens, threads, draft, json_out, say=click.echo, categories=categories)
     m = report["machine"]
     click.echo(f"machine: {m['cpu_model']} ({m['cpu_isa']}), {threads} threads")
@@ -304,9 +306,10 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         for r in srv["runs"]:
             vs = r.get("vs_first")
             extra = f"  ({vs['tokens_per_s']:.2f}x tok/s, {vs['p95_latency']:.2f}x p95 of the first)" if vs else ""
-            click.echo(f"--max-batch {srv['max_batch']:>3} clients {r['clients']:>3}: {r['tokens_per_s']:7.1f} tok/s  "
-                       f"p50 {r['p50_latency_s']:6.2f} s  p95 {r['p95_latency_s']:6.2f} s  identical "
-                       f"{r['identical_to_alone']}/{r['requests']}  complete {r['complete']}/{r['requests']}{extra}")
+            click.echo(f"--max-batch {srv['max_batch']:>3} --draft {srv['draft']:<13} clients {r['clients']:>3}: "
+                       f"{r['tokens_per_s']:7.1f} tok/s  p50 {r['p50_latency_s']:6.2f} s  p95 {r['p95_latency_s']:6.2f} s"
+                       f"  identical {r['identical_to_alone']}/{r['requests']} (to the first server: "
+                       f"{r['identical_to_first']}/{r['requests']})  complete {r['complete']}/{r['requests']}{extra}")
             for cat, c in (r.get("categories") or {}).items():
                 click.echo(f"    {cat:<16} {c['requests']:3d} requests  {c['tokens_per_s_per_request']:7.1f} tok/s per request")
     click.echo(f"wrote {json_out} and {json_out.with_suffix('.png')}")

@@ -96,7 +96,9 @@ def decode_options(command):
                           "(output labelled lossy)."),
         click.option("--step-plan", default=None,
                      help="Take this step plan instead of the probe's choice, e.g. 'gathered' (trees exact by "
-                          "construction); still probed, and refused where it is not exact (see validate)."),
+                          "construction); still probed, and refused where it is not exact (see validate). 'lone': "
+                          "the fastest exact plan for one request at a time, whether or not its rows batch (answers "
+                          "may then differ from a batching server's)."),
     ]
     for option in reversed(options):
         command = option(command)

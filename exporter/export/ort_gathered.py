@@ -45,30 +45,33 @@ class GatherOrder:
         self.flat_rows = g.const([-1, head_dim])
 
 
-def gather_order(g, mask: str, write: str, t: str, total: str, capacity: str, heads: tuple[int, int, int]
-                 ) -> GatherOrder:
-    """The sorted order of each row's slots from ``mask`` ``[B, 1, T, past+T]`` (already sliced to the
-    valid slots): ``0 .. past-1``, then the step's slots a row sees in ascending order, then the step's
-    slots it does not see (the cache's unused slots ``past+T .. C-1`` after them, for the values).
-    ``t``, ``total`` and ``capacity`` are int64 scalars; ``heads`` is (query heads, KV heads, head dim)."""
+def gather_order(g, mask: str, write: str, positions: str, total: str, capacity: str,
+                 heads: tuple[int, int, int]) -> GatherOrder:
+    """The sorted order of each row's slots from ``mask`` ``[B, 1, T, total]`` (already sliced to the
+    ``total`` slots the step reaches): the slots a row sees in ascending order (its past, then its ancestors
+    by depth, then itself), then those it does not see (the cache's unused slots ``total .. C-1`` after
+    them, for the values).
+
+    Several sequences may share the step, one per batch row, each at the cache columns it holds alone
+    (token ``i`` at column ``i``, as the batching graph lays them out): row ``b`` writes at ``write_indices
+    + position_ids[b, 0] - position_ids[0, 0]`` (its root's position is its past length), and ``total`` is
+    the longest row's past + T. A row of a shorter sequence then sees the same slots in the same order as
+    alone, with more unseen slots at the end, which the probe checks on the machine (``runtime/plan.py``).
+    ``total`` and ``capacity`` are int64 scalars; ``heads`` is (query heads, KV heads, head dim)."""
     hq, hkv, d = heads
     group = hq // hkv
     one, zero = g.const(1), g.const(0)
-    past = g.one("Gather", [write, zero], axis=0)
-    past_1d, t_1d, total_1d, cap_1d = (g.one("Unsqueeze", [s, g.const([0])]) for s in (past, t, total, capacity))
-    window = g.one("Slice", [mask, past_1d, total_1d, g.const([3])])  # [B, 1, T, T]: the step's slots
-    cols = g.one("Range", [zero, t, one])  # [T]
-    # visible slots keep their column j, hidden ones sort after every visible one (j + T)
-    hidden = g.one("Cast", [g.one("Less", [window, g.const(0.0, np.float32)])], to=7)  # 1 where masked
-    key = g.one("Add", [cols, g.one("Mul", [hidden, t])])  # [B, 1, T, T]
-    _, order = g.op("TopK", [key, t_1d], 2, axis=-1, largest=0, sorted=1)  # ascending keys
-    bt = g.one("Shape", [window])  # [B, 1, T, T]
-    shape_bt = g.one("Slice", [bt, g.const([0]), g.const([3])])  # [B, 1, T]
-    head = g.one("Expand", [g.one("Range", [zero, past, one]), g.one("Concat", [shape_bt, past_1d], axis=0)])
-    perm = g.one("Concat", [head, g.one("Add", [order, past])], axis=-1)  # [B, 1, T, total]
+    total_1d, cap_1d = (g.one("Unsqueeze", [s, g.const([0])]) for s in (total, capacity))
+    cols = g.one("Range", [zero, total, one])  # [total]
+    # visible slots keep their column j, hidden ones sort after every visible one (j + total)
+    hidden = g.one("Cast", [g.one("Less", [mask, g.const(0.0, np.float32)])], to=7)  # 1 where masked
+    key = g.one("Add", [cols, g.one("Mul", [hidden, total])])  # [B, 1, T, total]
+    _, perm = g.op("TopK", [key, total_1d], 2, axis=-1, largest=0, sorted=1)  # ascending keys
     sorted_mask = g.one("GatherElements", [mask, perm], axis=3)  # [B, 1, T, total]
     sorted_mask = g.one("Unsqueeze", [sorted_mask, g.const([3])])  # [B, 1, T, 1, total]
+    bt = g.one("Shape", [mask])  # [B, 1, T, total]
     batch = g.one("Slice", [bt, g.const([0]), g.const([1])])  # [1]
+    t_1d = g.one("Slice", [bt, g.const([2]), g.const([3])])  # [1]
     perm5 = g.one("Unsqueeze", [perm, g.const([3])])  # [B, 1, T, 1, total]
     score_shape = g.one("Concat", [batch, g.const([hkv]), t_1d, g.const([group]), total_1d], axis=0)
     score_idx = g.one("Expand", [perm5, score_shape])  # [B, Hkv, T, G, total]
@@ -77,8 +80,12 @@ def gather_order(g, mask: str, write: str, t: str, total: str, capacity: str, he
     base = g.one("Mul", [g.one("Reshape", [g.one("Range", [zero, n_bh, one]),
                                            g.one("Concat", [batch, g.const([hkv, 1, 1])], axis=0)]), capacity])
     value_idx = g.one("Add", [base, perm])  # [B, Hkv, T, total]
+    # each row's slots: write_indices shifted by its root's position against row 0's
+    first = g.one("Slice", [positions, g.const([0]), g.const([1]), g.const([1])])  # [B, 1]
+    offset = g.one("Sub", [first, g.one("Gather", [first, zero], axis=0)])  # [B, 1]
+    rows_write = g.one("Add", [g.one("Unsqueeze", [write, g.const([0])]), offset])  # [B, T]
     write_shape = g.one("Concat", [batch, g.const([hkv]), t_1d, g.const([d])], axis=0)
-    write_idx = g.one("Expand", [g.one("Reshape", [write, g.const([1, 1, -1, 1])]), write_shape])
+    write_idx = g.one("Expand", [g.one("Unsqueeze", [rows_write, g.const([1, 3])]), write_shape])  # [B, Hkv, T, D]
     score_shape_c = g.one("Concat", [batch, g.const([hkv]), t_1d, g.const([group]), cap_1d], axis=0)
     return GatherOrder(g, score_idx, value_idx, sorted_mask, total_1d, write_idx, score_shape_c, d)
 

@@ -50,6 +50,7 @@ MS = "com.microsoft"
 ATTENTION_ROWS = 2  # the fewest rows the graph's attention runs (a 1-row step is padded inside)
 ATTENTION_FUSED, ATTENTION_BATCHED, ATTENTION_GATHERED = "fused", "batched", "gathered"  # build_ort_graph's forms
 ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
+ROWS_APART_KEY = "specdeploy.rows_apart"  # model metadata: what GraphEntry.rows_apart records
 WEIGHT_BLOCKS_KEY = "specdeploy.weight_blocks"  # model metadata (JSON): what GraphEntry.weight_blocks records
 
 
@@ -268,7 +269,7 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         positions = g.one("Gather", [positions, pad], axis=1)
     # Shared per-step scalars: total = past + T = write_indices[-1] + 1 (T after padding).
     last = g.one("Gather", [write, g.const(-1)], axis=0)  # int64 scalar
-    if rows_apart:  # row b's last slot: write_indices[-1] + position_ids[b, 0] - position_ids[0, 0]
+    if rows_apart or gathered:  # row b's last slot: write_indices[-1] + position_ids[b, 0] - position_ids[0, 0]
         first = g.one("Reshape", [g.one("Slice", [positions, g.const([0]), g.const([1]), g.const([1])]),
                                   g.const([-1])])  # [B]
         last = g.one("Add", [g.one("Sub", [first, g.one("Gather", [first, g.const(0)], axis=0)]), last])  # [B]
@@ -283,9 +284,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     if gathered:  # each row's slots in plain-step order, shared by every layer (ort_gathered.py)
         from specdeploy.exporter.export.ort_gathered import gather_order
 
-        t_rows = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(1)], axis=0)
         capacity = g.one("Gather", [g.one("Shape", [contract.past_names(n_layers)[0]]), g.const(2)], axis=0)
-        order = gather_order(g, mask, write, t_rows, total, capacity, (hq, hkv, d))
+        order = gather_order(g, mask, write, positions, total, capacity, (hq, hkv, d))
     total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
     if rows_apart:
         seqlens = g.one("Cast", [last], to=TensorProto.INT32)  # [B]: each row's past + T - 1
@@ -397,6 +397,8 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specdeploy")
     model.ir_version = 10
     props = {ATTENTION_ROWS_KEY: str(ATTENTION_ROWS)} if pad_attention else {}
+    if gathered:  # each row written at its own sequence's columns (ort_gathered.gather_order)
+        props[ROWS_APART_KEY] = "1"
     if taps:
         props[contract.FEATURE_LAYERS_KEY] = ",".join(str(i) for i in step.feature_layers)
     if props:

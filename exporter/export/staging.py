@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY, WEIGHT_BLOCKS_KEY
+from specdeploy.exporter.export.ort_graph import ATTENTION_ROWS_KEY, ROWS_APART_KEY, WEIGHT_BLOCKS_KEY
 from specdeploy.runtime import contract
 from specdeploy.runtime.bundle import GraphEntry, TensorSpec, hash_files
 from specdeploy.runtime.errors import BundleError, BundleExistsError
@@ -167,4 +167,4 @@ def graph_entry(bundle_dir: Path, role: str, file: str, target: str = "trt", pre
     taps = contract.parse_feature_layers(props.get(contract.FEATURE_LAYERS_KEY))
     held = tuple(tuple(pair) for pair in json.loads(props.get(WEIGHT_BLOCKS_KEY, "[]")))
     return GraphEntry(role, file, sha, tuple(data), inputs, outputs, int(opset), target, precision, rows, taps,
-                      held)
+                      held, props.get(ROWS_APART_KEY) == "1")

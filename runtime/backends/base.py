@@ -57,6 +57,9 @@ class Backend(ABC):
     # Whether the backend runs a form of the base step whose rows attend over their keys in plain-step order
     # (``gathered`` step plans, exact trees by construction; see exporter/export/ort_gathered.py).
     can_gather: bool = False
+    # Whether that gathered form takes rows of several sequences, each at its own cache columns (row b written at
+    # write_indices shifted by its root's position against row 0's): what batching runs (runtime/rows.py).
+    can_batch_rows: bool = False
 
     def use_split(self, on: bool) -> None:
         """Run 1-row steps on the 1-row graph (``on``) or every step on the multi-row graph."""

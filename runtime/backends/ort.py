@@ -123,6 +123,7 @@ class OrtBackend(Backend):
         # ``gathered`` step plans run for every step of at most ``max_tree`` rows (``use_gathered``).
         self.tree_graph = manifest.tree_graph() if own_choice else None
         self.can_gather = self.tree_graph is not None
+        self.can_batch_rows = self.can_gather and self.tree_graph.rows_apart
         self._gathered = False
         entry = graph or manifest.base_graph("trt")
         self.graph, self.one_row_graph = entry, one_row  # the graphs this backend runs
@@ -194,7 +195,7 @@ class OrtBackend(Backend):
                 del self._sessions["base"]
             self._bindings.clear()
         if not self._gathered and self.can_gather:
-            self.can_gather = False
+            self.can_gather = self.can_batch_rows = False
             self._sessions.pop("tree", None)
             self._bindings.clear()
         self._session("base")  # loaded now: a graph ONNX Runtime cannot load fails at load, not mid-stream

@@ -60,7 +60,6 @@ class FreeSources(_SuffixCacheView, Drafter):
         self.lookup, self.suffix = lookup, suffix
         self.sources = {"lookup": 0, SUFFIX: 0, "plain": 0}
         self._used: Drafter | None = None
-        self._value = 1.0
 
     @property
     def needs_cost_curve(self) -> bool:
@@ -78,24 +77,16 @@ class FreeSources(_SuffixCacheView, Drafter):
     def step_cost(self, rows: int) -> float:
         return self.lookup.step_cost(rows)
 
-    def proposal_value(self, found: DraftTree) -> float:
-        """What the last proposal (``found``) is worth: expected tokens per unit of step cost."""
-        return self._value if found.num_nodes > 1 else self.lookup.worth(None, 0, 1)
-
     def propose(self, ctx: DraftContext) -> DraftTree:
         by_lookup = self.lookup.propose(ctx)
-        v_lookup = self.lookup.proposal_value(by_lookup)
         by_suffix = self.suffix.propose(ctx)
-        v_suffix = self.suffix.last_value
         plain = self.lookup.worth(None, 0, 1)
-        best, value, used = max(((by_lookup, v_lookup, "lookup"), (by_suffix, v_suffix, SUFFIX)),
-                                key=lambda c: c[1])
-        if best.num_nodes == 1 or value <= plain:
-            self._used, self._value = None, plain
+        best, used = max(((by_lookup, "lookup"), (by_suffix, SUFFIX)), key=lambda c: c[0].value)
+        if best.num_nodes == 1 or best.value <= plain:
+            self._used = None
             self.sources["plain"] += 1
-            return DraftTree.root(int(ctx.tokens[-1]))
+            return DraftTree.root(int(ctx.tokens[-1])).priced(plain)
         self._used = self.lookup if used == "lookup" else self.suffix
-        self._value = value
         self.sources[used] += 1
         return best
 

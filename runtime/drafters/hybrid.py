@@ -141,11 +141,8 @@ class HybridDrafter(Drafter):
 
     # --- what each source has earned ------------------------------------------------------------------
     def _model_value(self) -> float:
-        """Expected tokens per unit of cost of a step the model drafts (infinite on a retry)."""
-        if self.always_model:
-            return float("inf")
-        if self._plain_run >= self._retry_every:  # nothing has paid for a while: give the model one more try
-            self._plain_run, self._retry_now = 0, True
+        """Expected tokens per unit of cost of a step the model drafts (infinite on a retry); reads, changes nothing."""
+        if self.always_model or self._retry_now:
             return float("inf")
         depth = self._model_depth
         cost = self.clock.ratio()
@@ -185,11 +182,13 @@ class HybridDrafter(Drafter):
 
     def _propose(self, ctx: DraftContext) -> DraftTree:
         self.timer.start()
+        if not self.always_model and self._plain_run >= self._retry_every:  # nothing paid for a while: one more try
+            self._plain_run, self._retry_now = 0, True
         found = self.lookup.propose(ctx)
         matched = found.num_nodes > 1
         # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
         # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
-        use_model = self._model_value() > self.lookup.proposal_value(found) and (
+        use_model = self._model_value() > found.value and (
             self.chains or not matched or found.num_nodes < ctx.max_nodes) and self.model.wants_draft(ctx)
         if not use_model:
             self._pending.append((ctx.hidden, ctx.layers))
@@ -242,7 +241,7 @@ class NoFreeSource(PromptLookupDrafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         self._last = None
-        return DraftTree.root(int(ctx.tokens[-1]))
+        return DraftTree.root(int(ctx.tokens[-1])).priced(self.worth(None, 0, 1))
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         pass

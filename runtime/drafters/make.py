@@ -58,12 +58,12 @@ def ngram(req: DraftRequest) -> Drafter:
     return load_ngram_drafter(Path(req.bundle_dir), req.manifest)
 
 
-def _lookup(req: DraftRequest) -> Drafter | None:
+def bundle_lookup(req: DraftRequest) -> Drafter | None:
     """The bundle's n-gram drafter (lookup plus the model's own table), or None where it has no table."""
     return ngram(req) if any(d.kind == NGRAM for d in req.manifest.drafts) else None
 
 
-def _suffix_cache(req: DraftRequest):
+def suffix_cache(req: DraftRequest):
     from .suffix import CACHE_TOKENS, SuffixCache
 
     size = CACHE_TOKENS if req.suffix_cache_tokens is None else req.suffix_cache_tokens
@@ -75,15 +75,15 @@ def _suffix_cache(req: DraftRequest):
 def suffix(req: DraftRequest) -> Drafter:
     from .suffix import SuffixDrafter
 
-    return SuffixDrafter(_suffix_cache(req), chains=req.chains)
+    return SuffixDrafter(suffix_cache(req), chains=req.chains)
 
 
 def auto(req: DraftRequest) -> Drafter:
     from .auto import AutoDrafter, FreeSources
     from .suffix import SuffixDrafter
 
-    suffix_drafter = SuffixDrafter(_suffix_cache(req), chains=req.chains, local=False)  # lookup covers the context
-    free = FreeSources(_lookup(req) or PromptLookupDrafter(), suffix_drafter)
+    suffix_drafter = SuffixDrafter(suffix_cache(req), chains=req.chains, local=False)  # lookup covers the context
+    free = FreeSources(bundle_lookup(req) or PromptLookupDrafter(), suffix_drafter)
     has = {d.kind for d in req.manifest.drafts}
     model = next((k for k in AUTO_MODELS if k in has), None)
     if model is None:
@@ -98,7 +98,7 @@ def hybrid(req: DraftRequest) -> Drafter:
     if model not in TRAINED_DRAFTS:
         raise DraftMismatchError(draft_name_error(req.name))
     # Lookup includes the model's own n-gram table where the bundle has one.
-    return HybridDrafter(trained(model, req), lookup=_lookup(req), chains=req.chains)
+    return HybridDrafter(trained(model, req), lookup=bundle_lookup(req), chains=req.chains)
 
 
 def trained_alone(req: DraftRequest) -> Drafter:

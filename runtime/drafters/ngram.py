@@ -189,10 +189,10 @@ class NgramDrafter(PromptLookupDrafter):
         tokens = np.asarray(ctx.tokens, dtype=np.int64)
         budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
         match = self.last_match
-        chain = self._table_instead(tokens, budget, super().proposal_value(found))  # 1.0: lookup found nothing
+        chain = self._table_instead(tokens, budget, found.value)  # 1.0: lookup found nothing
         if chain:
             self._last = None  # lookup learns nothing from a step it did not draft
-            return DraftTree.chain([int(tokens[-1]), *chain])
+            return DraftTree.chain([int(tokens[-1]), *chain]).priced(self._table_value)
         self.sources["lookup" if match is not None else "plain"] += 1
         return found
 
@@ -212,9 +212,6 @@ class NgramDrafter(PromptLookupDrafter):
             super().record(n, accepted, drafted)
         elif self._table_draft is not None:
             self._learn(accepted)
-
-    def proposal_value(self, found: DraftTree) -> float:
-        return self._table_value if self._table_draft is not None else super().proposal_value(found)
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._table_draft is None:

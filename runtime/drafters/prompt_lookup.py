@@ -115,12 +115,6 @@ class PromptLookupDrafter(Drafter):
         """Expected tokens of a step that drafts ``length`` tokens from a match of size ``n``."""
         return self._stats[n].expected_up_to(length)[length]
 
-    def proposal_value(self, found: DraftTree) -> float:
-        """Expected tokens per unit of step cost of ``found``, this drafter's last proposal (a plain
-        step's: 1.0 when it found nothing)."""
-        match = self._last
-        return self.worth(match and match[0], found.main_path().num_nodes - 1, found.num_nodes)
-
     def worth(self, n: int | None, drafted: int, rows: int) -> float:
         """Expected tokens per unit of step cost of a ``rows``-row step drafting ``drafted`` tokens from a
         match of size ``n`` (None: no match, a plain step's expected 1.0 token)."""
@@ -176,10 +170,16 @@ class PromptLookupDrafter(Drafter):
         budget = min(ctx.max_nodes, self.max_nodes or ctx.max_nodes) - 1
         n, conts = self._continuations(tokens) if budget > 0 else (0, [])
         self._last = (n, max(len(c) for c in conts)) if conts else None
+        tree = self._trie(int(tokens[-1]), conts, budget)
+        # priced: expected tokens per unit of step cost (a plain step's when it found nothing)
+        return tree.priced(self.worth(n if conts else None, tree.main_path().num_nodes - 1, tree.num_nodes))
+
+    @staticmethod
+    def _trie(root: int, conts: list[list[int]], budget: int) -> DraftTree:
+        """The continuations merged into a trie under ``root``, at most ``budget`` nodes below it."""
         if len(conts) <= 1:  # one match (or none): the trie is a chain
-            return DraftTree.chain([int(tokens[-1]), *(conts[0][:budget] if conts else ())])
-        # Merge the continuations into a trie rooted at the current token.
-        node_tokens, parents = [int(tokens[-1])], [-1]
+            return DraftTree.chain([root, *(conts[0][:budget] if conts else ())])
+        node_tokens, parents = [root], [-1]
         children: dict[tuple[int, int], int] = {}
         for cont in conts:
             cur = 0

@@ -200,7 +200,6 @@ class SuffixDrafter(Drafter):
         self._seen: list[int] = []
         self._prompt_len: int | None = None
         self._expected = 0.0  # what the frequencies expected of the last draft
-        self.last_value = 1.0  # expected tokens per unit of step cost of the last proposal (1.0: plain)
 
     def finished(self, tokens: Sequence[int], prompt_len: int) -> None:
         self.cache.add(list(tokens)[prompt_len:], self.namespace)
@@ -265,9 +264,9 @@ class SuffixDrafter(Drafter):
         root = int(tokens[-1])
         seen = self._follow(tokens) if self.local else tokens[-self.depth : -1].tolist()
         budget = min(ctx.max_nodes - 1, self.max_draft)
-        self._expected, self.last_value = 0.0, 1.0 / self._cost[0]
+        self._expected, plain = 0.0, 1.0 / self._cost[0]
         if budget < 1:
-            return DraftTree.root(root)
+            return DraftTree.root(root).priced(plain)
         context = [*seen[-(self.depth - 1) :], root]
         best, used, matched = (1.0 / self._cost[0], [], [], []), None, []
         with self.cache.lock:
@@ -281,16 +280,17 @@ class SuffixDrafter(Drafter):
                     cand = self._best(node, budget, key)
                     if cand[0] > best[0]:
                         best, used = cand, key
-        self.last_value, toks, parents, shares = best
+        value, toks, parents, shares = best
         self._drafted = used if toks else None
         for key in matched:  # evidence that kept a match from drafting fades, so it is tried again later
             if key != self._drafted:
                 acc, exp = self._calib[key]
                 self._calib[key] = [PRIOR[0] + (acc - PRIOR[0]) * FORGET, PRIOR[1] + (exp - PRIOR[1]) * FORGET]
         if not toks:
-            return DraftTree.root(root)
+            return DraftTree.root(root).priced(value)
         self._expected = float(sum(shares))
-        return DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]))
+        return DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]),
+                         value=value)
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._drafted is not None:  # what the frequencies promised against what verification kept

@@ -16,7 +16,7 @@ from specdeploy.exporter.cli import main
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
-    "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
+    "decode_speedup_vs_ar", "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
     "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts", "lossy", "plan", "profile",
     "quality", "quality_note", "own_plain", "identical_to_own_plain", "categories",
 }
@@ -83,6 +83,7 @@ def test_bench_ours(tmp_path, tiny_bundle, prompts_file, monkeypatch):
         assert sum(hist.values()) == v["steps"]
         assert sum(int(k) * c for k, c in hist.items()) == v["new_tokens"] - 2  # first token per prompt: prefill
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert ar["decode_speedup_vs_ar"] == pytest.approx(1.0)  # end to end and the decode loop's alone, both reported
     assert set(ar["acceptance_histogram"]) == {"1"} and ar["depth_acceptance"] == []
     assert ar["gate_decisions"] is None  # no drafter, no gate
     assert ar["profile"] == {"cost_curve": None, "cost_curve_loop": None}  # no drafter: no measured curve
@@ -253,6 +254,7 @@ def test_categories_are_reported_apart_and_second_turns_follow_the_models_answer
     assert list(report["variants"][1]["categories"]) == ["all", "writing"]
     cat = report["variants"][1]["categories"]["writing"]
     assert cat["prompts"] == 1 and cat["identical_prompts"] == 1 and cat["speedup_vs_ar"] > 0
+    assert cat["decode_speedup_vs_ar"] > 0
     assert "by prompt category" in out.with_suffix(".md").read_text()
 
     codec = TextCodec(tiny_bundle, read_manifest(tiny_bundle).tokenizer)

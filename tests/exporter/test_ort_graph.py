@@ -82,7 +82,7 @@ def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
     ops = {n.op_type for n in model.graph.node}
     assert "SkipSimplifiedLayerNormalization" in ops and "Split" in ops
     assert ("GroupQueryAttention" in ops) != (attention == "gathered")  # the gathered form: standard products
-    assert ("ReduceMax" in ops) == (attention == "batched")  # the batch's longest row
+    assert ("ReduceMax" in ops) == (attention in ("batched", "gathered"))  # the batch's longest row
     save_graph(model, tmp_path / "base.onnx")
 
     class _Manifest:  # base_cases reads only the model config
@@ -109,28 +109,31 @@ def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
             assert feed["attention_mask"][0, 0, 2, valid - 6] < -1e30
 
 
-def test_batched_graph_keeps_each_row_at_its_own_columns(tiny_model_factory, tmp_path):
-    """The batching graph: three sequences of other lengths in one step, each at its own columns (row b's
-    write_indices shifted by its position's offset from row 0's), equal each sequence's step alone, and
-    write nowhere else."""
+@pytest.mark.parametrize(("attention", "rows"), [("batched", 1), ("gathered", 1), ("gathered", 3)])
+def test_a_graph_that_batches_keeps_each_row_at_its_own_columns(attention, rows, tiny_model_factory, tmp_path):
+    """The graphs that take several sequences (the gathered one with several rows each, a chain): three sequences
+    of other lengths in one step, each at its own columns (row b's write_indices shifted by its position's offset
+    from row 0's), equal each sequence's step alone, and write nowhere else."""
     from specdeploy.exporter.export.ort_graph import build_ort_graph, save_graph
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep
 
     step = BaseStep(load_model(str(tiny_model_factory("llama"))).model).eval()
-    save_graph(build_ort_graph(step, max_positions=128, attention="batched"), tmp_path / "b.onnx")
+    save_graph(build_ort_graph(step, max_positions=128, attention=attention), tmp_path / "b.onnx")
     rng = np.random.default_rng(0)
-    cap, lengths, toks = 48, np.array([20, 7, 33]), np.array([[11], [22], [33]])
+    cap, lengths = 48, np.array([20, 7, 33])
+    toks = np.array([[11, 12, 13], [22, 23, 24], [33, 34, 35]])[:, :rows]
     past = {f"past_{k}_{i}": rng.standard_normal((3, step.num_kv_heads, cap, step.head_dim)).astype(np.float32)
             for i in range(step.num_layers) for k in ("key", "value")}
     neg = np.finfo(np.float32).min
 
-    def feed(rows: list[int]) -> dict[str, np.ndarray]:
-        n = lengths[rows]
-        mask = np.where(np.arange(cap)[None, None, None, :] <= n[:, None, None, None], 0.0, neg).astype(np.float32)
-        return {"input_ids": toks[rows], "position_ids": n[:, None], "attention_mask": mask,
-                "write_indices": n[:1], "logits_index": np.array([0]),
-                **{k: v[rows].copy() for k, v in past.items()}}
+    def feed(seqs: list[int]) -> dict[str, np.ndarray]:
+        n = lengths[seqs]
+        pos = n[:, None] + np.arange(rows)  # [B, T]: a chain, each row at its own column
+        mask = np.where(np.arange(cap)[None, None, None, :] <= pos[:, None, :, None], 0.0, neg).astype(np.float32)
+        return {"input_ids": toks[seqs], "position_ids": pos, "attention_mask": mask,
+                "write_indices": pos[0], "logits_index": np.arange(rows),
+                **{k: v[seqs].copy() for k, v in past.items()}}
 
     logits, hidden, caches = _run_aliased(tmp_path / "b.onnx", feed([0, 1, 2]))
     for r in range(3):
@@ -140,7 +143,7 @@ def test_batched_graph_keeps_each_row_at_its_own_columns(tiny_model_factory, tmp
         for k, v in past.items():
             np.testing.assert_allclose(caches[k][r], lone_caches[k][0], atol=1e-6)
             written = np.flatnonzero((caches[k][r] != v[r]).any(axis=(0, 2)))
-            assert written.tolist() == [lengths[r]], (k, r)  # its own next column, nothing else
+            assert written.tolist() == list(range(lengths[r], lengths[r] + rows)), (k, r)  # its own columns only
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
@@ -233,8 +236,8 @@ def test_ort_only_bundle(tiny_model_factory, tmp_path):
     assert all(r.skipped for r in lint_bundle(out))
     with load(out, draft=None) as engine:
         assert len(engine.generate_ids(engine.encode(PROMPTS[0]), GenerationConfig(8))) == 8
-    with load(out, draft=None, max_batch=2) as engine:  # batching needs no traced graph
-        assert engine.max_batch == 2 and engine.backend.graph.file == "base-batch.onnx"
+    with load(out, draft=None, max_batch=2) as engine:  # batching needs no traced graph (where rows batch here)
+        assert engine.max_batch == (2 if engine.plan.rows else 1) and engine.backend.can_batch_rows
         assert len(engine.generate(PROMPTS[0], max_new_tokens=8).token_ids) == 8
 
 
@@ -443,7 +446,9 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path, monkeypat
     q4 = graph_entry(bundle, "base", "base-q4.onnx", target="ort", precision=GGUF_Q4_1_BLOCKS)
     write_manifest(bundle, manifest.replace(graphs=(*manifest.graphs, q4)))
     cfg = GenerationConfig(max_new_tokens=16)
-    with load(tiny_bundle, draft=None) as one, load(bundle, draft=None) as two, load(bundle, draft="prompt-lookup") as spec:
+    lone = {"step_plan": "lone"}  # the fastest exact plan for one sequence, not the one whose rows batch
+    with load(tiny_bundle, draft=None, **lone) as one, load(bundle, draft=None, **lone) as two, \
+            load(bundle, draft="prompt-lookup", **lone) as spec:
         # The same arithmetic under two names: the probe finds the split plan exact, so it is taken.
         assert two.plan.split and two.plan.exact and spec.plan.split
         assert (two.backend.one_row_graph.file, two.backend.graph.file) == ("base-q4.onnx", "base-ort.onnx")

@@ -1,5 +1,6 @@
-"""Continuous batching (runtime/batch.py): batched greedy output equals the same request alone, rows join
-and leave at step boundaries, cancellation, the batch probe and its fallback, and the refusals."""
+"""Continuous batching (runtime/batch.py): a batched answer is the one ``generate`` gives on the same bundle (at
+max_batch 1, 4 and 8), every sequence drafts in a batch, the rows rule fades drafts with load, rows join and leave at
+step boundaries, cancellation, the rows probe and its fallbacks, and the refusals."""
 
 from __future__ import annotations
 
@@ -8,19 +9,13 @@ import threading
 import time
 import warnings
 
+import numpy as np
 import pytest
 from decode_checks import concurrently
 from specdeploy.runtime import load
-from specdeploy.runtime.batch import batch_refusal
-from specdeploy.runtime.batch_probe import BatchVerdict, probe_batch
-from specdeploy.runtime.bundle import BATCH_TARGET, read_manifest
-from specdeploy.runtime.errors import (
-    BackendUnavailableError,
-    BundleError,
-    DraftMismatchError,
-    ExactnessWarning,
-    SpecDeployError,
-)
+from specdeploy.runtime.batch import BatchScheduler, rows_per_sequence
+from specdeploy.runtime.errors import DraftMismatchError, ExactnessWarning, SpecDeployError
+from specdeploy.runtime.plan import ROWS_CHECK
 
 # Repetitive prompts give prompt lookup something to find; the varied lengths make rows of other lengths.
 PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
@@ -33,77 +28,57 @@ PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "red green blue red green blue red"]
 
 
-@pytest.mark.parametrize("draft", [None, "prompt-lookup"])
-def test_batched_greedy_equals_alone(tiny_bundle, draft):
-    # 300 new tokens pass 256 columns, so the shared cache grows under load (rows copied).
-    kw = {"max_new_tokens": 300, "temperature": 0.0}
-    with load(tiny_bundle, draft=draft, max_batch=4) as eng:
-        assert eng.max_batch == 4 and eng.scheduler.max_batch == 4
-        lone_drafts = eng.scheduler.draft
-        alone = [eng.generate(p, **kw) for p in PROMPTS]
-        steps_before = eng.scheduler.steps
-        batched = concurrently(eng, PROMPTS, **kw)
-        steps = eng.scheduler.steps - steps_before
+@pytest.fixture(scope="module")
+def alone(tiny_bundle):
+    """Each prompt's greedy answer from ``generate`` on a max_batch 1 engine, plainly (300 tokens: past 256
+    columns, so a batch's shared cache grows under load, rows copied)."""
+    with load(tiny_bundle, draft=None) as eng:
+        return [eng.generate(p, max_new_tokens=300) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(("draft", "max_batch"), [(None, 4), ("prompt-lookup", 4), ("auto", 8)])
+def test_a_batched_answer_is_the_one_generate_gives(tiny_bundle, alone, draft, max_batch):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = load(tiny_bundle, draft=draft, max_batch=max_batch)
+    with eng:
+        batching = isinstance(eng.scheduler, BatchScheduler)
+        assert batching == eng.plan.rows  # batches exactly where the probe found rows invariant here
+        if not batching:  # else one at a time, and it says so once
+            assert [str(w.message).startswith("Batching is off:") for w in caught].count(True) == 1
+        steps_before = getattr(eng.scheduler, "steps", 0)
+        batched = concurrently(eng, PROMPTS, max_new_tokens=300)
         deadline = time.monotonic() + 10  # a row leaves just after its caller got its last token
         while eng.stats().running and time.monotonic() < deadline:
             time.sleep(0.01)
         st = eng.stats()
+        assert eng.fingerprint.endswith("-exact")
     for a, b in zip(alone, batched):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.text == b.text
-    tokens = sum(len(b.token_ids) for b in batched)
-    # Shared steps: far fewer steps than tokens decoded one sequence at a time.
-    assert steps < 0.6 * tokens, (steps, tokens)
-    assert st.running == 0 and st.queue_depth == 0
-    assert all(not b.stats.lossy for b in batched)
-    if lone_drafts:
-        assert max(a.stats.mean_accepted for a in alone) > 1.0  # lookup paid somewhere alone
+    assert st.running == 0 and st.queue_depth == 0 and all(not b.stats.lossy for b in batched)
+    if batching:
+        tokens = sum(len(b.token_ids) for b in batched)
+        assert eng.scheduler.steps - steps_before < 0.6 * tokens  # shared steps, far fewer than tokens
+        if draft is not None:  # sequences drafted (lookup chains) inside the batch, not only when alone
+            assert max(max(b.stats.tree_sizes) for b in batched) > 1
 
 
-def _plan_with_rows(monkeypatch, min_rows: int) -> None:
-    """Make the engine's step plan this machine's, but with ``min_rows`` (as a machine whose exact plan is that)."""
-    from specdeploy.runtime import engine as engine_mod
-    from specdeploy.runtime.plan import Candidate
+def test_the_rows_rule_drafts_where_rows_pay_and_fades_with_load():
+    def linear(per_row: float):  # a step's cost against a 1-row step's: one, plus per_row for each further row
+        return lambda rows: 1.0 + per_row * (rows - 1)
 
-    real = engine_mod.resolve_plan
-
-    def plan(*a, **k):
-        p = real(*a, **k)
-        return dataclasses.replace(p, candidate=Candidate(f"rows-{min_rows}", False, min_rows), speculate=True,
-                                   exact=True, max_rows=max(p.max_rows, 4))
-
-    monkeypatch.setattr(engine_mod, "resolve_plan", plan)
-
-
-def test_prompt_lookup_drafts_for_a_lone_sequence_and_not_in_a_shared_step(tiny_bundle, monkeypatch):
-    # The mechanics, whatever this machine's plan: a lone row drafts where the plan needs no padding rows (and
-    # batches, labelled lossy, where its chains' rows differ from plain ones here).
-    _plan_with_rows(monkeypatch, 1)
-    with load(tiny_bundle, draft="prompt-lookup", max_batch=2, allow_inexact=True) as eng:
-        sched = eng.scheduler
-        assert sched.max_batch == 2 and sched.draft and sched.cost[1] == 1.0 and len(sched.cost) > 1  # T-row step costs, measured
-        lone = eng.generate(PROMPTS[5], max_new_tokens=64)
-        assert lone.stats.mean_accepted > 1.0 and max(lone.stats.tree_sizes) > 1
-        # Two rows share every step: no drafts (a step of several rows per sequence multiplies the work).
-        sched.rows = [object()] * 2  # type: ignore[list-item]
-        try:
-            assert sched._draft() == (0, [])
-        finally:
-            sched.rows = []
-        res = concurrently(eng, PROMPTS[:4], max_new_tokens=64)
-        assert all(r.finish_reason in ("stop", "length") for r in res)
-
-
-def test_a_plan_that_pads_plain_steps_keeps_a_lone_row_plain(tiny_bundle, monkeypatch):
-    # Batched steps take one row per sequence: a plan that pads plain steps to two rows cannot batch them,
-    # and a lone row drafting on it would compute its rows otherwise than in a batch.
-    _plan_with_rows(monkeypatch, 2)
-    with load(tiny_bundle, draft="prompt-lookup", max_batch=2) as eng:
-        assert not eng.scheduler.draft and eng.scheduler.max_rows == 1
-        assert "decodes plainly too" in eng.batch_reason and "pads plain steps to 2 rows" in eng.batch_reason
-        lone = eng.generate(PROMPTS[5], max_new_tokens=16)
-        assert max(lone.stats.tree_sizes) == 1
-        res = concurrently(eng, PROMPTS[:3], max_new_tokens=16)
-        assert all(r.finish_reason in ("stop", "length") for r in res)
+    sure = [1.0, 1.9, 2.7, 3.4]  # a draft whose tokens are nearly always accepted (3 drafted tokens)
+    # alone on a CPU (a row costs 0.15 of a step) the whole chain pays; where rows cost a full step, none does
+    assert rows_per_sequence([sure], linear(0.15)) == 4
+    assert rows_per_sequence([sure], linear(1.0)) == 1
+    # 16 sequences: the batch is already compute-bound, so a draft row costs what a sequence's row costs
+    assert rows_per_sequence([sure] * 16, linear(0.9)) == 1
+    # a batch of cheap rows (a GPU) drafts for everyone, as deep as pays for the batch
+    assert rows_per_sequence([sure] * 16, linear(0.01)) == 4
+    # sequences without drafts pad to the step's rows: one sure drafter among 8 plain ones does not pay
+    assert rows_per_sequence([sure] + [[1.0]] * 7, linear(0.15)) == 1
+    # a plan that pads every step to 2 rows makes a 1-token draft free
+    assert rows_per_sequence([[1.0, 1.3]] * 4, linear(0.5), min_rows=2) == 2
 
 
 def test_seeded_sampling_in_a_batch_is_the_same_as_alone(tiny_bundle):
@@ -120,7 +95,7 @@ def test_cancel_and_queue_beyond_max_batch(tiny_bundle):
         # sees the batch and the queue as they are.
         gate, step = threading.Event(), eng.backend.step
         eng.backend.step = lambda inputs, cache: (gate.wait(60), step(inputs, cache))[1] \
-            if inputs.input_ids.shape == (2, 1) else step(inputs, cache)
+            if inputs.input_ids.shape[0] == 2 else step(inputs, cache)
         streams = [eng.stream(PROMPTS[4], max_new_tokens=400) for _ in range(4)]
         texts: dict[int, str] = {}
 
@@ -188,81 +163,111 @@ def test_close_cancels_running_and_queued(tiny_bundle):
     assert (sched.active, sched.waiting) == (0, 0)
 
 
-def test_probe_passes_here_catches_a_differing_row_and_a_failing_probe_turns_batching_off(tiny_bundle, monkeypatch):
-    from specdeploy.runtime import batch_probe
-    from specdeploy.runtime.batch import batch_backend
-    from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult
+def test_the_rows_probe_catches_a_differing_row_and_batching_then_falls_back(tiny_bundle, monkeypatch):
+    from specdeploy.runtime.backends.ort import OrtBackend
 
-    manifest = read_manifest(tiny_bundle)
-    backend = batch_backend(tiny_bundle, manifest, 1)
-    verdict = probe_batch(backend, manifest, chains=False, use_cache=False)
-    assert verdict.exact and "bit for bit" in verdict.reason
-    assert len(verdict.results[0].checks) == 3 and all(c.passed for c in verdict.results[0].checks)
-    real_step = batch_probe._step
+    real_step = OrtBackend.step
 
-    def off_in_a_batch(backend, cache, ids, past, min_batch=1):  # a kernel whose 3-row batches round otherwise
-        logits, hidden = real_step(backend, cache, ids, past, min_batch)
-        return (logits + 1e-6, hidden) if ids.shape[0] == 3 else (logits, hidden)
+    def off_in_a_batch(self, inputs, cache):  # a kernel whose rows round otherwise when sequences share a step
+        out = real_step(self, inputs, cache)
+        if inputs.input_ids.shape[0] > 1:
+            out = dataclasses.replace(out, logits=np.nextafter(out.logits, np.float32(np.inf)))
+        return out
 
-    monkeypatch.setattr(batch_probe, "_step", off_in_a_batch)
-    caught = probe_batch(backend, manifest, chains=False, use_cache=False)
-    assert not caught.exact and "differ" in caught.reason and "batch row" in caught.reason
-    assert len(caught.results) == 2  # a lone row as one row, then as two: both differ
-
-    def off_alone(backend, cache, ids, past, min_batch=1):  # a kernel whose one-row steps round otherwise
-        logits, hidden = real_step(backend, cache, ids, past, min_batch)
-        return (logits + 1e-6, hidden) if ids.shape[0] * ids.shape[1] == 1 and min_batch == 1 else (logits, hidden)
-
-    monkeypatch.setattr(batch_probe, "_step", off_alone)
-    padded = probe_batch(backend, manifest, chains=False, use_cache=False)
-    assert padded.exact and padded.min_batch == 2 and "run as two rows" in padded.reason
-    monkeypatch.setattr(batch_probe, "_step", real_step)
-    backend.close()
-
-    failing = BatchVerdict(False, (ProbeResult(Candidate("batch-rows", False, 1),
-                                               (ProbeCheck("batch row, step 1", 3e-5),), 0.0),))
-    monkeypatch.setattr("specdeploy.runtime.engine.probe_batch", lambda *a, **k: failing)
+    monkeypatch.setattr(OrtBackend, "step", off_in_a_batch)
+    monkeypatch.setenv("SPECDEPLOY_CACHE", str(tiny_bundle.parent / "fresh-verdicts"))  # probed afresh
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with load(tiny_bundle, max_batch=4, draft=None) as eng:
-            assert eng.scheduler.max_batch == 1 and not eng.scheduler.lossy
+            assert not eng.plan.rows and eng.scheduler.max_batch == 1 and eng.max_batch == 1
+            checks = [c for r in eng.plan.probes for c in r.checks if c.what.startswith(ROWS_CHECK)]
+            assert checks and not any(c.passed for c in checks)  # each gathered plan was tried, and differed
             assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is False
+            assert eng.fingerprint.endswith("-exact")
     msgs = [str(w.message) for w in caught if issubclass(w.category, ExactnessWarning)]
     assert len(msgs) == 1 and msgs[0].startswith("Batching is off:") and msgs[0].count(". ") == 0
     with load(tiny_bundle, max_batch=4, allow_inexact=True, draft=None) as eng:
         assert eng.scheduler.max_batch == 4 and eng.batch_reason.startswith("LOSSY")
         assert eng.generate(PROMPTS[0], max_new_tokens=4).stats.lossy is True
-
-
-def test_a_lone_row_runs_as_two_rows_where_the_probe_says_so(tiny_bundle, monkeypatch):
-    # A machine whose kernels compute a lone row otherwise than a row of a batch (an AVX2 EPYC with int8
-    # activations): its plain steps alone get a dropped copy of the row, and answers stay those alone.
-    from specdeploy.runtime import engine as engine_mod
-
-    real = engine_mod.probe_batch
-    monkeypatch.setattr(engine_mod, "probe_batch",
-                        lambda *a, **k: dataclasses.replace(real(*a, **k), min_batch=2))
-    with load(tiny_bundle, draft=None, max_batch=3) as eng:
-        assert eng.scheduler.min_batch == 2 and "run as two rows" in eng.batch_reason
-        rows: list[int] = []
-        step = eng.backend.step
-        eng.backend.step = lambda inputs, cache: rows.append(inputs.input_ids.shape) or step(inputs, cache)
-        alone = [eng.generate(p, max_new_tokens=24) for p in PROMPTS[:3]]
-        plain = [b for b, t in rows if t == 1]  # decode steps (a prefill runs its prompt alone, as one row)
-        assert len(plain) >= 3 * 20 and set(plain) == {2}
-        batched = concurrently(eng, PROMPTS[:3], max_new_tokens=24)
-    assert [a.token_ids for a in alone] == [b.token_ids for b in batched]
+        assert eng.fingerprint.endswith("-lossy")
 
 
 def test_batching_refusals_are_one_sentence(tiny_bundle):
-    manifest = read_manifest(tiny_bundle)
-    with pytest.raises(DraftMismatchError, match="prompt lookup or ngram only"):
+    with pytest.raises(DraftMismatchError) as err:  # a draft the bundle lacks: at load, before anything is served
         load(tiny_bundle, draft="chimera", max_batch=2)
-    with pytest.raises(BackendUnavailableError, match="ort-cpu backend only"):
-        load(tiny_bundle, backend="ort-cuda", max_batch=2, draft=None)
+    assert str(err.value).count(". ") == 0
     with pytest.raises(SpecDeployError, match="at least 1"):
         load(tiny_bundle, max_batch=0, draft=None)
-    assert batch_refusal(manifest, "ort-cpu", "prompt-lookup") is None
-    old = dataclasses.replace(manifest, graphs=tuple(g for g in manifest.graphs if g.target != BATCH_TARGET))
-    why = batch_refusal(old, "ort-cpu", None)
-    assert isinstance(why, BundleError) and "no batching graph" in str(why) and str(why).count(". ") == 0
+
+
+def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle):
+    """5,000 two-token samples, each beside three other requests in the same steps and with prompt-lookup drafts
+    verified by tree rejection sampling: their joint distribution is the base's (chi-square, p > 0.05)."""
+    from scipy.stats import chisquare
+    from specdeploy.runtime.verify import warp_logits
+
+    warp = {"temperature": 1.5, "top_k": 4}
+    prompt = "a b a b a b a b a b a b"
+    with load(tiny_bundle, draft="prompt-lookup", max_batch=8) as eng:
+        if not isinstance(eng.scheduler, BatchScheduler):
+            pytest.skip(f"no batching on this machine: {eng.batch_reason}")
+        ids = eng.encode(prompt)
+
+        def probs(tokens):  # the warped base distribution after ``tokens`` (rows are the same alone or batched)
+            return warp_logits(eng.decoder.prefill(tokens)[0].root_logits, **warp)
+
+        first = probs(ids)
+        expected = {(a, b): first[a] * p for a in np.flatnonzero(first) for b, p in enumerate(probs(ids + [a])) if p}
+        stop = threading.Event()
+
+        def others(i: int) -> None:  # three long requests always in flight
+            while not stop.is_set():
+                eng.generate(PROMPTS[i], max_new_tokens=200, temperature=0.8, seed=None)
+
+        busy = [threading.Thread(target=others, args=(i,), daemon=True) for i in range(3)]
+        for t in busy:
+            t.start()
+        pairs: list[tuple[int, ...]] = []
+
+        def sample(n: int) -> None:  # four samplers at once: steps shared with the others and with each other
+            pairs.extend(tuple(eng.generate(prompt, max_new_tokens=2, **warp).token_ids) for _ in range(n))
+
+        try:
+            samplers = [threading.Thread(target=sample, args=(1250,)) for _ in range(4)]
+            for t in samplers:
+                t.start()
+            for t in samplers:
+                t.join(600)
+            shared = eng.stats().running  # the others were still decoding beside the last ones
+        finally:
+            stop.set()
+            for t in busy:
+                t.join(60)
+    counts = {c: pairs.count(c) for c in set(pairs)}
+    assert len(pairs) == 5000 and shared >= 3 and set(counts) <= set(expected)
+    cells = sorted(expected)
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    want = np.array([expected[c] for c in cells]) * observed.sum()
+    assert chisquare(observed, want / want.sum() * observed.sum()).pvalue > 0.05
+
+
+def test_the_gathered_graph_takes_rows_apart_and_an_older_bundle_serves_one_at_a_time(tiny_bundle, tmp_path):
+    import json
+    import shutil
+
+    from specdeploy.runtime.bundle import read_manifest
+
+    assert read_manifest(tiny_bundle).tree_graph().rows_apart  # what export base writes now
+    old = tmp_path / "old"
+    shutil.copytree(tiny_bundle, old)
+    raw = json.loads((old / "manifest.json").read_text())
+    for g in raw["graphs"]:
+        g.pop("rows_apart", None)  # as a bundle written before the gathered graph took rows of several sequences
+    (old / "manifest.json").write_text(json.dumps(raw))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with load(old, max_batch=4, draft=None) as eng:
+            assert eng.max_batch == 1 and not eng.plan.rows
+            assert eng.generate(PROMPTS[0], max_new_tokens=4).finish_reason in ("stop", "length")
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ExactnessWarning)]
+    assert len(msgs) == 1 and "predates rows of several sequences" in msgs[0] and "re-export" in msgs[0]

@@ -99,6 +99,20 @@ def test_choose_takes_exact_trees_only_at_a_small_plain_step_cost():
     assert only.candidate == GATHERED and only.speculate  # the one exact plan, at 1.1x the fastest
 
 
+def test_choose_puts_rows_that_batch_first_and_states_the_tax():
+    one = Candidate("one-graph", False, 1)
+    rows = ProbeResult(GATHERED, (ProbeCheck("chain T=2", 0.0), ProbeCheck("tree", 0.0),
+                                  ProbeCheck("batch rows: 6 sequences, plain", 0.0)), 6.5)
+    picked = choose([_result(one, 1e-6, 5.0), rows], 16)  # 1.3x the fastest: more than trees alone may cost
+    assert picked.candidate == GATHERED and picked.rows and picked.trees and picked.exact
+    assert "1.30x the fastest plan's plain step (the exactness tax)" in picked.reason
+    assert "one answer at any load" in picked.reason
+    lone = choose([_result(one, 1e-6, 5.0), rows], 16, rows_first=False)  # step_plan 'lone': the tax's baseline
+    assert lone.candidate == one and not lone.rows
+    differ = ProbeResult(GATHERED, (*rows.checks[:2], ProbeCheck("batch rows: 6 sequences, plain", 2e-7)), 5.2)
+    assert not choose([_result(one, 1e-6, 5.0), differ], 16).rows  # a row that differs among others: no batching
+
+
 def test_a_named_plan_is_probed_and_refused_where_it_is_not_exact(tiny_bundle, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
     with pytest.raises(StepPlanError, match="has no 'fastest' step plan for this bundle; it has split|one-graph"):

@@ -242,7 +242,7 @@ def test_the_hybrid_weighs_the_tables_chain_against_the_model():
     h = np.zeros((1, 4), np.float32)
     tree = hybrid.propose(DraftContext(np.array([9, 1, 2]), h, None, 64))
     assert tree.tokens.tolist() == [2, 3, 4, 5, 6, 7, 8, 10] and model.calls == 0  # the table's sure chain wins
-    assert lookup.proposal_value(tree) > 3.0  # expected tokens per unit of cost (a plain step: 1.0)
+    assert tree.value > 3.0  # priced: expected tokens per unit of cost (a plain step: 1.0)
     hybrid.accepted(np.arange(8), tree)
     assert hybrid.sources == {"lookup": 1, "model": 0, "plain": 0}
     assert hybrid.profile()["lookup_steps_by_source"] == {"lookup": 0, "table": 1, "plain": 0}

@@ -1,0 +1,35 @@
+"""The main job's bundle (SmolLM2 as its Q4_1 blocks, with the shipped Chimera): every answer is the one ``generate``
+gives plainly, at max_batch 1, 4 and 32, with ``auto`` and with the trained draft, and sequences draft in a batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from decode_checks import concurrently
+from specdeploy.runtime import load
+from specdeploy.runtime.batch import BatchScheduler
+
+
+@pytest.mark.slow
+def test_every_answer_is_the_same_at_any_load_with_auto_and_a_trained_draft(real_quant_bundle, plain_runs):
+    from specdeploy.exporter.bench.run import default_prompts_file
+    from specdeploy.exporter.export.draft import export_draft
+
+    out = real_quant_bundle("q4_1")
+    weights = Path(__file__).resolve().parents[2] / "graphs" / "weights" / "chimera.safetensors"
+    export_draft(out, "chimera", weights, progress=lambda m: None)  # as the main job has it (nothing to do if there)
+    turns = [json.loads(line)["turns"][0] for line in default_prompts_file().read_text().splitlines()[:4]]
+    msgs = [[{"role": "user", "content": t}] for t in turns]
+    kw = {"max_new_tokens": 32}
+    want = [ref for _, ref in plain_runs.refs(out, turns, kw["max_new_tokens"])]  # generate, plainly, one at a time
+    for draft, max_batch in (("auto", 1), ("auto", 4), ("auto", 32), ("chimera", 4)):
+        with load(out, draft=draft, max_batch=max_batch) as eng:
+            got = concurrently(eng, [None] * len(msgs), messages_list=msgs, **kw)
+            batching = isinstance(eng.scheduler, BatchScheduler)
+            assert batching == (max_batch > 1 and eng.plan.rows), eng.batch_reason
+            assert eng.fingerprint.endswith("-exact")
+        assert [list(g.token_ids) for g in got] == want, (draft, max_batch, eng.plan.reason, eng.batch_reason)
+        if batching and draft == "chimera":  # the trained draft drafted inside the batch
+            assert max(max(g.stats.tree_sizes) for g in got) > 1
