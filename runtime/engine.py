@@ -145,7 +145,7 @@ class Engine:
         a time, with speculation), with one warning that says why."""
         drafters = row_drafters(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
                                 self.backend)
-        if self.plan.rows:
+        if self.plan.rows and self.backend.can_batch_rows:
             self.batch_reason = (f"exact batching: up to {max_batch} requests share each step, each answer the one "
                                  f"it gets alone (step plan '{self.plan.candidate.name}', probed on this machine).")
             return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafters)

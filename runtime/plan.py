@@ -309,8 +309,9 @@ def machine_id() -> str:
 
 def verdict_key(backend: Backend, manifest: BundleManifest, cand: Candidate, depth: int) -> str:
     graphs = ",".join(g.sha for g in backend.graphs(cand.split, cand.gathered))
+    rows = "/rows" if cand.gathered and backend.can_batch_rows else ""  # the verdict holds the rows checks
     parts = (f"v{PROBE_VERSION}", machine_id(), backend.runtime_version(), backend.name, f"threads={backend.threads}",
-             graphs, f"{cand.name}/{cand.min_rows}", f"depth={depth}")
+             graphs, f"{cand.name}/{cand.min_rows}{rows}", f"depth={depth}")
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
 
 

@@ -103,7 +103,7 @@ def probe_rows(dec: Decoder, tokens: Sequence[int]) -> list[ProbeCheck]:
         alone.append((host_copy(out.logits[0, 0]), host_copy(out.hidden_states[0, 0]), kv))
         state.cache.length += 1
     mine = (prompt(17, n), state.cache)
-    others = [prompt(5 + 97 * j, n + d) for j, d in enumerate(_OTHERS)]
+    others = [prompt(5 + 97 * j, max(4, n + d)) for j, d in enumerate(_OTHERS)]  # a short context: shorter others
     joined: dict[int, KVCache] = {}
 
     def batch(spec: list[tuple[list[int], DraftTree]], row: int) -> list[tuple]:
