@@ -143,19 +143,20 @@ class Engine:
         """The continuous-batching scheduler where the step plan computes a sequence's rows the same whatever else
         the step holds (``StepPlan.rows``), or labelled lossy with ``allow_inexact``; else None (one generation at
         a time, with speculation), with one warning that says why."""
-        drafters = row_drafters(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
+        def drafters():  # made only where it batches: the serial fallback makes its own drafter
+            return row_drafters(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
                                 self.backend)
+
         if self.plan.rows and self.backend.can_batch_rows:
             self.batch_reason = (f"exact batching: up to {max_batch} requests share each step, each answer the one "
                                  f"it gets alone (step plan '{self.plan.candidate.name}', probed on this machine).")
-            return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafters)
+            return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafters())
         why = ("no step plan here computes a sequence's rows the same among other sequences' rows "
                f"({self.plan.candidate.name}: {_rows_verdict(self.plan)})")
         if not allow_inexact or not self.backend.can_batch_rows:
             if not self.backend.can_batch_rows:
-                old = getattr(self.backend, "can_gather", False)  # a gathered graph from before rows of sequences
                 why = ("the bundle's gathered graph predates rows of several sequences (re-export its base with this "
-                       "specdeploy)" if old else
+                       "specdeploy)" if self.backend.can_gather else
                        f"the {self.backend.name} backend has no graph that takes rows of several sequences")
             warnings.warn(f"Batching is off: {why}, so requests run one at a time, each exactly as alone; pass "
                           "allow_inexact to batch anyway, labelled lossy.", ExactnessWarning, stacklevel=4)
@@ -165,7 +166,7 @@ class Engine:
         plan = dataclasses.replace(self.plan, candidate=dataclasses.replace(self.plan.candidate, gathered=True,
                                                                             split=False))
         self.batch_reason = f"LOSSY batching (allow_inexact): {why}; answers may differ from a request alone."
-        return BatchScheduler(self.backend, self.manifest, plan, max_batch, drafter=drafters, lossy=True)
+        return BatchScheduler(self.backend, self.manifest, plan, max_batch, drafter=drafters(), lossy=True)
 
     @property
     def fingerprint(self) -> str:
