@@ -20,8 +20,7 @@ from .precision import GGUF_Q4_1_BLOCKS
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-BATCH_TARGET = "ort-batch"  # the target of the base graph batching runs, beside an "ort" graph (GraphEntry.target)
-TREE_TARGET = "ort-tree"  # the target of the base graph whose rows attend in plain-step order (exact trees)
+TREE_TARGET = "ort-tree"  # the base graph whose rows attend in plain-step order (exact trees; batching)
 _HASH_CHUNK = 1 << 22
 
 
@@ -62,8 +61,9 @@ class GraphEntry:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     opset: int
-    # "trt": standard ops only; "ort": may use ONNX Runtime contrib ops; BATCH_TARGET: the "ort" graph with a
-    # sequence length per row, which batching runs (exporter/export/ort_graph.py)
+    # "trt": standard ops only; "ort": may use ONNX Runtime contrib ops; TREE_TARGET: the "ort" graph whose rows
+    # attend in plain-step order (exporter/export/ort_gathered.py). Other targets are ignored (older bundles'
+    # "ort-batch", which this runtime no longer runs).
     target: str = "trt"
     precision: str = "fp32"
     # The fewest rows the graph's attention runs: 2 when it pads a 1-row step itself (the ``ort``
@@ -192,11 +192,6 @@ class BundleManifest:
             return self.graph("base")
         wanted = [g for g in ort if (g.precision == GGUF_Q4_1_BLOCKS) != multi_row]
         return (wanted or ort)[0]
-
-    def batch_graph(self) -> GraphEntry | None:
-        """The base graph batching runs (target ``BATCH_TARGET``: each row its own sequence length), or None
-        where the bundle has none (written before batching had one)."""
-        return self.find_graph("base", BATCH_TARGET)
 
     def tree_graph(self) -> GraphEntry | None:
         """The base graph of exact trees (target ``TREE_TARGET``: each row's keys gathered in plain-step order),

@@ -6,9 +6,10 @@ manifest records what each graph has, and the backends bind these names.
 
 - ``input_ids``, ``position_ids`` ``[batch, tree]``: a tree node sits at past length + depth;
 - ``attention_mask`` ``[batch, 1, tree, capacity]``: 0 where a row sees a slot, the dtype minimum elsewhere;
-- ``write_indices`` ``[tree]``: the cache slots the step's K/V rows are written to (contiguous); in the
-  batching graph (``bundle.BATCH_TARGET``) row 0's, and row b's are shifted by ``position_ids[b, 0] -
-  position_ids[0, 0]``, so that each sequence of a batch keeps its tokens at the columns they hold alone;
+- ``write_indices`` ``[tree]``: the cache slots the step's K/V rows are written to (contiguous); in a
+  graph that takes rows of several sequences (the exact-tree graph, ``GraphEntry.rows_apart``) row 0's, and
+  row b's are shifted by ``position_ids[b, 0] - position_ids[0, 0]``, so that each sequence of a batch keeps
+  its tokens at the columns they hold alone;
 - ``logits_index`` ``[kept]``: the rows whose logits come back;
 - ``past_{key,value}_{layer}`` ``[batch, kv_heads, capacity, head_dim]``, written in place;
 - outputs ``logits`` ``[batch, kept, vocab]``, ``hidden_states`` ``[batch, tree, hidden]`` (the lm_head

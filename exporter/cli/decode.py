@@ -156,7 +156,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
 @click.option("--cache-per-user", is_flag=True,
               help="With --draft suffix: keep the shared cache apart per request 'user' field.")
 @click.option("--max-batch", default=None, type=click.IntRange(min=1),
-              help=f"Requests decoded together in every step (continuous batching on the bundle's batching graph; "
+              help=f"Requests decoded together in every step (continuous batching on the bundle's exact-tree graph; "
                    f"draft none, prompt-lookup or ngram). 1: one at a time, on the bundle's fastest graph. Default: "
                    f"{DEFAULT_SERVE_BATCH} where the bundle, backend and draft allow batching, else 1.")
 @click.option("--ray", "use_ray", is_flag=True,

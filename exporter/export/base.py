@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specdeploy.exporter.export.ort_graph import ATTENTION_BATCHED, ATTENTION_FUSED, ATTENTION_GATHERED
+from specdeploy.exporter.export.ort_graph import ATTENTION_FUSED, ATTENTION_GATHERED
 from specdeploy.exporter.export.shared_data import store_once
 from specdeploy.exporter.export.staging import (
     export_graph,
@@ -26,7 +26,6 @@ from specdeploy.exporter.export.staging import (
 from specdeploy.runtime import contract
 from specdeploy.runtime.architectures import architecture
 from specdeploy.runtime.bundle import (
-    BATCH_TARGET,
     TREE_TARGET,
     BundleManifest,
     Limits,
@@ -237,7 +236,6 @@ def _finish_bundle(tmp: Path, entries: list, loaded, mcfg, ctx: int, max_tree: i
 
 
 ORT_BASE_FILE = "base-ort.onnx"
-BATCH_BASE_FILE = "base-batch.onnx"  # the ort graph with a sequence length per row, which batching runs
 TREE_BASE_FILE = "base-tree.onnx"  # the ort graph whose rows attend in plain-step order (exact trees)
 GGUF_BASE_FILE = "base-q4.onnx"  # the ort graph holding the source GGUF's own Q4_1 blocks
 
@@ -267,14 +265,13 @@ def _trace_base(step, path: Path, arch: str, progress: Progress) -> None:
         onnx.save(proto, str(path))
 
 
-# Each ort-target writer writes every form: the fused graph, the batching graph (the same with a sequence
-# length per row, ort_graph.ATTENTION_BATCHED) and the exact-tree graph (each row's keys gathered in plain-step
-# order, ort_gathered.py), whose weights are then stored once with the fused graph's.
-GRAPH_FORMS = ((ORT_BASE_FILE, ATTENTION_FUSED), (BATCH_BASE_FILE, ATTENTION_BATCHED),
-               (TREE_BASE_FILE, ATTENTION_GATHERED))
-FORM_TARGETS = {ATTENTION_FUSED: "ort", ATTENTION_BATCHED: BATCH_TARGET, ATTENTION_GATHERED: TREE_TARGET}
-_FORM_LINES = {ATTENTION_BATCHED: "      the same graph with a sequence length per row, which batching runs ...",
-               ATTENTION_GATHERED: "      the same graph with each row's keys in plain-step order, for exact trees ..."}
+# Each ort-target writer writes every form: the fused graph and the exact-tree graph (each row's keys gathered in
+# plain-step order, ort_gathered.py; also the rows of several sequences that batching runs), whose weights are
+# then stored once with the fused graph's.
+GRAPH_FORMS = ((ORT_BASE_FILE, ATTENTION_FUSED), (TREE_BASE_FILE, ATTENTION_GATHERED))
+FORM_TARGETS = {ATTENTION_FUSED: "ort", ATTENTION_GATHERED: TREE_TARGET}
+_FORM_LINES = {ATTENTION_GATHERED: "      the same graph with each row's keys in plain-step order, for exact trees "
+                                   "and batching ..."}
 
 
 def _share_forms(tmp: Path, progress: Progress) -> None:
@@ -313,7 +310,7 @@ def _write_gguf_blocks_base(step, weights, tmp: Path, max_positions: int, progre
 
 
 def _write_ort_base(step, tmp: Path, max_positions: int, qconfig, progress: Progress, embedding=None) -> None:
-    """The ``ort`` target: the op-by-op fused graph and its batching form, weight-quantized when ``qconfig`` is
+    """The ``ort`` target: the op-by-op fused graph and its exact-tree form, weight-quantized when ``qconfig`` is
     given."""
     from specdeploy.exporter.export.ort_graph import export_ort_graph
     from specdeploy.exporter.export.quantize import quantize_file

@@ -53,9 +53,9 @@ def gather_order(g, mask: str, write: str, positions: str, total: str, capacity:
     them, for the values).
 
     Several sequences may share the step, one per batch row, each at the cache columns it holds alone
-    (token ``i`` at column ``i``, as the batching graph lays them out): row ``b`` writes at ``write_indices
-    + position_ids[b, 0] - position_ids[0, 0]`` (its root's position is its past length), and ``total`` is
-    the longest row's past + T. A row of a shorter sequence then sees the same slots in the same order as
+    (token ``i`` at column ``i``): row ``b`` writes at ``write_indices + position_ids[b, 0] -
+    position_ids[0, 0]`` (its root's position is its past length), and ``total`` is the longest row's
+    past + T. A row of a shorter sequence then sees the same slots in the same order as
     alone, with more unseen slots at the end, which the probe checks on the machine (``runtime/plan.py``).
     ``total`` and ``capacity`` are int64 scalars; ``heads`` is (query heads, KV heads, head dim)."""
     hq, hkv, d = heads

@@ -26,12 +26,11 @@ dropped right after the attention. A 1-row step then computes bitwise row 0 of a
 the cost of a 1-row step; the model metadata records it (``GraphEntry.attention_rows``), and the
 runtime then needs no dummy rows of its own (see ``Decoder``).
 
-Batching (``attention`` "batched", the bundle's ``BATCH_TARGET`` graph): the same graph without the
-padding, and with each row's own sequence length, so that GQA takes several sequences of one row each
-in a step (or one sequence of several rows; it refuses several sequences of several rows when there is
-a past). Row b's slots are ``write_indices`` shifted by ``position_ids[b, 0] - position_ids[0, 0]``
-(``contract.WRITE_INDICES``): each sequence of a batch keeps its tokens at the cache columns they hold
-alone, and GQA attends over each row's own length.
+The exact-tree form (``attention`` "gathered", the bundle's ``TREE_TARGET`` graph, ``ort_gathered.py``):
+the same graph without the padding, its attention in standard ops over each row's keys in plain-step
+order. It takes rows of several sequences in one step, which batching runs: row b's slots are
+``write_indices`` shifted by ``position_ids[b, 0] - position_ids[0, 0]`` (``contract.WRITE_INDICES``), so
+each sequence of a batch keeps its tokens at the cache columns they hold alone (``GraphEntry.rows_apart``).
 
 The graph requires what the runtime always sends: ``write_indices`` is ``past .. past+T-1``
 (contiguous), so ``past + T = write_indices[-1] + 1``; the parity tests in ``validate`` and
@@ -48,7 +47,7 @@ from specdeploy.runtime import contract
 
 MS = "com.microsoft"
 ATTENTION_ROWS = 2  # the fewest rows the graph's attention runs (a 1-row step is padded inside)
-ATTENTION_FUSED, ATTENTION_BATCHED, ATTENTION_GATHERED = "fused", "batched", "gathered"  # build_ort_graph's forms
+ATTENTION_FUSED, ATTENTION_GATHERED = "fused", "gathered"  # build_ort_graph's forms
 ATTENTION_ROWS_KEY = "specdeploy.attention_rows"  # model metadata: what GraphEntry.attention_rows records
 ROWS_APART_KEY = "specdeploy.rows_apart"  # model metadata: what GraphEntry.rows_apart records
 WEIGHT_BLOCKS_KEY = "specdeploy.weight_blocks"  # model metadata (JSON): what GraphEntry.weight_blocks records
@@ -233,9 +232,9 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     ``linears`` of :func:`gguf_blocks.read_gguf_weights`) keeps the decoder-layer weights as the source
     GGUF's own blocks instead of fp32; ``embedding`` and ``lm_head`` (:class:`gguf_blocks.Blocks`) do the
     same for the token table (rows decoded in the graph) and the logits MatMul (at ``block_accuracy``).
-    ``attention`` "batched" writes the batching graph (each row its own sequence length, no padding; see
-    the module's notes). ``pad_attention`` False leaves out the padding of
-    1-row steps' attention (the control in the tests). Blocks at accuracy level 0 are never padded:
+    ``attention`` "gathered" writes the exact-tree graph (each row's keys in plain-step order, rows of several
+    sequences at their own columns, no padding; see the module's notes). ``pad_attention`` False leaves out
+    the padding of 1-row steps' attention (the control in the tests). Blocks at accuracy level 0 are never padded:
     ``MatMulNBits`` with fp32 activations has its own 1-row path, so padding the attention would cost
     time and buy no exactness (that graph serves plain steps of non-row-exact decoding only).
     """
@@ -252,7 +251,7 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
     cos_name, sin_name = g.init("rotary_cos", cos), g.init("rotary_sin", sin)
 
     write, positions = contract.WRITE_INDICES, contract.POSITION_IDS
-    rows_apart, gathered = attention == ATTENTION_BATCHED, attention == ATTENTION_GATHERED
+    gathered = attention == ATTENTION_GATHERED
     pad_attention = pad_attention and attention == ATTENTION_FUSED and (blocks is None or block_accuracy == 4)
     if pad_attention:
         # GQA runs >= ATTENTION_ROWS rows: a 1-row step gets a dummy copy of its row inside the graph
@@ -269,7 +268,7 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         positions = g.one("Gather", [positions, pad], axis=1)
     # Shared per-step scalars: total = past + T = write_indices[-1] + 1 (T after padding).
     last = g.one("Gather", [write, g.const(-1)], axis=0)  # int64 scalar
-    if rows_apart or gathered:  # row b's last slot: write_indices[-1] + position_ids[b, 0] - position_ids[0, 0]
+    if gathered:  # row b's last slot: write_indices[-1] + position_ids[b, 0] - position_ids[0, 0]
         first = g.one("Reshape", [g.one("Slice", [positions, g.const([0]), g.const([1]), g.const([1])]),
                                   g.const([-1])])  # [B]
         last = g.one("Add", [g.one("Sub", [first, g.one("Gather", [first, g.const(0)], axis=0)]), last])  # [B]
@@ -287,12 +286,9 @@ def build_ort_graph(step, max_positions: int, data=None, location: str = "", blo
         capacity = g.one("Gather", [g.one("Shape", [contract.past_names(n_layers)[0]]), g.const(2)], axis=0)
         order = gather_order(g, mask, write, positions, total, capacity, (hq, hkv, d))
     total_i32 = g.one("Cast", [total], to=TensorProto.INT32)
-    if rows_apart:
-        seqlens = g.one("Cast", [last], to=TensorProto.INT32)  # [B]: each row's past + T - 1
-    else:
-        batch = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(0)], axis=0)
-        batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
-        seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
+    batch = g.one("Gather", [g.one("Shape", [contract.INPUT_IDS]), g.const(0)], axis=0)
+    batch_1d = g.one("Unsqueeze", [batch, g.const([0])])
+    seqlens = g.one("Expand", [g.one("Sub", [total_i32, g.const(1, np.int32)]), batch_1d])  # [B] int32
 
     def linear(x: str, name: str, weight, parts: list[str]) -> str:
         """x @ W.T, from fp32 weights or from the GGUF blocks of the transformers modules ``parts``."""

@@ -200,7 +200,7 @@ def test_base_graphs_output_the_tapped_layers_and_keep_their_other_outputs(tiny_
     export_base(str(model_dir), bundle, max_context=512, max_tree=64, feature_layers="0", progress=lambda m: None)
     manifest, plain = read_manifest(bundle), read_manifest(tiny_bundle)
     bases = [g for g in manifest.graphs if g.role == "base"]
-    assert {g.target for g in bases} == {"trt", "ort", "ort-batch", "ort-tree"} and all(g.feature_layers == (0,) for g in bases)
+    assert {g.target for g in bases} == {"trt", "ort", "ort-tree"} and all(g.feature_layers == (0,) for g in bases)
     assert all(any(o.name == "layer_states" for o in g.outputs) for g in bases)
     from specdeploy.exporter.source import load_model
 

@@ -37,7 +37,7 @@ def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
     assert base.inputs[0].shape == ("batch", "tree") and base.inputs[5].shape[2] == "capacity"
     lines: list[str] = []
     checks = validate_bundle(bundle, str(tiny_model_factory(arch)), progress=lines.append)
-    assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]", "[ort-batch]", "[ort-tree]")}
+    assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]", "[ort-tree]")}
     assert all(c.passed for c in checks)
     assert all(c.argmax_agree for c in checks if c.output == "logits")
     # The step-plan probe's report: every candidate, then the runtime's choice (runtime/plan.py).
@@ -78,6 +78,30 @@ def _copy_bundle(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst)
     return dst
+
+
+def test_an_older_bundle_with_the_batching_graph_still_loads_and_runs_none_of_it(tiny_bundle, tmp_path):
+    """Bundles exported before ``base-batch.onnx`` was dropped list it (target 'ort-batch') after the fused graph:
+    they load, and the backend runs the fused and exact-tree graphs, batching on the latter, as on a new bundle."""
+    import shutil
+
+    from specdeploy.runtime.decode import GenerationConfig
+
+    old = _copy_bundle(tiny_bundle, tmp_path / "old")
+    shutil.copyfile(old / "base-tree.onnx", old / "base-batch.onnx")  # same bytes and weights: the same hash
+    raw = json.loads((old / "manifest.json").read_text())
+    tree = next(g for g in raw["graphs"] if g["target"] == "ort-tree")
+    at = 1 + next(i for i, g in enumerate(raw["graphs"]) if g["target"] == "ort")
+    raw["graphs"].insert(at, {**tree, "file": "base-batch.onnx", "target": "ort-batch", "rows_apart": False})
+    (old / "manifest.json").write_text(json.dumps(raw))
+    manifest = read_manifest(old)  # every listed file verified
+    assert manifest.find_graph("base", "ort-batch").file == "base-batch.onnx"
+    assert manifest.tree_graph().file == "base-tree.onnx"
+    with load(old, draft=None) as engine:
+        backend = engine.backend
+        assert (backend.graph.file, backend.tree_graph.file) == ("base-ort.onnx", "base-tree.onnx")
+        assert backend.one_row_graph is None and backend.can_batch_rows
+        assert len(engine.generate_ids(engine.encode("The weather today is"), GenerationConfig(8))) == 8
 
 
 def test_corrupt_bundles_are_refused(tiny_bundle, tmp_path):

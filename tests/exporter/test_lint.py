@@ -49,7 +49,7 @@ def _rules(issues) -> set[tuple[str, str]]:
 def test_tiny_bundle_passes(tiny_bundle):
     results = lint_bundle(tiny_bundle)
     assert [(g.role, g.file) for g in results] == [("base", "base.onnx"), ("base", "base-ort.onnx"),
-                                                       ("base", "base-batch.onnx"), ("base", "base-tree.onnx")]
+                                                       ("base", "base-tree.onnx")]
     assert results[0].passed, [str(i) for i in results[0].issues]
     assert results[1].skipped and "ort" in results[1].skipped  # ONNX Runtime's fused graph: not for TensorRT
     out = CliRunner().invoke(main, ["lint", str(tiny_bundle)])

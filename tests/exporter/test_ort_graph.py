@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from specdeploy.runtime import load
-from specdeploy.runtime.bundle import BATCH_TARGET, TREE_TARGET, read_manifest
+from specdeploy.runtime.bundle import TREE_TARGET, read_manifest
 from specdeploy.runtime.contract import present_names
 from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.errors import BundleError
@@ -64,11 +64,10 @@ def _batch_of_three(feed: dict[str, np.ndarray], vocab: int) -> dict[str, np.nda
 
 
 @pytest.mark.parametrize("arch,attention", [("llama", "fused"), ("mistral", "fused"), ("qwen2", "fused"),
-                                            ("llama", "batched"), ("qwen2", "batched"), ("llama", "gathered"),
-                                            ("qwen2", "gathered")])
+                                            ("llama", "gathered"), ("qwen2", "gathered")])
 def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
-    """Every attention form against torch on prefill, step and tree; the batching form on a batch of three
-    one-row steps as well, whose row 0 is the batch-1 step."""
+    """Every attention form against torch on prefill, step and tree; the gathered form (which batching runs) on a
+    batch of three one-row steps as well, whose row 0 is the batch-1 step."""
     import torch
     from specdeploy.exporter.check.validate import _FlatStep, base_cases
     from specdeploy.exporter.export.base import model_config
@@ -82,7 +81,7 @@ def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
     ops = {n.op_type for n in model.graph.node}
     assert "SkipSimplifiedLayerNormalization" in ops and "Split" in ops
     assert ("GroupQueryAttention" in ops) != (attention == "gathered")  # the gathered form: standard products
-    assert ("ReduceMax" in ops) == (attention in ("batched", "gathered"))  # the batch's longest row
+    assert ("ReduceMax" in ops) == (attention == "gathered")  # the batch's longest row
     save_graph(model, tmp_path / "base.onnx")
 
     class _Manifest:  # base_cases reads only the model config
@@ -91,7 +90,7 @@ def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
     flat = _FlatStep(step)
     ids = loaded.tokenizer("The quick brown fox jumps over the lazy dog again")["input_ids"][:12]
     cases = base_cases(_Manifest, flat, list(ids))
-    if attention == "batched":  # GQA takes several sequences of one row each
+    if attention == "gathered":  # several sequences of one row each
         cases += [(case + " x3", _batch_of_three(feed, _Manifest.model.vocab_size)) for case, feed in cases
                   if feed["input_ids"].shape[1] == 1]
     for case, feed in cases:
@@ -109,17 +108,17 @@ def test_ort_graph_parity(arch, attention, tiny_model_factory, tmp_path):
             assert feed["attention_mask"][0, 0, 2, valid - 6] < -1e30
 
 
-@pytest.mark.parametrize(("attention", "rows"), [("batched", 1), ("gathered", 1), ("gathered", 3)])
-def test_a_graph_that_batches_keeps_each_row_at_its_own_columns(attention, rows, tiny_model_factory, tmp_path):
-    """The graphs that take several sequences (the gathered one with several rows each, a chain): three sequences
-    of other lengths in one step, each at its own columns (row b's write_indices shifted by its position's offset
-    from row 0's), equal each sequence's step alone, and write nowhere else."""
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_gathered_graph_keeps_each_row_at_its_own_columns(rows, tiny_model_factory, tmp_path):
+    """The graph that takes several sequences (the gathered one, with one row each or a chain of several): three
+    sequences of other lengths in one step, each at its own columns (row b's write_indices shifted by its
+    position's offset from row 0's), equal each sequence's step alone, and write nowhere else."""
     from specdeploy.exporter.export.ort_graph import build_ort_graph, save_graph
     from specdeploy.exporter.source import load_model
     from specdeploy.graphs.base_step import BaseStep
 
     step = BaseStep(load_model(str(tiny_model_factory("llama"))).model).eval()
-    save_graph(build_ort_graph(step, max_positions=128, attention=attention), tmp_path / "b.onnx")
+    save_graph(build_ort_graph(step, max_positions=128, attention="gathered"), tmp_path / "b.onnx")
     rng = np.random.default_rng(0)
     cap, lengths = 48, np.array([20, 7, 33])
     toks = np.array([[11, 12, 13], [22, 23, 24], [33, 34, 35]])[:, :rows]
@@ -191,15 +190,16 @@ def test_padded_attention_is_recorded_and_one_row_steps_match_two_row_steps(prec
 def test_bundle_has_both_targets_and_runtime_prefers_ort(tiny_bundle):
     manifest = read_manifest(tiny_bundle)
     bases = {g.target: g for g in manifest.graphs if g.role == "base"}
-    assert set(bases) == {"trt", "ort", BATCH_TARGET, TREE_TARGET}
+    assert set(bases) == {"trt", "ort", TREE_TARGET}
     assert bases["trt"].file == "base.onnx" and bases["ort"].file == "base-ort.onnx"
-    assert manifest.batch_graph().file == "base-batch.onnx"
+    assert manifest.tree_graph().file == "base-tree.onnx" and not (tiny_bundle / "base-batch.onnx").exists()
     fused = onnx.load(str(tiny_bundle / "base-ort.onnx"), load_external_data=False)
     assert any(n.op_type == "GroupQueryAttention" for n in fused.graph.node)
-    for other in ("ort", BATCH_TARGET):  # one contract, three graphs
+    for other in ("ort", TREE_TARGET):  # one contract, three graphs
         assert bases[other].inputs == bases["trt"].inputs
         assert [s.name for s in bases[other].outputs] == [s.name for s in bases["trt"].outputs]
-    assert bases[BATCH_TARGET].data_files == ("base-ort.onnx.data",)  # the batching graph's weights: stored once
+    assert bases[TREE_TARGET].data_files == ("base-ort.onnx.data",)  # the exact-tree graph's weights: stored once
+    assert bases[TREE_TARGET].rows_apart and not bases["ort"].rows_apart  # the one that takes several sequences
     with load(tiny_bundle, draft=None) as engine:
         assert engine.backend.graph.file == "base-ort.onnx"
 
@@ -230,7 +230,7 @@ def test_ort_only_bundle(tiny_model_factory, tmp_path):
     export_base(str(tiny_model_factory("llama")), out, max_context=256, target="ort", progress=lambda m: None)
     assert not (out / "base.onnx").exists()
     manifest = read_manifest(out)
-    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort"), ("base", BATCH_TARGET), ("base", TREE_TARGET)]
+    assert [(g.role, g.target) for g in manifest.graphs] == [("base", "ort"), ("base", TREE_TARGET)]
     with pytest.raises(BundleError, match="no 'base' graph for target 'trt'.*--target all"):
         manifest.graph("base", "trt")
     assert all(r.skipped for r in lint_bundle(out))

@@ -136,10 +136,9 @@ def test_lint_flags_matmulnbits_under_trt_rules(quant_bundles):
     flagged = {i.op_type for i in issues if i.rule == RULE_DOMAIN}
     assert {"MatMulNBits", "GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= flagged
     assert all("com.microsoft" in i.detail for i in issues if i.rule == RULE_DOMAIN)
-    # In the bundle the graphs are targets 'ort', 'ort-batch' and 'ort-tree', so `specdeploy lint` skips them and
-    # says why.
+    # In the bundle the graphs are targets 'ort' and 'ort-tree', so `specdeploy lint` skips them and says why.
     results = lint_bundle(bundle)
-    assert [r.file for r in results] == ["base-ort.onnx", "base-batch.onnx", "base-tree.onnx"]
+    assert [r.file for r in results] == ["base-ort.onnx", "base-tree.onnx"]
     assert all(r.skipped and "ort" in r.skipped for r in results)
     out = CliRunner().invoke(main, ["lint", str(bundle)])
     assert out.exit_code == 0 and "skipped" in out.output

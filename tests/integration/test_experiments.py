@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "scripts" / "experiments"
-WITH_HELP = ("server_vs_inprocess", "openai_clients", "batch_ceiling", "graph_ab", "step_ablation", "replay_drafts")
+WITH_HELP = ("server_vs_inprocess", "openai_clients", "graph_ab", "step_ablation", "replay_drafts")
 
 
 def test_every_experiment_script_is_covered_here_and_listed_in_its_readme():

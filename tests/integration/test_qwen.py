@@ -71,8 +71,7 @@ def test_the_gguf_precision_keeps_the_files_blocks_at_near_fp32_quality(tmp_path
 
     out = tmp_path / "qwen-gguf"
     export_base("qwen2.5-coder-0.5b", out, precision="gguf", max_context=1024, progress=lambda m: None)
-    graph, batching, trees = read_manifest(out).graphs
-    assert batching.target == "ort-batch" and batching.weight_blocks == graph.weight_blocks
+    graph, trees = read_manifest(out).graphs
     assert trees.target == "ort-tree" and trees.weight_blocks == graph.weight_blocks
     assert Counter(how for _, how in graph.weight_blocks) == {"Q5_0": 133, "Q8_0": 13, "Q4_K": 12, "Q6_K": 12}
     assert sum(f.stat().st_size for f in out.iterdir()) < 700e6  # 669 MB: 8-bit holds of 5-bit blocks

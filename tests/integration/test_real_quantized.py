@@ -19,9 +19,8 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     from specdeploy.exporter.check.validate import validate_bundle
 
     out = real_quant_bundle("q4_1")
-    graph, batching, trees = read_manifest(out).graphs
+    graph, trees = read_manifest(out).graphs
     assert (graph.file, graph.target, graph.precision) == ("base-ort.onnx", "ort", "q4_1")
-    assert (batching.file, batching.target, batching.data_files) == ("base-batch.onnx", "ort-batch", ("base-ort.onnx.data",))
     assert (trees.file, trees.target, trees.data_files) == ("base-tree.onnx", "ort-tree", ("base-ort.onnx.data",))
     model = onnx.load(str(out / graph.file), load_external_data=False)
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
@@ -56,7 +55,7 @@ def test_real_q4_1_bundle_keeps_the_gguf_blocks_and_stays_lossless(real_quant_bu
     export_draft(out, "chimera", weights, progress=lambda m: None)
     bundle = read_manifest(out)
     files = [g.file for g in bundle.graphs] + [g.file for d in bundle.drafts for g in d.graphs]
-    assert files == ["base-ort.onnx", "base-batch.onnx", "base-tree.onnx", "chimera-int4.onnx"]  # what the CPU runs
+    assert files == ["base-ort.onnx", "base-tree.onnx", "chimera-int4.onnx"]  # what the CPU runs
     assert stored_twice(out, files) == []  # the draft reads the base's embedding table
     assert sum(f.stat().st_size for f in out.iterdir()) < 0.4e9  # 250 MB measured; 1.0 GB allowed
     with load(out, draft="hybrid") as hybrid:
