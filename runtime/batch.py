@@ -2,9 +2,9 @@
 
 A scheduler thread owns the backend. Requests wait in arrival order and join at step boundaries: a
 joining prompt is prefilled alone (batch 1, as it would be with no one else), its K/V copied into a
-free row of the shared cache, and from then on each step runs every active sequence as one batch row of
-the step (:mod:`.rows`): its root and the draft rows its drafter earned, padded to the step's rows. A
-sequence that ends (EOS, its token budget, the context, or its caller went away) leaves after that step
+free row of the shared cache, and from then on each step is the decode loop's own :meth:`~.decode.Decoder.step` over
+every active sequence, one batch row each (:mod:`.rows`): its root and the draft rows its drafter earned,
+padded to the step's rows. This module keeps only admission, eviction and cancellation. A sequence that ends (EOS, its token budget, the context, or its caller went away) leaves after that step
 and its row goes to the next request.
 
 **The same answer at any load.** The step plan (:mod:`.plan`) batches only where its probe found a
@@ -16,10 +16,9 @@ request at a time (:class:`~.scheduler.SerialScheduler`) unless ``allow_inexact`
 **Speculation fades with load.** Each sequence keeps its own drafter (prompt lookup, the bundle's n-gram
 table, the suffix cache shared across requests, or ``auto``'s choice between them) and its own earned
 acceptance. Every step the rows per sequence ``T`` are chosen to maximise the batch's expected tokens
-per unit of the measured cost of a step of ``B x T`` rows (:class:`~.cost_meter.StepCostMeter`, fed by
-the loop's own steps), so a draft row is spent only where it returns more than it costs the batch.
-Acceptance and the end-of-sequence cut are the decode loop's own (:func:`~.decode.accept_step`,
-:func:`~.decode.cut_at_stop`).
+per unit of the measured cost of a step of ``B x T`` rows (:func:`~.rows.rows_per_sequence`, on the
+curve a :class:`~.cost_meter.StepCostMeter` keeps from the loop's own steps), so a draft row is spent only
+where it returns more than it costs the batch. A sequence alone in the batch drafts as ``generate`` does.
 """
 
 from __future__ import annotations
@@ -31,23 +30,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from .cost_meter import StepCostMeter
-from .decode import Decoder, DecodeStats, GenerationConfig, accept_step, cut_at_stop, measure_cost_curve
-from .drafters.base import DraftContext, Drafter
+from .decode import Decoder, DecodeStats, Generation, GenerationConfig, measure_cost_curve
+from .drafters.base import Drafter
 from .drafters.kinds import AUTO, NGRAM, NONE, PROMPT_LOOKUP, SUFFIX
-from .drafters.prompt_lookup import ChainAcceptance
-from .errors import DraftMismatchError
 from .kvcache import KVCache, bucket_for
-from .rows import SeqRows, step_inputs
-from .tree import DraftTree
-from .tree_cost import step_cost
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .backends.base import Backend, StepOutputs
+    from .backends.base import Backend
     from .bundle import BundleManifest
     from .plan import StepPlan
 
@@ -104,48 +95,23 @@ def row_drafters(draft: str | None, bundle_dir: Path, manifest: BundleManifest, 
     return make
 
 
-def rows_per_sequence(expected: list[list[float]], cost: Callable[[int], float], min_rows: int = 1) -> int:
-    """The rows ``T`` each sequence brings to the step (1: plain), the most expected tokens per unit of cost.
-
-    ``expected[b][j]``: sequence ``b``'s expected tokens when ``j`` of its draft tokens are verified (its draft
-    has ``len(expected[b]) - 1``); ``cost(rows)``: a step of that many rows in all, ``B x max(T, min_rows)``."""
-    b = len(expected)
-    best_t, best = 1, sum(e[0] for e in expected) / cost(b * max(1, min_rows))
-    for t in sorted({len(e) for e in expected if len(e) > 1}):
-        value = sum(e[min(len(e), t) - 1] for e in expected) / cost(b * max(t, min_rows))
-        if value > best:
-            best_t, best = t, value
-    return best_t
-
-
-class _Seq:
-    """One request: its tokens, what is not yet in the cache, its sampling, its drafter and where its tokens go."""
+class _Seq(Generation):
+    """One request: a generation of the decode loop, and where its tokens go."""
 
     def __init__(self, ids: list[int], config: GenerationConfig, stats: DecodeStats,
                  cancelled: Callable[[], bool], drafter: Drafter | None):
-        self.tokens = list(ids)  # prompt + emitted
-        self.prompt_len = len(ids)
-        self.committed = 0  # tokens whose K/V is in the cache; tokens[-1] is the root, fed next
-        self.config, self.stats, self.drafter = config, stats, drafter
-        self.rng = np.random.default_rng(config.sampling.seed)
-        self.remaining = config.max_new_tokens
+        super().__init__(ids, config, stats, drafter)
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = cancelled
         self.left = threading.Event()  # set when the caller stopped reading
-        self.t_join = 0.0
-        self.hidden: np.ndarray | None = None  # [A, H] of the nodes accepted last step
-        self.root_logits: np.ndarray | None = None  # [V] that produced the root
-        self.layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (trained drafts)
-        self.acceptance = ChainAcceptance()  # this sequence's drafts, as the batch rule weighs them
-        self.tree = DraftTree.root(0)  # this step's rows
-        self.whole = True  # this step verifies its drafter's whole proposal
 
     def cancelled(self) -> bool:
         return self.left.is_set() or self._cancelled()
 
-    def expected(self, drafted: int) -> float:
-        """Expected tokens of a step verifying ``drafted`` of this sequence's draft tokens."""
-        return self.acceptance.expected_up_to(drafted)[drafted] if drafted else 1.0
+    def hand_over(self) -> None:
+        """The tokens its last step emitted, to its caller."""
+        for t in self.emitted:
+            self.out.put(t)
 
 
 class BatchScheduler:
@@ -157,24 +123,20 @@ class BatchScheduler:
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch = max_batch
         self.lossy = lossy  # rows of several sequences are not bitwise as alone here (allow_inexact)
-        self.decoder = Decoder(backend, manifest, None, plan=plan)  # prefills and prompt checks
-        self.limit = manifest.limits.max_context
         self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if drafter is not None and plan.speculate else 1
+        self.decoder = Decoder(backend, manifest, None, max_tree=self.max_rows, plan=plan)  # the decode loop
+        self.limit = manifest.limits.max_context
         self.min_rows = plan.min_rows
         self.draft = self.max_rows > 1
         self._new_drafter = drafter  # a drafter per sequence (its state is the sequence's)
         self._spare: list[Drafter] = []  # drafters of requests that ended, for the next ones (a model is kept)
         if drafter is not None:  # the first made now: a draft the base's graph cannot feed fails at load
             first = drafter()
-            first.check(manifest)
-            if first.feature_layers and not backend.layer_states:
-                raise DraftMismatchError(f"The {first.kind} draft reads base layers {list(first.feature_layers)}, "
-                                         f"which the {backend.name} backend does not return.")
+            self.decoder.check_drafter(first)
             self._spare.append(first)
         # Capacities in steps of 64 columns, not doublings: the cache holds max_batch rows of fp32 K/V.
         top = self.limit + max(self.max_rows, self.min_rows)
         self.buckets = (*range(64, top, 64), top)
-        self.eos = frozenset(manifest.model.eos_token_ids)
         self._full = backend.new_cache(max_batch, self.buckets[0])
         self._view: KVCache | None = None  # the first rows of the cache that the next step runs
         self.rows: list[_Seq] = []
@@ -184,10 +146,11 @@ class BatchScheduler:
         self._closed = False
         self.busy_s = 0.0
         self.steps = 0
-        # The cost of a step by its rows in all (B x T), measured at load (~1 s) and then from the loop's steps.
-        self.lone_cost: dict[int, float] = measure_cost_curve(self.decoder) if self.draft else {1: 1.0}
-        self.cost = StepCostMeter(self.lone_cost)
-        backend.forget_buffers()  # the measurement's scratch cache is freed
+        # The cost of a step by its rows, measured at load (~1 s) and then from the loop's steps.
+        if self.draft:
+            # up to the rows a step of several sequences may run alone, not only one sequence's
+            self.decoder.track_costs(measure_cost_curve(self.decoder, largest=plan.max_rows))
+            backend.forget_buffers()  # the measurement's scratch cache is freed
         self._thread = threading.Thread(target=self._loop, name="specdeploy-batch", daemon=True)
         self._thread.start()
 
@@ -215,7 +178,7 @@ class BatchScheduler:
             with self._cv:
                 drafter = self._spare.pop() if self._spare else None
             drafter = drafter or self._new_drafter()
-            drafter.use_cost_curve(self.lone_cost)  # sized as alone; the batch rule trims it to what pays
+            drafter.use_cost_curve(self.decoder.cost_curve)  # sized as alone; the batch rule trims it to what pays
             if hasattr(drafter, "namespace"):
                 drafter.namespace = namespace
         seq = _Seq(ids, config, stats, cancelled, drafter)
@@ -280,8 +243,8 @@ class BatchScheduler:
 
     def _finish(self, seq: _Seq, reason: str) -> None:
         seq.stats.finish_reason = reason
-        if seq.t_join:
-            seq.stats.decode_s = time.perf_counter() - seq.t_join
+        if seq.t_decode:
+            seq.stats.decode_s = time.perf_counter() - seq.t_decode
         if seq.drafter is not None:  # e.g. the suffix cache learns the output; the drafter serves the next request
             seq.drafter.finished(seq.tokens, seq.prompt_len)
             with self._cv:
@@ -310,13 +273,9 @@ class BatchScheduler:
         self.backend.forget_buffers()  # nothing stale may alias the prefill's new cache
         state, out = self.decoder.prefill(seq.tokens)  # batch 1, as alone
         seq.stats.prefill_s = time.perf_counter() - t0
-        seq.t_join = time.perf_counter()
-        if seq.drafter is not None:
-            seq.drafter.reset()
-        root = DraftTree.root(seq.tokens[-1])
-        first = accept_step(root, root.buffers(), out.logits[0], None, seq.config.sampling, seq.rng, n)
-        seq.hidden, seq.root_logits, seq.layers = state.hidden, state.root_logits, state.layers
-        reason = self._emit(seq, [int(first.tokens[-1])])
+        seq.t_decode = time.perf_counter()
+        reason = self.decoder.start(seq, state, out)
+        seq.hand_over()
         if reason is not None:
             self.backend.forget_buffers()  # the prefill's cache is freed now
             self._finish(seq, reason)
@@ -324,108 +283,35 @@ class BatchScheduler:
         r = len(self.rows)
         for dst, src in zip(self._full.buffers(), state.cache.buffers()):
             dst[r, :, :n] = src[0, :, :n]  # its token i at column i, as alone
-        seq.committed = n
         self.rows.append(seq)
         self._view = None
         self.backend.forget_buffers()
 
-    def _emit(self, seq: _Seq, tokens: list[int]) -> str | None:
-        """Hand tokens to the caller, cut at EOS and the budget; the finish reason once the sequence is done.
-
-        The caller finishes it only after its row has left, so whoever holds a completion sees the row free.
-        """
-        tokens = cut_at_stop(tokens, self.eos, seq.remaining)
-        seq.tokens.extend(tokens)
-        seq.remaining -= len(tokens)
-        st = seq.stats
-        st.new_tokens += len(tokens)
-        for t in tokens:
-            seq.out.put(t)
-        if seq.t_join:
-            st.decode_s = time.perf_counter() - seq.t_join
-        if tokens and tokens[-1] in self.eos:
-            return "stop"
-        if seq.remaining <= 0 or len(seq.tokens) >= self.limit:
-            return "length"
-        return None
-
-    # --- one step over the batch ----------------------------------------------------------------
-    def _propose(self) -> int:
-        """Each sequence's draft (its ``tree``, a chain), trimmed to the rows per sequence that pay; returns them.
-
-        A step of ``B`` sequences at ``T`` rows each costs what ``B x T`` rows cost on the measured curve; ``T``
-        is the one with the most expected tokens of the whole batch per unit of that cost (1: a plain step)."""
-        drafted = []
-        for seq in self.rows:
-            chain: list[int] = []
-            room = min(self.max_rows - 1, self.limit - len(seq.tokens) - 1, seq.remaining - 1)
-            if seq.drafter is not None and room > 0:
-                ctx = DraftContext(np.asarray(seq.tokens, dtype=np.int64), seq.hidden, seq.root_logits, room + 1,
-                                   seq.layers)
-                if seq.drafter.wants_draft(ctx):
-                    chain = seq.drafter.propose(ctx).main_path().tokens[1:].tolist()
-            drafted.append(chain)
-        curve = self.cost.curve
-        best_t = rows_per_sequence([[s.expected(j) for j in range(len(c) + 1)] for s, c in zip(self.rows, drafted)],
-                                   lambda rows: step_cost(curve, rows), self.min_rows)
-        for seq, chain in zip(self.rows, drafted):
-            seq.tree = DraftTree.chain([seq.tokens[-1], *chain[: best_t - 1]])
-            seq.whole = len(chain) < best_t  # its drafter hears of the verdict only on a draft verified whole
-        return best_t
-
+    # --- one step over the batch: the decode loop's own -------------------------------------------
     def _step(self) -> None:
         for seq in [s for s in self.rows if s.cancelled()]:
             self._leave(seq, "cancelled")
         if not self.rows:
             return
-        t = max(self._propose(), self.min_rows)
-        b = len(self.rows)
-        self._fit(max(s.committed for s in self.rows) + t)
-        if self._view is None or self._view.keys[0].shape[0] != b:
-            self._view = KVCache([k[:b] for k in self._full.keys], [v[:b] for v in self._full.values], 0,
-                                 self._full.allocate)
-            self.backend.forget_buffers()  # a view of other rows: nothing may alias the last one
-        inputs = step_inputs([SeqRows(s.committed, s.tree) for s in self.rows], t, self._full.capacity,
-                             self.backend.mask_dtype)
-        tb = time.perf_counter()
-        out = self.backend.step(inputs, self._view)
-        took = time.perf_counter() - tb
-        self.cost.add(b * t, took)
+        reasons = self.decoder.step(self.rows, self._cache_for)
         self.steps += 1
         done = []
-        for r, seq in enumerate(self.rows):
-            reason = self._advance(r, seq, out, took)
+        for seq, reason in zip(self.rows, reasons):
+            seq.hand_over()
             if reason is not None:
                 done.append((seq, reason))
         for seq, reason in done:
             self._leave(seq, reason)
 
-    def _advance(self, r: int, seq: _Seq, out: StepOutputs, took: float) -> str | None:
-        """Accept row ``r``'s draft (the decode loop's rule), keep its accepted K/V, emit; the finish reason or None."""
-        tree = seq.tree
-        n = len(tree.tokens)
-        buffers = tree.buffers()
-        acc = accept_step(tree, buffers, out.logits[r, :n], None, seq.config.sampling, seq.rng, len(seq.tokens))
-        nodes = acc.nodes
-        if n > 1:
-            seq.acceptance.update(len(nodes) - 1, n - 1)
-            if seq.whole:  # a trimmed draft's cut tokens were never tried: its drafter would count them rejected
-                seq.drafter.accepted(nodes, tree)
-        st = seq.stats
-        st.steps += 1
-        st.backend_s += took
-        st.tree_sizes.append(n)
-        before = st.new_tokens
-        reason = self._emit(seq, acc.tokens.tolist())
-        st.accepted.append(st.new_tokens - before)
-        if reason is None:
-            # a chain's accepted nodes are its first ones: their K/V already lie at committed .. committed + a
-            seq.committed += len(nodes)
-            seq.hidden = out.hidden_states[r, : len(nodes)]
-            seq.root_logits = out.logits[r, int(nodes[-1])]
-            if out.layer_states is not None:
-                seq.layers = out.layer_states[r, : len(nodes)]
-        return reason
+    def _cache_for(self, columns: int) -> KVCache:
+        """The first rows of the shared cache, one per active sequence, with at least ``columns`` columns."""
+        self._fit(columns)
+        b = len(self.rows)
+        if self._view is None or self._view.keys[0].shape[0] != b:
+            self._view = KVCache([k[:b] for k in self._full.keys], [v[:b] for v in self._full.values], 0,
+                                 self._full.allocate)
+            self.backend.forget_buffers()  # a view of other rows: nothing may alias the last one
+        return self._view
 
     def _leave(self, seq: _Seq, reason: str) -> None:
         """Drop a row (the last row moves into its place, one row's copy), then finish its request."""

@@ -2,16 +2,19 @@
 
 Plain autoregressive decoding is the same loop with a tree of one node (the root), so speculative
 and plain decoding share every line that touches the cache and the logits: the only difference is
-how many nodes a step carries. Each stage is a named function with explicit inputs and outputs.
+how many nodes a step carries. And one generation is the same loop as many: :meth:`Decoder.step` takes
+B generations, each with its root and draft rows (laid out by :mod:`.rows`), runs them as one backend
+step and accepts, commits and emits each by the same rule. ``generate`` is B = 1; the batch scheduler
+(:mod:`.batch`) only admits, evicts and cancels around the same step.
 
-    prefill -> while not done: tree = drafter.propose(ctx) -> out = backend.step(tree)
-            -> acc = accept(tree, out) -> cache.commit(acc) -> yield tokens
+    prefill -> while not done: tree_b = drafter_b.propose(ctx_b) -> out = backend.step(rows of every b)
+            -> acc_b = accept_step(tree_b, out[b]) -> cache.commit_row(b, acc_b) -> emit(b)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,10 +23,13 @@ from .backends.base import Backend, StepInputs, StepOutputs
 from .bundle import BundleManifest
 from .cost_meter import StepCostMeter
 from .drafters.base import DraftContext, Drafter
+from .drafters.prompt_lookup import ChainAcceptance
 from .errors import DraftMismatchError, PromptError, TreeSpecError
 from .kvcache import KVCache, bucket_for, capacity_buckets
 from .plan import StepPlan
+from .rows import SeqRows, rows_per_sequence, step_inputs
 from .tree import DraftTree, TreeBuffers
+from .tree_cost import step_cost
 from .verify import Acceptance, TypicalRule, greedy_accept, sample_accept, seeded_accept, typical_accept
 
 
@@ -101,7 +107,7 @@ class DecodeStats:
 
 @dataclass
 class DecodeState:
-    """Everything that changes from step to step, passed explicitly between the stages."""
+    """A prefilled sequence, passed explicitly between the stages (:meth:`Decoder.prefill`, ``verify``)."""
 
     cache: KVCache
     tokens: list[int]  # prompt + emitted; tokens[-1] is the root, whose K/V is not in the cache yet
@@ -110,17 +116,47 @@ class DecodeState:
     layers: np.ndarray | None = None  # [A, taps*H] their tapped layer states (graphs with feature_layers)
 
 
+class Generation:
+    """One sequence in the decode loop: its tokens, where its K/V lie, its sampling, its drafter and its stats.
+
+    ``generate`` runs one; the batch scheduler runs many through the same :meth:`Decoder.step`."""
+
+    def __init__(self, ids: list[int], config: GenerationConfig, stats: DecodeStats, drafter: Drafter | None):
+        self.tokens = list(ids)  # prompt + emitted
+        self.prompt_len = len(ids)
+        self.committed = 0  # tokens whose K/V is in columns 0.. of its cache row; tokens[-1] is the root, fed next
+        self.sampling, self.stats, self.drafter = config.sampling, stats, drafter
+        self.rng = np.random.default_rng(config.sampling.seed)
+        self.remaining = config.max_new_tokens  # tokens it may still emit
+        self.t_decode = 0.0  # when its decoding started (its decode_s counts from here)
+        self.hidden: np.ndarray | None = None  # [A, H] of the nodes accepted last step
+        self.root_logits: np.ndarray | None = None  # [V] that produced the root
+        self.layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (trained drafts)
+        self.acceptance = ChainAcceptance()  # its drafts' acceptance, as the rows rule of a batch weighs them
+        self.tree = DraftTree.root(0)  # this step's rows
+        self.whole = True  # this step verifies its drafter's whole proposal (a batch may trim it)
+        self.emitted: list[int] = []  # what its last step (or its prefill) emitted
+
+    def expected(self, drafted: int) -> float:
+        """Expected tokens of a step verifying ``drafted`` of its draft tokens."""
+        return self.acceptance.expected_up_to(drafted)[drafted] if drafted else 1.0
+
+
 class Decoder:
-    """Runs generations against one backend, optionally with a drafter."""
+    """Runs generations against one backend, optionally with a drafter (the one ``generate`` uses).
+
+    :meth:`step` is the one decode step of the runtime: B generations (``generate``: one; the batch
+    scheduler: every active request) each bring their root and draft rows, one ``backend.step`` verifies
+    them all, and each accepts, commits and emits by the same rule."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, drafter: Drafter | None = None,
                  max_tree: int | None = None, *, plan: StepPlan):
         self.backend = backend
         self.manifest = manifest
         # The step plan (runtime/plan.py), measured on this machine (probe.resolve_plan): which graph serves
-        # 1-row steps, the fewest rows a step runs (dummy rows after the real ones), chains or trees, and
-        # whether speculation is exact. Plain decoding follows the same plan, so a speculative run and a
-        # plain run compute every emitted token's row the same way.
+        # 1-row steps, the fewest rows a step runs (dummy rows after the real ones), chains or trees, whether
+        # speculation is exact and whether rows of several sequences are. Plain decoding follows the same plan,
+        # so a speculative run and a plain run compute every emitted token's row the same way.
         self.plan = plan
         backend.use_split(self.plan.split)
         backend.use_gathered(self.plan.candidate.gathered)
@@ -130,30 +166,39 @@ class Decoder:
         if self.max_tree < 1:
             raise TreeSpecError(f"The tree budget must be at least 1 node; got {self.max_tree}.")
         if drafter is not None:
-            drafter.check(manifest)
-            if drafter.feature_layers and not backend.layer_states:
-                raise DraftMismatchError(f"The {drafter.kind} draft reads base layers {list(drafter.feature_layers)}, "
-                                         f"which the {backend.name} backend does not return.")
-        self.buckets = capacity_buckets(manifest.limits.max_context, limit)
+            self.check_drafter(drafter)
+        self.limit = manifest.limits.max_context
+        self.buckets = capacity_buckets(self.limit, limit)
         self.eos = frozenset(manifest.model.eos_token_ids)
         self._neg = np.finfo(backend.mask_dtype).min
         self.chains_only = not self.plan.trees
         self.min_rows = self.plan.min_rows
-        # Re-estimates the drafter's cost curve from the loop's step times (see track_costs).
+        # Re-estimates the drafters' cost curve from the loop's step times (see track_costs).
         self.cost_meter: StepCostMeter | None = None
 
+    def check_drafter(self, drafter: Drafter) -> None:
+        """One sentence if ``drafter`` does not fit the bundle or reads base layers this backend does not return."""
+        drafter.check(self.manifest)
+        if drafter.feature_layers and not self.backend.layer_states:
+            raise DraftMismatchError(f"The {drafter.kind} draft reads base layers {list(drafter.feature_layers)}, "
+                                     f"which the {self.backend.name} backend does not return.")
+
     def track_costs(self, prior: Mapping[int, float]) -> None:
-        """Give the drafter ``prior`` (the curve measured at load) and from then on the curve the decode
-        loop's own step times give (:class:`~.cost_meter.StepCostMeter`), kept across generations."""
-        if self.drafter is None:
-            raise ValueError("Only a decoder with a drafter has a cost curve to track.")
-        self.drafter.use_cost_curve(prior)
+        """Size drafts on ``prior`` (the curve measured at load) and from then on on the curve the decode
+        loop's own step times give (:class:`~.cost_meter.StepCostMeter`), kept across generations: a step of
+        one generation by its nodes, a step of several by its rows in all."""
+        if self.drafter is not None:
+            self.drafter.use_cost_curve(prior)
         self.cost_meter = StepCostMeter(prior)
+
+    @property
+    def cost_curve(self) -> Mapping[int, float] | None:
+        return None if self.cost_meter is None else self.cost_meter.curve
 
     # --- stages -------------------------------------------------------------------------------
     def _inputs(self, tree_tokens: np.ndarray, depth: np.ndarray, mask: np.ndarray, cache: KVCache,
                 logits_rows: np.ndarray) -> StepInputs:
-        """Place ``N`` nodes at slots ``length..length+N`` and positions ``length + depth``."""
+        """Place ``N`` nodes at slots ``length..length+N`` and positions ``length + depth`` (prefills)."""
         p, n, c = cache.length, len(tree_tokens), cache.capacity
         attn = np.full((1, 1, n, c), self._neg, dtype=self.backend.mask_dtype)  # [B, 1, N, C]
         attn[..., :p] = 0.0
@@ -180,16 +225,31 @@ class Decoder:
         state = DecodeState(cache, list(prompt), out.hidden_states[0], out.logits[0, -1], layers)
         return state, out
 
-    def propose(self, state: DecodeState, budget: int, stats: DecodeStats | None = None) -> DraftTree:
-        if self.drafter is None or budget <= 1:
+    def start(self, gen: Generation, state: DecodeState, out: StepOutputs) -> str | None:
+        """``gen`` prefilled (``state``, ``out``: :meth:`prefill`'s): its first token accepted and emitted, its
+        drafter reset; the finish reason if that token ended it."""
+        if gen.drafter is not None:
+            gen.drafter.reset()
+        root = DraftTree.root(gen.tokens[-1])
+        argmax = None if out.argmax is None else out.argmax[0]
+        first = accept_step(root, root.buffers(), out.logits[0], argmax, gen.sampling, gen.rng, len(gen.tokens))
+        gen.committed = len(gen.tokens)
+        gen.hidden, gen.root_logits, gen.layers = state.hidden, state.root_logits, state.layers
+        return self.emit(gen, [int(first.tokens[-1])])
+
+    def propose(self, state: DecodeState | Generation, budget: int, stats: DecodeStats | None = None,
+                drafter: Drafter | None = None) -> DraftTree:
+        """The draft of ``state``'s drafter (``drafter``; the decoder's own if None), at most ``budget`` nodes."""
+        drafter = drafter if drafter is not None else self.drafter
+        if drafter is None or budget <= 1:
             return DraftTree.root(state.tokens[-1])
         ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget,
                            state.layers)
-        if not self.drafter.wants_draft(ctx):  # the gate: a hard step runs as plain decoding
+        if not drafter.wants_draft(ctx):  # the gate: a hard step runs as plain decoding
             if stats is not None:
                 stats.gate_ar += 1
             return DraftTree.root(state.tokens[-1])
-        tree = self.drafter.propose(ctx)
+        tree = drafter.propose(ctx)
         if stats is not None:  # a drafter that proposes nothing (its rule declined) ran a plain step too
             if tree.num_nodes == 1:
                 stats.gate_ar += 1
@@ -197,26 +257,20 @@ class Decoder:
                 stats.gate_parallel += 1
         if len(tree.tokens) > budget or int(tree.tokens[0]) != state.tokens[-1]:
             raise TreeSpecError(
-                f"The {self.drafter.kind} drafter proposed {len(tree.tokens)} nodes (budget {budget}) "
+                f"The {drafter.kind} drafter proposed {len(tree.tokens)} nodes (budget {budget}) "
                 "or a tree whose root is not the last token."
             )
         return tree.main_path() if self.chains_only else tree
 
-    def verify(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
+    def verify(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers | None = None) -> StepOutputs:
+        """One sequence's ``tree`` run on its own (probes and tools): its rows as :meth:`step` runs them."""
         n = len(tree.tokens)
-        if n < self.min_rows:  # dummy nodes, a chain under the last node, their rows dropped
-            tokens = np.concatenate([tree.tokens, np.repeat(tree.tokens[-1:], self.min_rows - n)])
-            padded = DraftTree(tokens, np.concatenate([tree.parents, np.arange(n - 1, self.min_rows - 1)]))
-            out = self._step(state, padded, padded.buffers())  # cached by shape
-            return out.first(n, n)
-        return self._step(state, tree, buffers)
-
-    def _step(self, state: DecodeState, tree: DraftTree, buffers: TreeBuffers) -> StepOutputs:
-        n = len(tree.tokens)
-        # >= 2 slots: a graph that pads a 1-row step's attention writes a dummy K/V to the next slot.
-        state.cache.ensure_capacity(state.cache.length + max(n, 2), self.buckets)
-        inputs = self._inputs(tree.tokens, buffers.depth, buffers.mask, state.cache, np.arange(n))
-        return self.backend.step(inputs, state.cache)
+        rows = max(n, self.min_rows)  # dummy nodes, a chain under the last node, their rows dropped
+        cache = state.cache
+        cache.ensure_capacity(cache.length + max(rows, 2), self.buckets)
+        out = self.backend.step(step_inputs([SeqRows(cache.length, tree)], rows, cache.capacity,
+                                            self.backend.mask_dtype), cache)
+        return out.first(n, n) if rows > n else out
 
     def accept(self, tree: DraftTree, buffers: TreeBuffers, out: StepOutputs, sampling: SamplingParams,
                rng: np.random.Generator, position: int) -> Acceptance:
@@ -224,101 +278,136 @@ class Decoder:
         return accept_step(tree, buffers, out.logits[0], None if out.argmax is None else out.argmax[0], sampling,
                            rng, position)
 
-    def commit(self, state: DecodeState, tree: DraftTree, acc: Acceptance, out: StepOutputs) -> list[int]:
-        """Keep the accepted nodes' K/V and hidden states; the bonus token becomes the next root."""
+    def emit(self, gen: Generation, tokens: list[int]) -> str | None:
+        """``gen``'s accepted ``tokens``, cut at EOS and its budget, appended to it and counted; the finish
+        reason once it is done (``stop``: EOS; ``length``: its budget or the bundle's context)."""
+        tokens = cut_at_stop(tokens, self.eos, gen.remaining)
+        gen.tokens.extend(tokens)
+        gen.remaining -= len(tokens)
+        gen.emitted = tokens
+        st = gen.stats
+        st.new_tokens += len(tokens)
+        if gen.t_decode:
+            st.decode_s = time.perf_counter() - gen.t_decode
+        if tokens and tokens[-1] in self.eos:
+            return "stop"
+        if gen.remaining <= 0 or len(gen.tokens) >= self.limit:
+            return "length"
+        return None
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self, gens: list[Generation], cache_for: Callable[[int], KVCache]) -> list[str | None]:
+        """One decode step of ``gens``: each proposes, one ``backend.step`` verifies every row, each accepts,
+        commits and emits (its ``emitted`` tokens). Returns each one's finish reason or None.
+
+        ``cache_for(columns)``: the cache whose first ``len(gens)`` rows are ``gens``' (row ``b``: its tokens at
+        columns ``0..committed``), grown to hold ``columns``. Each sequence brings at most ``max_tree`` nodes: a
+        tree where the plan verifies trees and it is alone, else a chain.
+
+        Alone, a generation's draft is sized by its drafter on the cost curve. With others, each drafts a chain
+        and the rows per sequence ``T`` are the ones with the most expected tokens of the whole step per unit of
+        the measured cost of ``B x T`` rows (:func:`~.rows.rows_per_sequence`): a draft row is spent only where it
+        returns more than it costs the others."""
+        b = len(gens)
+        for gen in gens:
+            budget = min(self.max_tree, self.limit - len(gen.tokens), gen.remaining)
+            tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.drafter is not None else \
+                DraftTree.root(gen.tokens[-1])
+            gen.tree, gen.whole = (tree if b == 1 else tree.main_path()), True
+        if b > 1 and any(g.tree.num_nodes > 1 for g in gens):
+            curve = self.cost_curve or {1: 1.0}
+            best = rows_per_sequence([[g.expected(j) for j in range(g.tree.num_nodes)] for g in gens],
+                                     lambda rows: step_cost(curve, rows), self.min_rows)
+            for gen in gens:
+                if gen.tree.num_nodes > best:  # its drafter hears of the verdict only on a draft verified whole
+                    gen.tree, gen.whole = DraftTree.chain(gen.tree.tokens[:best].tolist()), False
+        t = max(g.tree.num_nodes for g in gens)
+        rows = max(t, self.min_rows)
+        # >= 2 columns: a graph that pads a 1-row step's attention writes a dummy K/V to the next column.
+        cache = cache_for(max(g.committed for g in gens) + max(rows, 2))
+        inputs = step_inputs([SeqRows(g.committed, g.tree) for g in gens], rows, cache.capacity,
+                             self.backend.mask_dtype)
+        tb = time.perf_counter()
+        out = self.backend.step(inputs, cache)
+        took = time.perf_counter() - tb
+        # A lone step by its nodes (the curve its drafter sizes on, measured with its padding), several by
+        # their rows in all.
+        if self.cost_meter is not None and self.cost_meter.add(t if b == 1 else b * rows, took):
+            for gen in gens:
+                if gen.drafter is not None:
+                    gen.drafter.use_cost_curve(self.cost_meter.curve)  # the loop's own step costs (cost_meter.py)
+        return [self._advance(r, gen, cache, out, took) for r, gen in enumerate(gens)]
+
+    def _advance(self, r: int, gen: Generation, cache: KVCache, out: StepOutputs, took: float) -> str | None:
+        """Row ``r``'s acceptance (the loop's one rule), its accepted nodes' K/V kept, its tokens emitted."""
+        tree = gen.tree
+        n = tree.num_nodes
+        buffers = tree.buffers()
+        argmax = None if out.argmax is None else out.argmax[r, :n]
+        acc = accept_step(tree, buffers, out.logits[r, :n], argmax, gen.sampling, gen.rng, len(gen.tokens))
         nodes = acc.nodes
         last = int(nodes[-1])
-        state.cache.commit(state.cache.length + nodes)
-        if self.drafter is not None:
-            self.drafter.accepted(nodes, tree)
+        cache.commit_row(r, gen.committed, nodes)
+        if n > 1:
+            gen.acceptance.update(len(nodes) - 1, n - 1)
+        if gen.drafter is not None and gen.whole:  # a trimmed draft's cut tokens were never tried
+            gen.drafter.accepted(nodes, tree)
         # Nodes 0..last (a chain's accepted prefix, always) as a slice: one small numpy call fewer than
-        # fancy indexing (see verify._chain_accept); copied either way.
-        rows = slice(0, last + 1) if last == len(nodes) - 1 else nodes
-        state.hidden = out.hidden_states[0, rows].copy()
+        # fancy indexing (see verify._chain_accept); copied either way (the backend reuses its outputs).
+        keep = slice(0, last + 1) if last == len(nodes) - 1 else nodes
+        gen.committed += len(nodes)
+        gen.hidden = out.hidden_states[r, keep].copy()
         if out.layer_states is not None:
-            state.layers = out.layer_states[0, rows].copy()
-        state.root_logits = out.logits[0, last]
-        emitted = acc.tokens.tolist()
-        state.tokens.extend(emitted)
-        return emitted
+            gen.layers = out.layer_states[r, keep].copy()
+        gen.root_logits = out.logits[r, last]
+        st = gen.stats
+        st.steps += 1
+        st.backend_s += took
+        st.tree_sizes.append(n)
+        reason = self.emit(gen, acc.tokens.tolist())
+        st.accepted.append(len(gen.emitted))
+        return reason
 
-    # --- the loop ---------------------------------------------------------------------------------
+    # --- one generation ---------------------------------------------------------------------------
     def check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
-        limit = self.manifest.limits.max_context
         if not prompt:
             raise PromptError("The prompt is empty.")
-        if len(prompt) >= limit:
+        if len(prompt) >= self.limit:
             raise PromptError(
-                f"The prompt has {len(prompt)} tokens but the bundle's maximum context is {limit} tokens."
+                f"The prompt has {len(prompt)} tokens but the bundle's maximum context is {self.limit} tokens."
             )
 
     def generate(self, prompt: list[int], config: GenerationConfig, stats: DecodeStats | None = None
                  ) -> Iterator[int]:
-        """Yield new token ids (EOS included when reached) until EOS, max tokens or the context limit."""
+        """Yield new token ids (EOS included when reached) until EOS, max tokens or the context limit: a batch of
+        one generation through :meth:`step`."""
         self.check_prompt(prompt, config)
         stats = stats if stats is not None else DecodeStats()
         sampling = config.sampling
         stats.prompt_tokens = len(prompt)
         stats.lossy = (sampling.typical and not sampling.greedy) or (self.drafter is not None and self.plan.lossy)
-        rng = np.random.default_rng(sampling.seed)
-        if self.drafter is not None:
-            self.drafter.reset()
-
+        gen = Generation(prompt, config, stats, self.drafter)
         t0 = time.perf_counter()
         state, out = self.prefill(prompt)
+        cache = state.cache
         try:
-            root_tree = DraftTree.root(prompt[-1])
-            first = self.accept(root_tree, root_tree.buffers(), out, sampling, rng, len(prompt))
-            token = int(first.tokens[-1])
-            state.tokens.append(token)
+            reason = self.start(gen, state, out)
             stats.prefill_s = time.perf_counter() - t0
-            stats.new_tokens = 1
-            yield token
-            if token in self.eos:
-                stats.finish_reason = "stop"
-                return
-            yield from self._decode_loop(state, config, stats, rng)
+            yield from gen.emitted
+            gen.t_decode = time.perf_counter()
+
+            def cache_for(columns: int) -> KVCache:
+                cache.length = gen.committed
+                cache.ensure_capacity(columns, self.buckets)
+                return cache
+
+            while reason is None:
+                (reason,) = self.step([gen], cache_for)
+                yield from gen.emitted
+            stats.finish_reason = reason
         finally:
             if self.drafter is not None:  # however the generation ended (a consumer may stop early)
-                self.drafter.finished(state.tokens[: len(prompt) + stats.new_tokens], len(prompt))
-
-    def _decode_loop(self, state: DecodeState, config: GenerationConfig, stats: DecodeStats,
-                     rng: np.random.Generator) -> Iterator[int]:
-        sampling, limit = config.sampling, self.manifest.limits.max_context
-        t_dec = time.perf_counter()
-        remaining = config.max_new_tokens - 1
-        while remaining > 0:
-            # A step of n nodes fills n slots and emits up to n tokens, the last of which (the next
-            # root) needs no slot yet but counts towards the context: n <= room - 1 keeps prompt +
-            # generated tokens within the limit, as plain decoding's 1-node steps do.
-            room = limit - state.cache.length
-            if room <= 1:
-                stats.finish_reason = "length"
-                break
-            tree = self.propose(state, min(self.max_tree, room - 1) if self.drafter else 1, stats)
-            buffers = tree.buffers()
-            tb = time.perf_counter()
-            out = self.verify(state, tree, buffers)
-            took = time.perf_counter() - tb
-            stats.backend_s += took
-            if self.cost_meter is not None and self.cost_meter.add(len(tree.tokens), took):
-                self.drafter.use_cost_curve(self.cost_meter.curve)  # the loop's own step costs (cost_meter.py)
-            acc = self.accept(tree, buffers, out, sampling, rng, len(state.tokens))
-            emitted = self.commit(state, tree, acc, out)
-            stats.steps += 1
-            stats.tree_sizes.append(len(tree.tokens))
-            emitted = cut_at_stop(emitted, self.eos, remaining)
-            stats.accepted.append(len(emitted))
-            stats.new_tokens += len(emitted)
-            remaining -= len(emitted)
-            stats.decode_s = time.perf_counter() - t_dec
-            yield from emitted
-            if emitted and emitted[-1] in self.eos:
-                stats.finish_reason = "stop"
-                break
-        else:
-            stats.finish_reason = "length"
-        stats.decode_s = time.perf_counter() - t_dec
+                self.drafter.finished(gen.tokens, len(prompt))
 
 
 def accept_step(tree: DraftTree, buffers: TreeBuffers, logits: np.ndarray, argmax: np.ndarray | None,
@@ -348,9 +437,10 @@ def cut_at_stop(emitted: list[int], eos: frozenset[int], remaining: int) -> list
 
 
 def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,
-                       past: int = 256) -> dict[int, float]:
+                       past: int = 256, largest: int | None = None) -> dict[int, float]:
     """Cost of a T-token step relative to a 1-token step, measured on ``decoder``'s backend.
 
+    Sizes up to ``largest`` (the decoder's tree budget if None; never past its plan's rows) are measured.
     Each size runs ``repeats`` chain steps over a scratch cache holding ``past`` tokens (fewer when the
     bundle's context is short), in rounds over the sizes; each round gives every size's cost relative
     to that round's 1-token step, and the median over the rounds counts: a slow spell of the machine
@@ -360,7 +450,8 @@ def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 1
     On a backend that runs 1-row and multi-row steps on different graphs (``OrtBackend`` with a
     GGUF-block graph) the curve has a step between T = 1 and T = 2, which a fixed table cannot know.
     """
-    sizes = tuple(t for t in sizes if t <= decoder.max_tree) or (1,)
+    largest = min(largest or decoder.max_tree, decoder.plan.max_rows, decoder.manifest.limits.max_tree)
+    sizes = tuple(t for t in sizes if t <= largest) or (1,)
     past = max(1, min(past, decoder.manifest.limits.max_context - sizes[-1]))
     cache = decoder.backend.new_cache(1, bucket_for(min(past + sizes[-1], decoder.buckets[-1]), decoder.buckets))
     cache.length = past

@@ -312,18 +312,19 @@ def load(bundle: str | Path, backend: str = "ort-cpu", draft: str | None = AUTO,
 
     ``auto`` picks per step whichever source is worth most per unit of measured cost: prompt lookup or the
     bundle's n-gram table, the suffix cache, the bundle's trained draft, or a plain step. Where this machine
-    has no exact step plan it decodes plainly, quietly (``engine.plan.reason`` says why); batched
-    (``max_batch`` > 1) it drafts with the free source batching has (the n-gram table, else prompt lookup).
+    has no exact step plan it decodes plainly, quietly (``engine.plan.reason`` says why). ``draft`` means the
+    same with ``max_batch`` > 1: every batched sequence drafts with its own drafter of that source.
 
     Greedy speculative output is identical to plain output: at load a probe measures, bit for bit on this
     machine, which step plan keeps it so (``engine.plan``, cached; see ``runtime/plan.py``). Where none
     does, the engine decodes plainly and warns (:class:`ExactnessWarning`); ``allow_inexact`` speculates
     anyway, and every generation's ``stats.lossy`` says so. ``progress`` receives a line while probing.
 
-    ``max_batch`` > 1 batches up to that many concurrent generations in every step (``ort-cpu`` and a
-    bundle with a batching graph, which ``export base`` writes; drafts: prompt lookup, ngram or none). It
-    runs that graph for every step, so its outputs are that graph's; a batched greedy request equals the same request alone on
-    the engine, bit for bit, where the batch probe says so (else batching is off, with a warning).
+    ``max_batch`` > 1 runs up to that many concurrent generations as rows of every step (the decode loop's
+    own step; ``ort-cpu`` and a bundle whose exact-tree graph takes rows of several sequences). A batched
+    greedy answer equals the same request's ``generate`` answer, bit for bit, where the step plan's probe found
+    a sequence's rows unchanged among others' (``plan.rows``); else batching is off, with a warning, and
+    ``allow_inexact`` batches anyway, labelled lossy.
 
     ``draft="suffix"`` drafts from the prompt and from earlier generations' outputs, kept in a cache that
     every generation of this engine shares: ``suffix_cache_tokens`` bounds it (default 16,384; 0 turns it

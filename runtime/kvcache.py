@@ -101,3 +101,14 @@ class KVCache:
                 for b in bufs:
                     b[:, :, dst] = b[:, :, src]  # advanced indexing copies the source first
         self.length += n
+
+    def commit_row(self, row: int, start: int, nodes: np.ndarray) -> None:
+        """Row ``row``'s accepted tree ``nodes`` (increasing, from its root at column ``start``) moved to
+        ``start..``; the chain case, a prefix, moves nothing (decided on two Python ints)."""
+        n = len(nodes)
+        if int(nodes[-1]) != n - 1:
+            dst = np.arange(start, start + n)
+            src = start + np.asarray(nodes)
+            for bufs in (self.keys, self.values):
+                for b in bufs:
+                    b[row, :, dst] = b[row, :, src]  # advanced indexing copies the source first

@@ -104,7 +104,7 @@ class ProbeResult:
     @property
     def rows_exact(self) -> bool:
         """Rows of several sequences share a step bit for bit as each computes alone (checked on the gathered
-        plans only: :func:`.rows.probe_rows`): one answer at any load."""
+        plans only: :func:`.probe.probe_rows`): one answer at any load."""
         return self.trees_exact and any(c.what.startswith(ROWS_CHECK) for c in self.checks) and all(
             c.passed for c in self.checks)
 

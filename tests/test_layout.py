@@ -232,8 +232,8 @@ def _calls(path: Path) -> set[str]:
 
 def test_one_decode_loop_owns_acceptance_and_the_stop_cut():
     # Acceptance (greedy, typical, seeded, rejection sampling) is decided in one place, decode.accept_step, and
-    # the end-of-sequence and budget cut in decode.cut_at_stop: the serial loop and the batch of rows call them,
-    # and nothing else in the runtime re-implements either.
+    # the end-of-sequence and budget cut in decode.cut_at_stop, both called by the one decode step, and nothing else
+    # in the runtime re-implements either.
     rules = {"greedy_accept", "sample_accept", "seeded_accept", "typical_accept"}
     owners = {"runtime/decode.py", "runtime/verify.py"}
     for path in sorted((ROOT / "runtime").rglob("*.py")):
@@ -243,8 +243,21 @@ def test_one_decode_loop_owns_acceptance_and_the_stop_cut():
         text = path.read_text()
         if rel != "runtime/decode.py":
             assert "in self.eos:\n" not in text.replace("tokens[-1] in self.eos:\n", ""), f"{rel} cuts at EOS itself"
-    for loop in ("runtime/decode.py", "runtime/batch.py"):
-        assert {"accept_step", "cut_at_stop"} <= _calls(ROOT / loop), loop
+    assert {"accept_step", "cut_at_stop"} <= _calls(ROOT / "runtime/decode.py")
+
+
+def test_one_decode_step_for_one_sequence_and_many():
+    # The decode loop's step (Decoder.step) is the only place that verifies drafts: ``generate`` runs it for one
+    # generation and the batch scheduler for many, so the batch module steps the backend, accepts, cuts and
+    # proposes nothing itself (it admits, evicts and cancels).
+    calls = _calls(ROOT / "runtime/batch.py")
+    assert not calls & {"accept_step", "cut_at_stop", "propose", "step_inputs", "rows_per_sequence"}, calls
+    assert "step" in calls  # self.decoder.step
+    body = (ROOT / "runtime/batch.py").read_text()
+    assert "backend.step(" not in body and "DraftContext" not in body
+    decode = (ROOT / "runtime/decode.py").read_text()
+    generate = decode[decode.index("    def generate("):decode.index("def accept_step(")]
+    assert "self.step([gen]" in generate and "backend.step(" not in generate
 
 
 def test_no_private_name_crosses_a_module():

@@ -60,11 +60,12 @@ def _tree_drafts_equal_plain(bundle: Path, count: int, plain_runs) -> None:
             eng.decoder.drafter.always_model = True  # draft every step: trees, not the rule
             branched: list[bool] = []
 
-            def counted(state, tree, buffers, _verify=eng.decoder.verify, _seen=branched):
-                _seen.append(not tree.is_chain)
-                return _verify(state, tree, buffers)
+            def counted(gens, cache_for, _step=eng.decoder.step, _seen=branched):
+                reasons = _step(gens, cache_for)
+                _seen.extend(not g.tree.is_chain for g in gens)  # the trees the step verified
+                return reasons
 
-            eng.decoder.verify = counted
+            eng.decoder.step = counted
             tokens = steps = 0
             for ids, ref in refs:
                 st = DecodeStats()

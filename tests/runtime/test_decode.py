@@ -265,3 +265,23 @@ def test_speculative_sampling_is_exact_through_the_loop(tiny_bundle, drafted):
         stat = chisquare(counts[support], expected)
         assert counts[np.setdiff1d(np.arange(len(p)), support)].sum() == 0
         assert stat.pvalue > 1e-3, (stat, counts[support], expected)
+
+
+def test_a_tree_commit_moves_only_its_own_rows_keys():
+    # Decoder.step commits each sequence's accepted nodes in its own cache row: a branch's nodes move to the
+    # columns after the root, the other rows stay as they were, and an accepted chain prefix moves nothing.
+    from specdeploy.runtime.kvcache import KVCache
+
+    cache = KVCache.allocate_for(2, 1, 4, 3, 16, lambda shape: np.zeros(shape, dtype=np.float32))
+    for i, buf in enumerate(cache.buffers()):
+        buf[...] = np.arange(buf.size, dtype=np.float32).reshape(buf.shape) + 1000 * i
+    before = [buf.copy() for buf in cache.buffers()]
+    cache.commit_row(1, 5, np.array([0, 2, 3]))  # the root at column 5, then nodes 2 and 3 of its tree
+    for old, buf in zip(before, cache.buffers()):
+        np.testing.assert_array_equal(buf[1, :, 5:8], old[1, :, [5, 7, 8]].transpose(1, 0, 2))
+        np.testing.assert_array_equal(np.delete(buf, 1, axis=0), np.delete(old, 1, axis=0))
+        np.testing.assert_array_equal(buf[1, :, :5], old[1, :, :5])
+        np.testing.assert_array_equal(buf[1, :, 8:], old[1, :, 8:])
+    now = [buf.copy() for buf in cache.buffers()]
+    cache.commit_row(0, 2, np.array([0, 1, 2]))
+    assert all(np.array_equal(a, b) for a, b in zip(now, cache.buffers()))
