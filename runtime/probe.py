@@ -1,7 +1,8 @@
 """The exactness probe behind the step plan (:mod:`.plan`): plain rows against chain and tree rows, bit for bit.
 
-:func:`resolve_plan` probes each candidate plan in order (verdicts cached per machine) and returns the
-fastest exact one; see :mod:`.plan` for the candidates and why nothing is assumed.
+:func:`resolve_plan` probes each candidate plan in order (verdicts cached per machine, :mod:`.verdicts`) and
+returns the fastest exact one; see :mod:`.plan` for why nothing is assumed and :mod:`.plan_choice` for the
+candidates and the choice.
 """
 
 from __future__ import annotations
@@ -15,24 +16,11 @@ import numpy as np
 from .bitwise import gap, host_copy
 from .decode import Decoder
 from .errors import StepPlanError
-from .plan import (
-    LONE,
-    PROBE_LONG,
-    PROBE_PROMPT,
-    Candidate,
-    ProbeCheck,
-    ProbeResult,
-    StepPlan,
-    asked_for,
-    cached_verdict,
-    candidates,
-    choose,
-    probe_depth,
-    store_verdict,
-    verdict_key,
-)
+from .plan import LONE, PROBE_LONG, PROBE_PROMPT, Candidate, ProbeCheck, ProbeResult, StepPlan
+from .plan_choice import asked_for, candidates, choose, probe_depth
 from .rows import SeqRows, step_inputs
 from .tree import DraftTree
+from .verdicts import cached_verdict, store_verdict, verdict_key
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -139,7 +127,7 @@ def resolve_plan(backend: Backend, manifest: BundleManifest, allow_inexact: bool
 
     No exact candidate: plain decoding with the fastest candidate, or with ``allow_inexact`` speculation
     there, labelled lossy. The probe depth is the bundle's tree limit, at most :data:`~.plan.PROBE_DEPTH`.
-    ``step_plan`` names a candidate to take instead (:func:`~.plan.asked_for`: probed like the others, and
+    ``step_plan`` names a candidate to take instead (:func:`~.plan_choice.asked_for`: probed like the others, and
     refused where it is not exact, unless ``allow_inexact``), or is :data:`~.plan.LONE`: the fastest exact plan
     for one sequence at a time, whether or not its rows batch (the exactness tax's baseline).
     """

@@ -64,7 +64,7 @@ def machine_line(bundles: dict[str, Path]) -> str:
     """``machine: MODEL, ISA; plain step of the real q4_1 bundle: X ms``: the plain step of the plan the probe
     chose, read from this run's verdict cache (no step is run) where a test loaded the bundle; else timed
     now on a few 1-row steps, where this run built it (a second or two)."""
-    from specdeploy.runtime.plan import cpu_isa
+    from specdeploy.runtime.machine import cpu_isa
 
     model = "unknown CPU"
     try:

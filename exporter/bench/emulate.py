@@ -42,7 +42,7 @@ def emulated_machine(cpu: str) -> dict[str, str]:
     """What the report says of the emulated CPU: the model, QEMU's version and the ISA its guest sees."""
     prefix = list(emulator(cpu))
     version = subprocess.run([prefix[0], "--version"], check=False, capture_output=True, text=True, timeout=_TIMEOUT_S)
-    probe = subprocess.run([*prefix, sys.executable, "-c", "from specdeploy.runtime.plan import cpu_isa; print(cpu_isa())"],
+    probe = subprocess.run([*prefix, sys.executable, "-c", "from specdeploy.runtime.machine import cpu_isa; print(cpu_isa())"],
                            check=False, capture_output=True, text=True, timeout=_TIMEOUT_S)
     if probe.returncode != 0:
         tail = (probe.stderr.strip().splitlines() or ["no output"])[-1]

@@ -61,7 +61,8 @@ from specdeploy.runtime.capture import chain_feed
 from specdeploy.runtime.drafters import PromptLookupDrafter, kinds
 from specdeploy.runtime.drafters.hybrid import HybridDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
-from specdeploy.runtime.plan import StepPlan, choose, probe_depth
+from specdeploy.runtime.plan import StepPlan
+from specdeploy.runtime.plan_choice import choose, probe_depth
 from specdeploy.runtime.probe import resolve_plan
 
 WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "graphs" / "weights"  # the shipped drafts (tracked)

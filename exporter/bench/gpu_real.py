@@ -51,7 +51,8 @@ from specdeploy.runtime.architectures import gguf_architecture
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.drafters.kinds import AUTO, CERBERUS, CHIMERA, MEDUSA
 from specdeploy.runtime.errors import BackendUnavailableError, SpecDeployError
-from specdeploy.runtime.plan import StepPlan, asked_for, choose, probe_depth
+from specdeploy.runtime.plan import StepPlan
+from specdeploy.runtime.plan_choice import asked_for, choose, probe_depth
 from specdeploy.runtime.probe import resolve_plan
 
 TOPK = 10  # the heads' top-k per depth, as exported (export draft's default)

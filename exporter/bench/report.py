@@ -222,7 +222,7 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    from specdeploy.runtime.plan import cpu_isa
+    from specdeploy.runtime.machine import cpu_isa
 
     return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model or platform.processor(),
             "cpu_isa": cpu_isa(), "platform": platform.platform(), "python": sys.version.split()[0]}

@@ -220,15 +220,11 @@ def report_step_plans(bundle_dir: Path, manifest: BundleManifest,
     and acts on at load, not the export's.
     """
     from specdeploy.runtime.backends import make_backend
-    from specdeploy.runtime.plan import (
-        ROWS_CHECK,
-        candidates,
-        machine_id,
-        probe_depth,
-        store_verdict,
-        verdict_key,
-    )
+    from specdeploy.runtime.machine import machine_id
+    from specdeploy.runtime.plan import ROWS_CHECK
+    from specdeploy.runtime.plan_choice import candidates, probe_depth
     from specdeploy.runtime.probe import probe, resolve_plan
+    from specdeploy.runtime.verdicts import store_verdict, verdict_key
 
     depth = probe_depth(manifest.limits.max_tree)
     progress(f"probing step plans bit for bit on this machine ({machine_id()}), chains of 2..{depth} rows ...")

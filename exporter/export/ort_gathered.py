@@ -19,8 +19,8 @@ rotated as in any other graph.
 
 Cost: each row copies its ``past + T`` value rows once per layer, and the attention is some 20 nodes a
 layer where the fused graph has one. On the q4_1 main bundle (AMD EPYC family 26, 2 threads) a plain step
-costs about 1.2 fused plain steps (docs/benchmarks.md, "Exact trees on a CPU"); the step plan
-(``runtime/plan.py``) takes this graph only where its plain step costs at most ``GATHERED_MAX_COST``
+costs about 1.2 fused plain steps (docs/benchmarks.md, "Exact trees on a CPU"); the step plan's choice
+(``runtime/plan_choice.py``) takes this graph only where its plain step costs at most ``GATHERED_MAX_COST``
 times the fastest chain plan's, since every plain step pays for it.
 """
 

@@ -49,7 +49,7 @@ class Backend(ABC):
     name: str = "backend"
     manifest: BundleManifest
     threads: int = 0  # intra-op threads, part of the exactness verdict's key (0: not applicable)
-    # Whether the backend has a second graph for 1-row steps (``split`` step plans, see runtime/plan.py).
+    # Whether the backend has a second graph for 1-row steps (``split`` step plans, see runtime/plan_choice.py).
     can_split: bool = False
     # Whether steps return ``layer_states`` (a graph exported with feature_layers, on a backend that binds it).
     layer_states: bool = False

@@ -20,7 +20,8 @@ import torch
 from specdeploy.exporter.bench.gpu import SMOLLM2_135M, TINY, Check, prompts, warm_clock
 from specdeploy.exporter.bench.gpu_common import timed_decode
 from specdeploy.runtime.drafters import PromptLookupDrafter
-from specdeploy.runtime.plan import Candidate, choose
+from specdeploy.runtime.plan import Candidate
+from specdeploy.runtime.plan_choice import choose
 from specdeploy.runtime.probe import probe
 
 

@@ -40,7 +40,7 @@ def test_export_and_parity(arch, tiny_bundle_factory, tiny_model_factory):
     assert {c.case for c in checks} == {f"{case}{tag}" for case in ("prefill", "step", "tree") for tag in ("", "[ort]", "[ort-tree]")}
     assert all(c.passed for c in checks)
     assert all(c.argmax_agree for c in checks if c.output == "logits")
-    # The step-plan probe's report: every candidate, then the runtime's choice (runtime/plan.py).
+    # The step-plan probe's report: every candidate, then the runtime's choice (runtime/plan_choice.py).
     plans = [line for line in lines if line.lstrip().startswith("plan ")]
     depth = min(16, manifest.limits.max_tree)
     assert [p.split()[1] for p in plans] == ["one-graph", "two-rows", f"padded-{depth}", "gathered",

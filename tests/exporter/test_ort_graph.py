@@ -431,9 +431,9 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path, monkeypat
     the same fp32 graph under two names)."""
     import shutil
 
-    from specdeploy.runtime import plan
+    from specdeploy.runtime import plan_choice
 
-    monkeypatch.setattr(plan, "GATHERED_MAX_COST", 0.0)  # the split plan, not the exact-tree one (test_gathered.py)
+    monkeypatch.setattr(plan_choice, "GATHERED_MAX_COST", 0.0)  # the split plan, not the exact-tree one (test_gathered.py)
 
     from specdeploy.exporter.export.staging import graph_entry
     from specdeploy.runtime.bundle import write_manifest

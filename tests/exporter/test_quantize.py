@@ -204,7 +204,8 @@ def test_steps_follow_each_plan(quant_bundles, tiny_bundle, precision):
     greedy output equals plain output on it."""
     from specdeploy.runtime.decode import Decoder
     from specdeploy.runtime.drafters import PromptLookupDrafter
-    from specdeploy.runtime.plan import StepPlan, candidates
+    from specdeploy.runtime.plan import StepPlan
+    from specdeploy.runtime.plan_choice import candidates
     from specdeploy.runtime.probe import probe
 
     bundle = tiny_bundle if precision == "fp32" else quant_bundles[precision]

@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from specdeploy.exporter.bench import emulate
 from specdeploy.exporter.bench.run import BenchError, run_bench, worker_argv
 from specdeploy.exporter.cli import main
-from specdeploy.runtime import plan
+from specdeploy.runtime import machine, verdicts
 
 ROME = "EPYC-Rome-v2"  # AMD EPYC 7002: AVX2, FMA; no AVX-512, no VNNI
 # the tests under the emulator: a sweep, and only where QEMU is installed
@@ -36,7 +36,7 @@ needs_qemu = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("
                                 reason="needs qemu-x86_64 (Debian package qemu-user; scripts/test.sh installs it)")
 # On a host that is itself an AVX2-only CPU, the native real-bundle tests already run on the emulated
 # kind; emulating it again costs ~17 min per real bundle there (session 23) and checks nothing new.
-_HOST_ISA = set(plan.cpu_isa().split(" (")[0].split())
+_HOST_ISA = set(machine.cpu_isa().split(" (")[0].split())
 not_avx2_host = pytest.mark.skipif(
     "avx2" in _HOST_ISA and not _HOST_ISA & {"avx512f", "avx512_vnni", "avx_vnni", "amx_int8"},
     reason="this machine is itself an AVX2-only CPU: the native tests of the real bundles cover that kind")
@@ -60,23 +60,23 @@ def _prompts(tmp_path: Path) -> Path:
 # --- what the machine is (no emulator needed) ------------------------------------------------------
 def test_cpu_isa_and_verdict_key_follow_cpuid_not_proc_cpuinfo(monkeypatch):
     """Under an emulator /proc/cpuinfo is the host's; a verdict probed natively must not be reused there."""
-    monkeypatch.setattr(plan, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"}))
-    monkeypatch.setattr(plan, "process_features", lambda: frozenset({"AVX2", "AVX512F", "AVX512VNNI"}))
-    assert plan.cpu_isa() == "avx2 avx512f avx512_vnni avx_vnni"
-    native = plan.machine_id()
-    monkeypatch.setattr(plan, "process_features", lambda: frozenset({"AVX2"}))
-    isa = plan.cpu_isa()
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma"}))
+    monkeypatch.setattr(machine, "process_features", lambda: frozenset({"AVX2", "AVX512F", "AVX512VNNI"}))
+    assert machine.cpu_isa() == "avx2 avx512f avx512_vnni avx_vnni"
+    native = machine.machine_id()
+    monkeypatch.setattr(machine, "process_features", lambda: frozenset({"AVX2"}))
+    isa = machine.cpu_isa()
     assert isa == "avx2 (CPUID lacks avx512_vnni avx512f of /proc/cpuinfo: emulated or masked)"
-    assert plan.machine_id() != native
-    monkeypatch.setattr(plan, "process_features", lambda: None)  # numpy's view unreadable: /proc/cpuinfo alone
-    assert plan.cpu_isa() == "avx2 avx512f avx512_vnni avx_vnni"
+    assert machine.machine_id() != native
+    monkeypatch.setattr(machine, "process_features", lambda: None)  # numpy's view unreadable: /proc/cpuinfo alone
+    assert machine.cpu_isa() == "avx2 avx512f avx512_vnni avx_vnni"
 
 
 def test_this_process_sees_what_numpy_detected():
-    seen = plan.process_features()
+    seen = machine.process_features()
     if seen is None:
         pytest.skip("this numpy does not expose its CPU feature table")
-    flags = plan.cpu_flags()
+    flags = machine.cpu_flags()
     if platform.machine() == "x86_64" and "avx2" in flags:
         assert "AVX2" in seen  # natively, both views agree
 
@@ -121,7 +121,7 @@ import json, sys, threading
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
-from specdeploy.runtime.plan import cpu_isa
+from specdeploy.runtime.machine import cpu_isa
 bundle, tokens, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 with load(bundle, threads=2, draft=None) as eng:
     out = {"isa": cpu_isa(), "plan": eng.plan.reason, "speculate": eng.plan.speculate,
@@ -185,7 +185,7 @@ def test_emulated_avx2_cpu_speculation_equals_plain(precision, tiny_bundle, tiny
                     progress=lambda m: None)
     got = _emulated_lookup(bundle, ["Repeat after me: red green blue, red green blue.", "one two three one two three"], 40)
     print(f"tiny {precision} on emulated {ROME}: {got['plan']} {got['batching']} {got['batched_same']}")
-    machines = {v["machine"] for v in json.loads((plan.cache_dir() / "exactness.json").read_text()).values()}
+    machines = {v["machine"] for v in json.loads((verdicts.cache_dir() / "exactness.json").read_text()).values()}
     if "CPUID lacks" in got["isa"]:  # the host has more (AVX-512, VNNI): the guest's verdict is cached apart
         assert any("CPUID lacks" in m for m in machines)
     else:  # the host is an AVX2-only CPU itself: the same kernel-relevant flags, so the same kind of key

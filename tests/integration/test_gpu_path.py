@@ -30,7 +30,7 @@ from specdeploy.runtime.decode import Decoder, GenerationConfig
 from specdeploy.runtime.drafters import PromptLookupDrafter
 from specdeploy.runtime.errors import BackendUnavailableError, BundleError
 from specdeploy.runtime.kvcache import KVCache, capacity_buckets
-from specdeploy.runtime.plan import candidates
+from specdeploy.runtime.plan_choice import candidates
 from specdeploy.runtime.probe import resolve_plan
 from specdeploy.runtime.tree import build_buffers
 
@@ -288,7 +288,7 @@ def test_torch_cuda_gathered_trees_are_exact(tiny_bundle):
     trees decode as plain decoding does on it."""
     from decode_checks import OracleDrafter
     from specdeploy.exporter.reference.torch_backend import TorchBackend
-    from specdeploy.runtime.plan import choose
+    from specdeploy.runtime.plan_choice import choose
 
     manifest = read_manifest(tiny_bundle)
     with TorchBackend(tiny_bundle, manifest, device="cuda", cuda_graphs=True) as backend:

@@ -1,4 +1,4 @@
-"""Trees exact by construction: the gathered step plans (``exporter/export/ort_gathered.py``, ``runtime/plan.py``).
+"""Trees exact by construction: the gathered step plans (``exporter/export/ort_gathered.py``, ``runtime/plan_choice.py``).
 
 Each row of the bundle's ``ort-tree`` graph attends over its keys in the order a plain step sees them, so a
 tree node's row equals the plain row of the same token: the probe checks it on this machine, the step plan
@@ -17,7 +17,8 @@ from specdeploy.exporter.cli import main
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import StepPlanError
-from specdeploy.runtime.plan import GATHERED_MAX_COST, Candidate, ProbeCheck, ProbeResult, StepPlan, choose
+from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult, StepPlan
+from specdeploy.runtime.plan_choice import GATHERED_MAX_COST, choose
 from specdeploy.runtime.probe import probe
 from specdeploy.runtime.tree import DraftTree
 
@@ -33,7 +34,7 @@ def _result(cand: Candidate, tree_gap: float, ms: float) -> ProbeResult:
 def test_the_bundle_has_the_tree_graph_and_the_backend_offers_it(tiny_bundle):
     from specdeploy.runtime.backends import make_backend
     from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.plan import candidates
+    from specdeploy.runtime.plan_choice import candidates
 
     manifest = read_manifest(tiny_bundle)
     entry = manifest.tree_graph()
@@ -132,7 +133,7 @@ def test_a_named_plan_is_probed_and_refused_where_it_is_not_exact(tiny_bundle, m
 
 
 def test_cached_verdicts_without_the_gathered_field_still_read(tmp_path, monkeypatch):
-    from specdeploy.runtime.plan import cached_verdict
+    from specdeploy.runtime.verdicts import cached_verdict
 
     monkeypatch.setenv("SPECDEPLOY_CACHE", str(tmp_path))
     old = {"candidate": {"name": "one-graph", "split": False, "min_rows": 1},

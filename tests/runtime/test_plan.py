@@ -1,6 +1,6 @@
-"""The step plan (``runtime/plan.py``): the probe catches a row that differs, the runtime runs the plan
-the probe allows, the verdict is cached per machine, and without an exact plan speculation is refused
-with one sentence (or runs labelled lossy when allowed).
+"""The step plan (``runtime/plan.py``, ``plan_choice.py``, ``verdicts.py``): the probe catches a row that
+differs, the runtime runs the plan the probe allows, the verdict is cached per machine, and without an exact
+plan speculation is refused with one sentence (or runs labelled lossy when allowed).
 
 No test here asserts what this machine's kernels do: only that the runtime's choice follows the probe.
 """
@@ -15,10 +15,12 @@ from click.testing import CliRunner
 from specdeploy.exporter.cli import main
 from specdeploy.runtime import load, plan
 from specdeploy.runtime import probe as probe_mod
+from specdeploy.runtime import verdicts as verdict_cache
 from specdeploy.runtime.backends.base import Backend, StepOutputs
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.errors import ExactnessWarning
-from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult, choose
+from specdeploy.runtime.plan import Candidate, ProbeCheck, ProbeResult
+from specdeploy.runtime.plan_choice import candidates, choose, probe_depth
 from specdeploy.runtime.probe import probe, resolve_plan
 
 PROMPTS = [
@@ -68,7 +70,7 @@ def test_runtime_runs_the_plan_the_probe_allows(tiny_bundle):
         got = engine.plan
         # the plan its verdicts allow (timings decide between exact plans near a cost limit, so a fresh probe's
         # choice may differ there), and those verdicts are the machine's: a fresh probe finds the same
-        mine = plan.choose(list(got.probes), plan.probe_depth(engine.manifest.limits.max_tree))
+        mine = choose(list(got.probes), probe_depth(engine.manifest.limits.max_tree))
         assert (got.candidate, got.speculate, got.exact, got.trees) == (mine.candidate, mine.speculate, mine.exact,
                                                                          mine.trees)
         verdicts = {r.candidate: (r.chains_exact, r.trees_exact) for r in fresh.probes}
@@ -177,9 +179,9 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         # What the backend can still run: at load the engine frees the graphs its plan does not use (release_unused:
         # the 1-row graph without a split plan, the gathered one without a gathered plan), and with them their
         # candidates. Which plan a CPU picks (and so which graphs stay) is the probe's verdict there.
-        runnable = [c.name for c in plan.candidates(engine.backend, plan.probe_depth(engine.manifest.limits.max_tree))]
+        runnable = [c.name for c in candidates(engine.backend, probe_depth(engine.manifest.limits.max_tree))]
         assert first.candidate.name in runnable
-        monkeypatch.setattr(plan, "machine_id", lambda: "another CPU | x86_64 | 000")
+        monkeypatch.setattr(verdict_cache, "machine_id", lambda: "another CPU | x86_64 | 000")
         del looked_up[:]
         resolve_plan(engine.backend, engine.manifest)
         # another machine: no verdict of this one's is reused, so each candidate asked about is probed again, and
@@ -194,7 +196,7 @@ def test_verdicts_are_cached_per_machine(tiny_bundle, tmp_path, monkeypatch):
         assert len(calls) > n
         # the plan its verdicts allow, and those verdicts are the first probe's (timings decide between exact plans
         # near a cost limit, so the choice itself may differ from the first load's)
-        mine = plan.choose(list(got.probes), plan.probe_depth(engine.manifest.limits.max_tree))
+        mine = choose(list(got.probes), probe_depth(engine.manifest.limits.max_tree))
         assert (got.candidate, got.exact, got.trees) == (mine.candidate, mine.exact, mine.trees)
         verdicts = {r.candidate: (r.chains_exact, r.trees_exact) for r in first.probes}
         assert all(verdicts[r.candidate] == (r.chains_exact, r.trees_exact) for r in got.probes

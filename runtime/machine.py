@@ -1,0 +1,73 @@
+"""What this machine is, as the kernels ONNX Runtime picks see it: the CPU's model and instruction sets.
+
+:func:`machine_id` keys the step plan's verdicts (:mod:`.verdicts`); :func:`cpu_isa` is printed beside figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_bf16", "asimddp", "sve")
+# /proc/cpuinfo names of the flags numpy also detects, by CPUID, in this very process
+_NUMPY_NAMES = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_vnni": "AVX512VNNI", "avx512_bf16": "AVX512BF16",
+                "asimddp": "ASIMDDP", "sve": "SVE"}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``; empty where it is not readable)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def process_features() -> frozenset[str] | None:
+    """The instruction sets this process's CPUID reports, as numpy detected them at import; None if unknown.
+
+    Usually what /proc/cpuinfo says; not under an emulator (``qemu-x86_64 -cpu EPYC-Rome``, whose guest
+    sees AVX2 only while /proc/cpuinfo shows the host's AVX-512) or a hypervisor that masks features.
+    ONNX Runtime picks its kernels by CPUID, so this is the view that decides them."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as feats  # numpy >= 2
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as feats  # numpy 1.x
+        except ImportError:
+            return None
+    return frozenset(k for k, on in feats.items() if on)
+
+
+def cpu_isa() -> str:
+    """The kernel-relevant instruction sets, e.g. ``avx2`` or ``avx2 avx512f avx512_vnni``, to print beside figures.
+
+    Flags /proc/cpuinfo lists but this process's CPUID lacks are left out; where the two views disagree,
+    the flags numpy cannot check (AVX-VNNI, AMX) are left out too and the text says so."""
+    flags, seen = cpu_flags(), process_features()
+    if seen is None or not flags:
+        return " ".join(f for f in ISA_FLAGS if f in flags) or "unknown"
+    masked = {f for f, name in _NUMPY_NAMES.items() if f in flags and name not in seen}
+    keep = [f for f in ISA_FLAGS if f in flags and f not in masked and (f in _NUMPY_NAMES or not masked)]
+    note = f" (CPUID lacks {' '.join(sorted(masked))} of /proc/cpuinfo: emulated or masked)" if masked else ""
+    return (" ".join(keep) or "unknown") + note
+
+
+def machine_id() -> str:
+    """The CPU model and instruction-set flags, which decide the kernels ONNX Runtime picks."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    seen = process_features()
+    flags = " ".join(sorted(cpu_flags())) + " | cpuid: " + (" ".join(sorted(seen)) if seen is not None else "?")
+    return f"{model} | {platform.machine()} | {cpu_isa()} | {hashlib.sha1(flags.encode()).hexdigest()[:12]}"
+
+
+__all__ = ["ISA_FLAGS", "cpu_flags", "cpu_isa", "machine_id", "process_features"]
