@@ -48,8 +48,8 @@ _HEADROOM = 128  # spare columns when the cache grows, so that it does not grow 
 MAX_DRAFT = 10  # longest chain per sequence
 
 
-def row_drafters(draft: str | None, bundle_dir: Path, manifest: BundleManifest, suffix_cache_tokens: int | None = None,
-                 threads: int | None = None, backend: Backend | None = None) -> Callable[[], Drafter] | None:
+def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifest, suffix_cache_tokens: int | None = None,
+                    threads: int | None = None, backend: Backend | None = None) -> Callable[[], Drafter] | None:
     """What makes each batched sequence's own drafter for ``draft`` (chains), or None for plain decoding: the
     same sources ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (each
     trained draft keeps a model of its own per sequence). A draft the bundle lacks or does not know fails here,
@@ -118,20 +118,20 @@ class BatchScheduler:
     """N decode slots over one backend; ``submit`` returns a token iterator, like ``Decoder.generate``."""
 
     def __init__(self, backend: Backend, manifest: BundleManifest, plan: StepPlan, max_batch: int,
-                 drafter: Callable[[], Drafter] | None = None, lossy: bool = False):
+                 new_drafter: Callable[[], Drafter] | None = None, lossy: bool = False):
         self.backend, self.manifest, self.plan = backend, manifest, plan
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch = max_batch
         self.lossy = lossy  # rows of several sequences are not bitwise as alone here (allow_inexact)
-        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if drafter is not None and plan.speculate else 1
+        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if new_drafter is not None and plan.speculate else 1
         self.decoder = Decoder(backend, manifest, None, max_tree=self.max_rows, plan=plan)  # the decode loop
         self.limit = manifest.limits.max_context
         self.min_rows = plan.min_rows
         self.draft = self.max_rows > 1
-        self._new_drafter = drafter  # a drafter per sequence (its state is the sequence's)
+        self._new_drafter = new_drafter  # a drafter per sequence (its state is the sequence's)
         self._spare: list[Drafter] = []  # drafters of requests that ended, for the next ones (a model is kept)
-        if drafter is not None:  # the first made now: a draft the base's graph cannot feed fails at load
-            first = drafter()
+        if new_drafter is not None:  # the first made now: a draft the base's graph cannot feed fails at load
+            first = new_drafter()
             self.decoder.check_drafter(first)
             self._spare.append(first)
         # Capacities in steps of 64 columns, not doublings: the cache holds max_batch rows of fp32 K/V.

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Self
 
 from .backends import make_backend
-from .batch import BatchScheduler, row_drafters
+from .batch import BatchScheduler, drafter_factory
 from .bundle import BundleManifest, read_manifest
 from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
 from .drafters import make_drafter
@@ -143,14 +143,14 @@ class Engine:
         """The continuous-batching scheduler where the step plan computes a sequence's rows the same whatever else
         the step holds (``StepPlan.rows``), or labelled lossy with ``allow_inexact``; else None (one generation at
         a time, with speculation), with one warning that says why."""
-        def drafters():  # made only where it batches: the serial fallback makes its own drafter
-            return row_drafters(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
-                                self.backend)
+        def factory():  # made only where it batches: the serial fallback makes its own drafter
+            return drafter_factory(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
+                                   self.backend)
 
         if self.plan.rows and self.backend.can_batch_rows:
             self.batch_reason = (f"exact batching: up to {max_batch} requests share each step, each answer the one "
                                  f"it gets alone (step plan '{self.plan.candidate.name}', probed on this machine).")
-            return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, drafter=drafters())
+            return BatchScheduler(self.backend, self.manifest, self.plan, max_batch, new_drafter=factory())
         why = ("no step plan here computes a sequence's rows the same among other sequences' rows "
                f"({self.plan.candidate.name}: {_rows_verdict(self.plan)})")
         if not allow_inexact or not self.backend.can_batch_rows:
@@ -166,7 +166,7 @@ class Engine:
         plan = dataclasses.replace(self.plan, candidate=dataclasses.replace(self.plan.candidate, gathered=True,
                                                                             split=False))
         self.batch_reason = f"LOSSY batching (allow_inexact): {why}; answers may differ from a request alone."
-        return BatchScheduler(self.backend, self.manifest, plan, max_batch, drafter=drafters(), lossy=True)
+        return BatchScheduler(self.backend, self.manifest, plan, max_batch, new_drafter=factory(), lossy=True)
 
     @property
     def fingerprint(self) -> str:

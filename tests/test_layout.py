@@ -205,11 +205,11 @@ def test_only_the_descriptions_spell_a_draft_kind():
 
 def test_each_draft_kind_names_code_that_resolves():
     """A description's lazily named code (``"module:function"``) imports and is callable; a trained kind names all
-    of it, and every kind has a drafter and a bench variant."""
+    of it, and every kind has a maker (its runtime drafter) and a bench variant."""
     from specdeploy.exporter.bench.variants import OWN_VARIANTS
     from specdeploy.runtime.drafters.kinds import KINDS, TRAINED_KINDS, resolve
 
-    code = ("drafter", "model", "builder", "trainer", "calibrator", "reference", "validate", "torch_drafter")
+    code = ("maker", "model", "builder", "trainer", "calibrator", "reference", "validate", "torch_maker")
     variants = {v.name for v in OWN_VARIANTS}
     for kind in KINDS:
         for field in code:
@@ -217,7 +217,7 @@ def test_each_draft_kind_names_code_that_resolves():
             assert dotted is None or callable(resolve(dotted)), f"{kind.name}.{field} = {dotted}"
         if kind.name in TRAINED_KINDS:
             assert all(getattr(kind, field) for field in code), kind.name
-        assert kind.drafter and kind.bench_variant in variants, kind.name
+        assert kind.maker and kind.bench_variant in variants, kind.name
 
 
 def _calls(path: Path) -> set[str]:

@@ -136,10 +136,10 @@ class TorchSession:
 def bundle_drafter(name: str, manifest, embed_weight: torch.Tensor, lm_weight: torch.Tensor, device,
                    dtype: torch.dtype, tree: str | None, chains: bool):
     """The bundle's trained draft ``name`` (chimera, medusa, cerberus, cerberus-nogate) in torch on ``device``,
-    by the ``torch_drafter`` its kind's description names."""
+    by the ``torch_maker`` its kind's description names."""
     from specdeploy.runtime.drafters.kinds import describe, resolve
 
-    return resolve(describe(name).torch_drafter)(name, manifest, embed_weight, lm_weight, device, dtype, tree, chains)
+    return resolve(describe(name).torch_maker)(name, manifest, embed_weight, lm_weight, device, dtype, tree, chains)
 
 
 def _entry_tree(name: str, manifest, tree: str | None, chains: bool):

@@ -1,4 +1,5 @@
-"""Drafter registry: each draft kind's description (``kinds``) names the factory that makes its drafter."""
+"""Drafter registry: each draft kind's description (``kinds``) names the function that makes its drafter
+(``DraftKind.maker``)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ def make_drafter(name: str | None, bundle_dir: Path, manifest: BundleManifest, t
     if name in (None, "", NONE):
         return None
     kind = known(name)
-    if kind is None or kind.drafter is None:
+    if kind is None or kind.maker is None:
         raise DraftMismatchError(draft_name_error(name))
     request = DraftRequest(name, bundle_dir, manifest, tree, threads, chains, backend, suffix_cache_tokens)
-    return resolve(kind.drafter)(request)
+    return resolve(kind.maker)(request)
 
 
 __all__ = ["DRAFTS", "DraftContext", "Drafter", "PromptLookupDrafter", "make_drafter", "tree_spec"]

@@ -48,7 +48,7 @@ class GraphRole:
 class DraftKind:
     """One draft kind. Code is named lazily (``"module:function"``, see :func:`resolve`).
 
-    - ``drafter(request: make.DraftRequest) -> Drafter``: the runtime drafter ``--draft NAME`` gets;
+    - ``maker(request: make.DraftRequest) -> Drafter``: makes the runtime drafter ``--draft NAME`` gets;
     - ``model(name, bundle_dir, manifest, tree, threads, chains) -> Drafter``: a trained kind's own drafter
       on ONNX Runtime (the one ``hybrid``, ``auto`` and the paid draft wrap);
     - ``builder(bundle, kind, draft, **options) -> DraftEntry``: ``export draft --kind NAME``;
@@ -56,7 +56,8 @@ class DraftKind:
       progress=) -> dict``: ``train calibrate --kind NAME``;
     - ``reference(entry, lm_weight, embed_weight) -> {role: torch module}``: the traced modules, for parity;
     - ``validate(bundle_dir, entry, loaded, prompt_ids, feeds, progress) -> [OutputCheck]``: torch vs ORT;
-    - ``torch_drafter(name, manifest, embed, lm, device, dtype, tree, chains)``: the drafter in torch.
+    - ``torch_maker(name, manifest, embed, lm, device, dtype, tree, chains) -> Drafter``: makes the drafter in
+      torch.
     """
 
     name: str
@@ -67,14 +68,14 @@ class DraftKind:
     auto_model: bool = False  # ``auto`` adds this trained draft where the bundle has it (first in this order)
     batches: bool = False  # batched rows (max_batch > 1) can draft with it
     default_model: str | None = None  # ``hybrid``: the trained draft when none is named (hybrid:KIND)
-    drafter: str | None = None
+    maker: str | None = None
     model: str | None = None
     builder: str | None = None
     trainer: str | None = None
     calibrator: str | None = None
     reference: str | None = None
     validate: str | None = None
-    torch_drafter: str | None = None
+    torch_maker: str | None = None
     bench_variant: str | None = None
 
     @property
@@ -94,35 +95,35 @@ class DraftKind:
 _HEADS_CODE = {"model": f"{_MAKE}:heads_model", "builder": f"{_EXPORT}:export_heads", "trainer": _TRAIN_HEADS,
                "calibrator": _CAL_HEADS, "reference": f"{_EXPORT}:heads_modules",
                "validate": "specdeploy.exporter.check.validate:compare_heads",
-               "torch_drafter": f"{_REF}:heads_bundle_drafter", "drafter": f"{_MAKE}:trained_alone"}
+               "torch_maker": f"{_REF}:heads_bundle_drafter", "maker": f"{_MAKE}:trained_alone"}
 _CERBERUS_ROLES = (GraphRole(CERBERUS, HEADS), GraphRole(f"{CERBERUS}-gate", GATE))
 
 KINDS: tuple[DraftKind, ...] = (
     DraftKind(AUTO, "per step: lookup/n-grams, suffix, the bundle's trained draft or a plain step, by value per cost",
-              drafter=f"{_MAKE}:auto", bench_variant=AUTO),
+              maker=f"{_MAKE}:auto", bench_variant=AUTO),
     DraftKind(PROMPT_LOOKUP, "prompt-lookup tree drafts from the context (no training)", batches=True,
-              drafter=f"{_MAKE}:prompt_lookup", bench_variant=PROMPT_LOOKUP),
+              maker=f"{_MAKE}:prompt_lookup", bench_variant=PROMPT_LOOKUP),
     DraftKind(NGRAM, "prompt lookup + the base model's own n-gram table (a table from its replies, no weights)",
-              bundle_kind=NGRAM, batches=True, drafter=f"{_MAKE}:ngram",
+              bundle_kind=NGRAM, batches=True, maker=f"{_MAKE}:ngram",
               builder="specdeploy.exporter.export.ngram:build_ngram", bench_variant=NGRAM),
     DraftKind(SUFFIX, "this request's context and earlier requests' outputs (a cache shared across requests)",
-              drafter=f"{_MAKE}:suffix", bench_variant=SUFFIX),
+              maker=f"{_MAKE}:suffix", bench_variant=SUFFIX),
     DraftKind(CHIMERA, "trigram encoder + one decoder layer + residual heads, with its own KV cache",
               bundle_kind=CHIMERA, roles=(GraphRole(CHIMERA, CHIMERA_STEP),), auto_model=True,
-              drafter=f"{_MAKE}:trained_alone", model=f"{_MAKE}:chimera_model", builder=f"{_EXPORT}:export_chimera",
+              maker=f"{_MAKE}:trained_alone", model=f"{_MAKE}:chimera_model", builder=f"{_EXPORT}:export_chimera",
               trainer="specdeploy.exporter.train.chimera:run_chimera_training",
               calibrator="specdeploy.exporter.calibrate.chimera:calibrate",
               reference=f"{_EXPORT}:chimera_modules", validate="specdeploy.exporter.check.validate:compare_chimera",
-              torch_drafter=f"{_REF}:chimera_bundle_drafter", bench_variant=CHIMERA),
+              torch_maker=f"{_REF}:chimera_bundle_drafter", bench_variant=CHIMERA),
     DraftKind(MEDUSA, "Medusa-style heads over the base's last hidden state", bundle_kind=MEDUSA,
               roles=(GraphRole(MEDUSA, HEADS),), auto_model=True, bench_variant=MEDUSA, **_HEADS_CODE),
     DraftKind(CERBERUS, "Cerberus heads (sequential blocks) with the calibrated gate", bundle_kind=CERBERUS,
               roles=_CERBERUS_ROLES, gated=True, auto_model=True, bench_variant=CERBERUS, **_HEADS_CODE),
     DraftKind(CERBERUS_NOGATE, "the Cerberus heads with the gate off (always draft)", bundle_kind=CERBERUS,
-              roles=_CERBERUS_ROLES, model=f"{_MAKE}:heads_model", drafter=f"{_MAKE}:trained_alone",
-              torch_drafter=f"{_REF}:heads_bundle_drafter", bench_variant=CERBERUS_NOGATE),
+              roles=_CERBERUS_ROLES, model=f"{_MAKE}:heads_model", maker=f"{_MAKE}:trained_alone",
+              torch_maker=f"{_REF}:heads_bundle_drafter", bench_variant=CERBERUS_NOGATE),
     DraftKind(HYBRID, "prompt lookup + a trained draft in one tree; hybrid:KIND picks the draft", default_model=CHIMERA,
-              drafter=f"{_MAKE}:hybrid", bench_variant=HYBRID),
+              maker=f"{_MAKE}:hybrid", bench_variant=HYBRID),
 )
 _BY_NAME = {k.name: k for k in KINDS}
 

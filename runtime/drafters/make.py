@@ -1,6 +1,6 @@
-"""The runtime drafter factories the draft-kind descriptions name (``DraftKind.drafter`` and ``.model``).
+"""The runtime drafter factories the draft-kind descriptions name (``DraftKind.maker`` and ``.model``).
 
-Each ``drafter`` factory takes one :class:`DraftRequest` (the ``--draft`` name and what the engine
+Each ``maker`` takes one :class:`DraftRequest` (the ``--draft`` name and what the engine
 knows) and returns the :class:`Drafter`; each ``model`` factory loads a trained draft itself on ONNX
 Runtime. :func:`~specdeploy.runtime.drafters.make_drafter` picks the factory by the kind's description.
 """

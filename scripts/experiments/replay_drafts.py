@@ -69,13 +69,13 @@ def main() -> None:
         raise SystemExit("The bundle's tokenizer does not give the run's prompt lengths: another bundle or file.")
     outputs = [p["token_ids"] for p in base["prompts"]]
     curve = {1: 1.0, **{int(t): float(c) for t, c in (pair.split(":") for pair in args.curve.split(","))}}
-    drafters = {"prompt-lookup": PromptLookupDrafter}
+    new_drafter = {"prompt-lookup": PromptLookupDrafter}  # name -> what makes that drafter
     table = args.bundle / TABLE_FILE
     if table.is_file():
         loaded = NgramTable.load(table)
-        drafters["ngram"] = lambda: NgramDrafter(loaded)
+        new_drafter["ngram"] = lambda: NgramDrafter(loaded)
     print(f"{len(outputs)} outputs, {sum(map(len, outputs))} tokens, curve {curve}")
-    for name, make in drafters.items():
+    for name, make in new_drafter.items():
         tau, speedup = replay(make, prompts, outputs, curve)
         print(f"{name:14s} tau {tau:.3f}  predicted decode speed-up {speedup:.3f}x")
 
