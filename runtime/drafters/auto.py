@@ -5,7 +5,9 @@ The free sources are prompt lookup (the model's own n-gram table with it, where 
 outputs of earlier requests in the engine's shared cache: :class:`~.suffix.SuffixDrafter`). Each sizes
 its proposal on the backend's cost curve from the acceptance it has earned, so each knows what its
 proposal is worth: expected tokens over the step's cost. :class:`FreeSources` asks both and keeps the
-one worth more; a proposal worth no more than a plain step's 1.0 is a plain step.
+one worth more; a proposal worth no more than a plain step's 1.0 is a plain step. The suffix drafter is
+asked with lookup's proposal as the bar to beat, so it prices a match before it expands it and makes
+no tree that could not be kept (it wins few steps); what it learns is the same.
 
 Where the bundle has a trained draft, :class:`~.hybrid.HybridDrafter` sits on top with the same rule:
 the model is called only when its expected tokens per unit of cost, its own call's measured time
@@ -79,14 +81,19 @@ class FreeSources(_SuffixCacheView, Drafter):
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         by_lookup = self.lookup.propose(ctx)
-        by_suffix = self.suffix.propose(ctx)
+        value, by_suffix = self.suffix.draft(ctx, by_lookup.value)  # a tree only where it may beat lookup's
         plain = self.lookup.worth(None, 0, 1)
-        best, used = max(((by_lookup, "lookup"), (by_suffix, SUFFIX)), key=lambda c: c[0].value)
-        if best.num_nodes == 1 or best.value <= plain:
+        if value > by_lookup.value:  # the suffix's proposal is worth more (ties: lookup's)
+            best, used, drafted = by_suffix, SUFFIX, by_suffix is not None and value > plain
+        else:
+            best, used, drafted = by_lookup, "lookup", by_lookup.num_nodes > 1 and by_lookup.value > plain
+        if not drafted:
             self._used = None
             self.sources["plain"] += 1
+            if by_lookup.num_nodes == 1 and by_lookup.value == plain:  # lookup's own plain step: the same proposal
+                return by_lookup
             return DraftTree.root(int(ctx.tokens[-1])).priced(plain)
-        self._used = self.lookup if used == "lookup" else self.suffix
+        self._used = self.suffix if used == SUFFIX else self.lookup
         self.sources[used] += 1
         return best
 

@@ -27,9 +27,11 @@ up on every token since its last call, prompt included). :class:`PaidDraft` is t
 free source: an explicit trained draft (``--draft chimera`` and the like) drafts only on the steps where
 it is worth more than a plain step, and never drags decoding below plain.
 
-The model does not run on the steps it does not draft: the base states of the tokens accepted
-meanwhile are kept and handed to it with the next step it drafts, so a model with its own cache
-(Chimera) catches up on all of them in that one call.
+The model does not run on the steps it does not draft, and takes in nothing there: the base states of the
+tokens accepted meanwhile (the prompt's included, until the rule first wants the model) are kept as the
+decode loop handed them over, and given to it, joined, with the next step it drafts, so a model with its
+own cache (Chimera) catches up on all of them in that one call. On a step the model sits out, the hybrid
+prices it, times the step and keeps two references; the rest is the free source's work.
 """
 
 from __future__ import annotations
@@ -118,8 +120,11 @@ class HybridDrafter(Drafter):
         self._model_nodes = 0  # drafted depth of the model's main path in the last proposal (0: not its own)
         self._model_chose = False  # the model's chain was this step's proposal (whatever its depth)
         self._model_depth = 1  # depth of the model's main path, as its last proposal had it
-        # (hidden, layer states) accepted at each step since the model last ran
-        self._pending: list[tuple[np.ndarray, np.ndarray | None]] = []
+        # The base states of each step's accepted nodes since the model last ran (its catch-up), as the decode loop
+        # handed them over: [A_i, H] and [A_i, taps*H] each. No tuples, so nothing the garbage collector tracks.
+        self._pending_hidden: list[np.ndarray] = []
+        self._pending_layers: list[np.ndarray] = []
+        self._merged = False  # the last proposal holds the model's nodes under lookup's
         if not self.keep_estimates:
             self._fresh_estimates()
         self.clock.pause()
@@ -150,13 +155,19 @@ class HybridDrafter(Drafter):
             cost = self.lookup.step_cost(depth + 1) + self.timer.call_cost
         return float(self.model_acceptance.expected_up_to(depth)[depth]) / cost
 
+    def _keep(self, ctx: DraftContext) -> None:
+        """The model sits this step out: keep its accepted nodes' states for the model's next call."""
+        self._pending_hidden.append(ctx.hidden)
+        if ctx.layers is not None:
+            self._pending_layers.append(ctx.layers)
+
     def _run_model(self, ctx: DraftContext) -> DraftTree:
-        if self._pending:
-            kept = [*self._pending, (ctx.hidden, ctx.layers)]
-            layers = None if ctx.layers is None else np.concatenate([lay for _, lay in kept])
-            ctx = DraftContext(ctx.tokens, np.concatenate([h for h, _ in kept]), ctx.root_logits,
-                               ctx.max_nodes, layers)
-            self._pending.clear()
+        if self._pending_hidden:  # catch up: every state since its last call, then this step's
+            hidden = np.concatenate([*self._pending_hidden, ctx.hidden])  # [sum A_i, H]
+            layers = None if ctx.layers is None else np.concatenate([*self._pending_layers, ctx.layers])
+            ctx = DraftContext(ctx.tokens, hidden, ctx.root_logits, ctx.max_nodes, layers)
+            self._pending_hidden.clear()
+            self._pending_layers.clear()
         t0 = time.perf_counter()
         drafted = self.model.propose(ctx)
         self.timer.timed(time.perf_counter() - t0, rows=len(ctx.hidden))
@@ -166,7 +177,7 @@ class HybridDrafter(Drafter):
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
         self.clock.tick()
-        catching_up = len(self._pending) > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
+        catching_up = len(self._pending_hidden) > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
         after_retry, self._retried = self._retried, False
         tree = self._propose(ctx)
         plain = tree.num_nodes == 1
@@ -188,21 +199,24 @@ class HybridDrafter(Drafter):
         matched = found.num_nodes > 1
         # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
         # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
-        use_model = self._model_value() > found.value and (
-            self.chains or not matched or found.num_nodes < ctx.max_nodes) and self.model.wants_draft(ctx)
+        use_model = (self.chains or not matched or found.num_nodes < ctx.max_nodes) and (
+            self._model_value() > found.value) and self.model.wants_draft(ctx)
         if not use_model:
-            self._pending.append((ctx.hidden, ctx.layers))
+            self._keep(ctx)
             self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
+            self._merged = False
             self.sources["lookup" if matched else "plain"] += 1
             return found.main_path() if self.chains else found
         drafted = self._run_model(ctx)
         if self.chains or not matched:
             tree = drafted.main_path() if self.chains else drafted
             self._lookup_nodes, self._model_nodes, self._model_chose = 0, tree.main_path().num_nodes - 1, True
+            self._merged = False
             self.sources["model" if tree.num_nodes > 1 else "plain"] += 1
             return tree
         # Merged under the lookup trie: the main path is lookup's, and the model's acceptance is not its own.
         self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
+        self._merged = True
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
 
@@ -229,7 +243,9 @@ class HybridDrafter(Drafter):
             self.model.accepted(nodes, tree)
             self.model_acceptance.update(len(nodes) - 1, self._model_nodes)
         if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
-            own = nodes[: 1 + int(np.sum((nodes[1:] >= 1) & (nodes[1:] <= self._lookup_nodes)))]
+            # Unmerged, every node is lookup's. Merged, the model's nodes come after lookup's (their parents
+            # first), so a path's own nodes are its prefix up to the first past m.
+            own = nodes[: 1 + int(np.sum(nodes[1:] <= self._lookup_nodes))] if self._merged else nodes
             self.lookup.accepted(own, tree)
 
 

@@ -184,6 +184,98 @@ def test_seeded_sampling_equals_plain_seeded_sampling_whatever_drafted(tiny_bund
             assert drafted > 0
 
 
+class RecordingModel(CountingModel):
+    """A stand-in with a cache of its own (as Chimera has): what each call took in, by position."""
+
+    def __init__(self):
+        super().__init__()
+        self.took: list[tuple[list[int], list[int]]] = []  # per call: the positions of its hidden and layer rows
+
+    def propose(self, ctx):
+        self.took.append((ctx.hidden[:, 0].astype(int).tolist(), ctx.layers[:, 0].astype(int).tolist()))
+        return super().propose(ctx)
+
+
+def _states(positions) -> tuple[np.ndarray, np.ndarray]:
+    """Hidden and layer states whose rows say which position they are (hidden [A, 4], layers [A, 12])."""
+    pos = np.asarray(positions, dtype=np.float32)[:, None]
+    return np.repeat(pos, 4, axis=1), np.repeat(pos, 12, axis=1)
+
+
+def test_a_trained_draft_takes_in_nothing_until_the_rule_first_wants_it_and_then_catches_up_once():
+    """Steps the model sits out hand it nothing; the first step the rule wants it, it takes in every token's states
+    since the prompt's start (the prompt's included) in one call; after that, each call only what is new."""
+    model = RecordingModel()
+    auto = AutoDrafter(model, _free(FLAT), chains=True)
+    auto.model_acceptance.first = [1.0, 1000.0]  # it does not pay
+    prompt = list(range(100, 110))
+    tokens = [*prompt, 500]  # the prefill's token is the first root
+    hidden, layers = _states(range(len(prompt)))  # prefill: the prompt's states
+    for _ in range(20):  # no match anywhere: plain steps, one token each
+        ctx = DraftContext(np.asarray(tokens, dtype=np.int64), hidden, None, 17, layers)
+        tree = auto.propose(ctx)
+        assert tree.num_nodes == 1
+        auto.accepted(np.array([0]), tree)
+        hidden, layers = _states([len(tokens) - 1])  # the root's state; the bonus token becomes the next root
+        tokens.append(1000 + len(tokens))
+    assert model.calls == 0
+    auto.model_acceptance.first = [1000.0, 1.0]  # now it pays
+    tree = auto.propose(DraftContext(np.asarray(tokens, dtype=np.int64), hidden, None, 17, layers))
+    everything = list(range(len(tokens) - 1))  # every token before the root, from the prompt's first
+    assert model.calls == 1 and model.took == [(everything, everything)]
+    auto.accepted(np.array([0, 1, 2]), tree)  # both drafted tokens accepted
+    hidden, layers = _states([len(tokens) - 1, len(tokens), len(tokens) + 1])
+    tokens += [1, 2, 7]
+    auto.propose(DraftContext(np.asarray(tokens, dtype=np.int64), hidden, None, 17, layers))
+    new = [len(tokens) - 4, len(tokens) - 3, len(tokens) - 2]
+    assert model.calls == 2 and model.took[1] == (new, new)
+
+
+def test_lookup_learns_only_from_its_own_nodes_of_a_merged_tree():
+    """With trees, the model's nodes go under lookup's match; lookup is told the accepted path's nodes that were
+    its own (a prefix: the model's nodes come after lookup's), all of them where the model did not run."""
+    told = []
+    auto = AutoDrafter(CountingModel(), _free(FLAT), chains=False)
+    accepted = auto.lookup.accepted
+    auto.lookup.accepted = lambda nodes, tree: told.append(nodes.tolist()) or accepted(nodes, tree)
+    ctx = _ctx([5, 6, 7, 9, 5, 6])  # lookup: 6 -> 7 9 5 6
+    auto.always_model = True  # the model drafts 6 -> 1 2 beside it
+    tree = auto.propose(ctx)
+    own = tree.num_nodes - 2  # the model's two nodes come last
+    assert tree.tokens[own:].tolist() == [1, 2] and tree.parents[own:].tolist() == [0, own]
+    auto.accepted(np.array([0, own, own + 1]), tree)  # the model's branch was right
+    auto.accepted(np.array([0, 1, 2]), tree)  # lookup's was
+    auto.always_model = False
+    auto.model_acceptance.first = [1.0, 1000.0]
+    alone = auto.propose(ctx)  # lookup's proposal alone
+    auto.accepted(np.array([0, 1]), alone)
+    assert told == [[0], [0, 1, 2], [0, 1]]
+
+
+def test_pricing_the_suffix_before_proposing_changes_no_choice():
+    """``auto`` asks the suffix drafter for a tree only where it may beat lookup's proposal: the proposals, the
+    sources counted and what both sources learn are those of asking it in full every step."""
+    curve = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.6, 16: 4.4}
+    rng = np.random.default_rng(3)
+    earlier = [rng.integers(0, 12, size=60).tolist() for _ in range(4)]
+    priced, full = _free(curve), _free(curve)
+    draft = full.suffix.draft
+    full.suffix.draft = lambda ctx, bar=None: draft(ctx)  # no bar: every match expanded, every tree made
+    for free in (priced, full):
+        for out in earlier:
+            free.finished([0, *out], prompt_len=1)
+    text = rng.integers(0, 12, size=400).tolist()
+    for end in range(8, len(text)):
+        got, want = priced.propose(_ctx(text[:end])), full.propose(_ctx(text[:end]))
+        assert (got.tokens.tolist(), got.parents.tolist(), got.value) == (want.tokens.tolist(), want.parents.tolist(),
+                                                                          want.value)
+        nodes = np.arange(min(2, got.num_nodes))
+        priced.accepted(nodes, got)
+        full.accepted(nodes, want)
+    assert priced.sources == full.sources and priced.sources["suffix"] > 0 and priced.sources["lookup"] > 0
+    assert priced.suffix._calib == full.suffix._calib
+
+
 def test_what_the_model_earned_outlives_a_generation():
     auto = AutoDrafter(CountingModel(), _free(FLAT), chains=True)
     auto.model_acceptance.first = [1.0, 1000.0]

@@ -36,14 +36,15 @@ def _dump(node, prefix=()) -> dict:
 
 
 @settings(max_examples=200, deadline=None)
-@given(seqs, st.lists(st.integers(0, 4), min_size=1, max_size=8), st.integers(2, 6))
-def test_the_trie_finds_what_brute_force_finds(sequences, context, depth):
+@given(seqs, st.lists(st.integers(0, 4), min_size=1, max_size=8), st.integers(2, 6), st.integers(1, 3))
+def test_the_trie_finds_what_brute_force_finds(sequences, context, depth, shortest):
     trie = SuffixTrie(depth)
     for s in sequences:
         trie.add(s)
-    m, node = trie.find(context)
+    m, node = trie.find(context, shortest)
     want_m, want = _brute(sequences, context, depth)
-    assert m == want_m
+    want_m = want_m if want_m >= shortest else 0  # a shorter match is not asked for
+    assert m == want_m and (node is None) == (m == 0)
     if m:
         # counts of the continuations within the depth: a substring of m + 1 tokens, m + 1 <= depth
         assert {tok: kid.count for tok, kid in node.kids.items()} == dict(want)
@@ -61,6 +62,35 @@ def test_removing_a_sequence_leaves_the_trie_of_the_others(keep, drop, depth):
     for s in drop:
         trie.remove(s)
     assert _dump(trie.root) == _dump(ref.root) and trie.nodes == ref.nodes
+
+
+def test_find_walks_once_where_the_shortest_suffix_asked_for_never_occurred(monkeypatch):
+    """Most steps of ``auto`` match nothing of 2 tokens or more in the shared cache: one walk of 2 tokens says so."""
+    trie = SuffixTrie(16)
+    trie.add([1, 2, 3, 4, 5, 6, 7, 8])
+    walks = []
+    walk = SuffixTrie._walk
+    monkeypatch.setattr(SuffixTrie, "_walk", lambda self, toks: walks.append(list(toks)) or walk(self, toks))
+    assert trie.find([9, 8, 7, 6, 5], shortest=2) == (0, None) and walks == [[6, 5]]
+    walks.clear()
+    m, node = trie.find([9, 1, 2, 3], shortest=2)
+    assert m == 3 and {t: k.count for t, k in node.kids.items()} == {4: 1} and len(walks) > 1
+
+
+def test_a_cache_of_many_outputs_adds_nothing_the_garbage_collector_tracks():
+    """The trie is ints in lists and dicts of ints: a full cache adds nothing to the collector's full passes (as
+    objects, a full cache's 1.5 * 10^5 nodes made each pass ~75 ms instead of ~8, and set passes off while ``auto``
+    decoded)."""
+    import gc
+
+    rng = np.random.default_rng(2)
+    cache = SuffixCache(max_tokens=4_000)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(60):
+        cache.add(rng.integers(0, 300, size=100).tolist())
+    gc.collect()
+    assert cache.nodes > 20_000 and len(gc.get_objects()) - before < 100
 
 
 def test_growing_token_by_token_equals_adding_the_whole_sequence():
@@ -121,6 +151,57 @@ def test_the_drafter_drafts_from_the_cache_and_its_own_context():
     assert (tree.parents == np.arange(-1, len(tree.tokens) - 1)).all()  # chains only: one branch
     dear = SuffixDrafter(SuffixCache(), cost_curve={1: 1.0, 2: 3.0, 16: 30.0})  # drafting never pays
     assert dear.propose(_ctx([1, 2, 3, 1, 2, 4, 9, 1, 2])).num_nodes == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=40), min_size=1, max_size=6),
+       st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=12), min_size=1, max_size=12),
+       st.floats(0.5, 4.0), st.integers(2, 17), st.booleans(), st.booleans(),
+       st.sampled_from([{1: 1.0, 16: 1.05}, {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.6, 16: 4.4}]))
+def test_a_draft_priced_against_a_bar_learns_the_same_and_makes_no_tree_it_would_not_take(
+        outputs, contexts, bar, budget, local, chains, curve):
+    """``draft(ctx, bar)`` (what ``auto`` asks, ``bar`` being lookup's proposal) against ``draft(ctx)``: the same
+    proposal where it beats ``bar``; else a value of at most ``bar`` (no tree, or the same); and the same
+    calibration after."""
+    cache = SuffixCache()
+    for out in outputs:
+        cache.add(out)
+    full = SuffixDrafter(cache, chains=chains, cost_curve=curve, local=local)
+    priced = SuffixDrafter(cache, chains=chains, cost_curve=curve, local=local)
+    for ctx in contexts:
+        want_value, want = full.draft(_ctx(ctx, budget))
+        value, tree = priced.draft(_ctx(ctx, budget), bar)
+        if want_value > bar:
+            assert value == want_value and (tree is None) == (want is None)
+            if tree is not None:
+                assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents.tolist() == want.parents.tolist()
+                nodes = np.arange(min(2, tree.num_nodes))  # its first drafted token accepted
+                full.accepted(nodes, want)
+                priced.accepted(nodes, tree)
+        else:
+            assert value <= bar and (tree is None or tree.tokens.tolist() == want.tokens.tolist())
+        assert priced._calib == full._calib and priced._drafted == full._drafted
+
+
+def test_a_match_that_cannot_beat_the_bar_is_not_expanded(monkeypatch):
+    """A long continuation seen once: a draft of it is worth at most ~1.3 here, less than lookup's 2.5, so ``auto``'s
+    suffix stops at its price (it still drafts there, so its bucket's evidence does not fade)."""
+    expanded = []
+    expand = SuffixDrafter._expand
+
+    def spy(self, *args):
+        out = expand(self, *args)
+        expanded.append(out[0])
+        return out
+
+    monkeypatch.setattr(SuffixDrafter, "_expand", spy)
+    curve = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.6, 16: 4.4}
+    drafter = SuffixDrafter(SuffixCache(), cost_curve=curve, local=False)
+    drafter.finished([0, 0, *range(10, 30)], prompt_len=2)
+    value, tree = drafter.draft(_ctx([5, 10, 11]), 2.5)
+    assert tree is None and 1.0 < value <= 2.5 and expanded == [[]] and drafter._drafted == (1, 1)
+    value, tree = drafter.draft(_ctx([5, 10, 11]))  # asked for its proposal: expanded, the same value's tree
+    assert tree.tokens[1:4].tolist() == [12, 13, 14] and len(expanded[-1]) == 14 and tree.value < 2.5
 
 
 PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON with keys name, age, city.",
