@@ -30,7 +30,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from .decode import Decoder, DecodeStats, Generation, GenerationConfig, measure_cost_curve
+from .cost_curve import measure_cost_curve
+from .decode import Decoder, DecodeStats, Generation, GenerationConfig
 from .drafters.base import Drafter
 from .drafters.kinds import AUTO, NGRAM, NONE, PROMPT_LOOKUP, SUFFIX
 from .kvcache import KVCache, bucket_for

@@ -2,7 +2,7 @@
 
 Drafters that size their drafts by cost (prompt lookup, the n-gram table, the depth policy of the
 model drafts) need the cost of a T-node step relative to a 1-node step. The engine measures it once
-at load (:func:`~.decode.measure_cost_curve`, about a second), and on a shared machine that one
+at load (:func:`~.cost_curve.measure_cost_curve`, about a second), and on a shared machine that one
 measurement can be off: on one AMD EPYC, the same bundle's 2-node step measured 1.10 of
 a 1-node step in two bench workers and 1.19-1.20 in two others; those two ran ~1,400 steps plainly
 instead of ~400 and were the two slowest of the four runs (whether their loop's steps cost that much

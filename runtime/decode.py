@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,10 +27,14 @@ from .drafters.base import DraftContext, Drafter
 from .drafters.prompt_lookup import ChainAcceptance
 from .errors import DraftMismatchError, PromptError, TreeSpecError
 from .kvcache import KVCache, bucket_for, capacity_buckets
+from .logprobs import MAX_TOP, TokenLogprob, token_logprobs
 from .plan import StepPlan
-from .rows import SeqRows, rows_per_sequence, step_inputs
+from .rows import LoadGate, SeqRows, rows_per_sequence, step_inputs
 from .tree import DraftTree, TreeBuffers
 from .tree_cost import step_cost
+
+if TYPE_CHECKING:
+    from .grammar import CompiledGrammar
 from .verify import Acceptance, TypicalRule, greedy_accept, sample_accept, seeded_accept, typical_accept
 
 
@@ -61,10 +66,16 @@ class SamplingParams:
 class GenerationConfig:
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
+    logprobs: int | None = None  # None: none; k: each emitted token's log-probability and its row's k best
+    grammar: CompiledGrammar | None = None  # what the output must match (runtime/grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise PromptError("max_new_tokens must be at least 1.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
+            raise PromptError(f"top_logprobs must be between 0 and {MAX_TOP}.")
+        if self.grammar is not None and self.sampling.typical and not self.sampling.greedy:
+            raise PromptError("Typical acceptance (lossy) does not run under a constraint; sample exactly instead.")
 
 
 @dataclass
@@ -83,6 +94,7 @@ class DecodeStats:
     lossy: bool = False
     gate_parallel: int = 0  # steps the drafter's gate sent to draft + tree verify
     gate_ar: int = 0  # steps the gate ran as plain T=1 decoding (no draft cost)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per emitted token, where the config asks
 
     @property
     def mean_accepted(self) -> float:
@@ -126,6 +138,8 @@ class Generation:
         self.prompt_len = len(ids)
         self.committed = 0  # tokens whose K/V is in columns 0.. of its cache row; tokens[-1] is the root, fed next
         self.sampling, self.stats, self.drafter = config.sampling, stats, drafter
+        self.top_logprobs = config.logprobs  # None: no log-probabilities
+        self.constraint = None if config.grammar is None else config.grammar.start()  # its place in its grammar
         self.rng = np.random.default_rng(config.sampling.seed)
         self.remaining = config.max_new_tokens  # tokens it may still emit
         self.t_decode = 0.0  # when its decoding started (its decode_s counts from here)
@@ -136,6 +150,8 @@ class Generation:
         self.tree = DraftTree.root(0)  # this step's rows
         self.whole = True  # this step verifies its drafter's whole proposal (a batch may trim it)
         self.emitted: list[int] = []  # what its last step (or its prefill) emitted
+        self.asked = True  # its drafter was asked for this step's draft
+        self.unseen: list[tuple[np.ndarray, np.ndarray | None]] = []  # states of steps its drafter was not asked
 
     def expected(self, drafted: int) -> float:
         """Expected tokens of a step verifying ``drafted`` of its draft tokens."""
@@ -175,6 +191,7 @@ class Decoder:
         self.min_rows = self.plan.min_rows
         # Re-estimates the drafters' cost curve from the loop's step times (see track_costs).
         self.cost_meter: StepCostMeter | None = None
+        self.load_gate = LoadGate()  # whether several sequences draft at all, by measured rates
 
     def check_drafter(self, drafter: Drafter) -> None:
         """One sentence if ``drafter`` does not fit the bundle or reads base layers this backend does not return."""
@@ -231,11 +248,16 @@ class Decoder:
         if gen.drafter is not None:
             gen.drafter.reset()
         root = DraftTree.root(gen.tokens[-1])
-        argmax = None if out.argmax is None else out.argmax[0]
-        first = accept_step(root, root.buffers(), out.logits[0], argmax, gen.sampling, gen.rng, len(gen.tokens))
+        logits, argmax = self._rows(gen, root, out.logits[0], None if out.argmax is None else out.argmax[0])
+        first = accept_step(root, root.buffers(), logits, argmax, gen.sampling, gen.rng, len(gen.tokens))
         gen.committed = len(gen.tokens)
         gen.hidden, gen.root_logits, gen.layers = state.hidden, state.root_logits, state.layers
-        return self.emit(gen, [int(first.tokens[-1])])
+        reason = self.emit(gen, [int(first.tokens[-1])])
+        if gen.constraint is not None:
+            gen.constraint.advance(gen.emitted)
+        if gen.top_logprobs is not None:
+            gen.stats.logprobs += token_logprobs(out.logits[0][:1], gen.emitted, gen.top_logprobs)
+        return reason
 
     def propose(self, state: DecodeState | Generation, budget: int, stats: DecodeStats | None = None,
                 drafter: Drafter | None = None) -> DraftTree:
@@ -309,11 +331,20 @@ class Decoder:
         the measured cost of ``B x T`` rows (:func:`~.rows.rows_per_sequence`): a draft row is spent only where it
         returns more than it costs the others."""
         b = len(gens)
+        t0 = time.perf_counter()
+        drafting = b == 1 or self.load_gate.drafting(b)  # several: whether drafting pays at this load
         for gen in gens:
             budget = min(self.max_tree, self.limit - len(gen.tokens), gen.remaining)
-            tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.drafter is not None else \
-                DraftTree.root(gen.tokens[-1])
-            gen.tree, gen.whole = (tree if b == 1 else tree.main_path()), True
+            gen.asked = drafting and gen.drafter is not None and budget > 1
+            if gen.asked and gen.unseen:  # the states of the steps it sat out, then the last one's
+                gen.hidden = np.concatenate([h for h, _ in gen.unseen] + [gen.hidden])
+                if gen.layers is not None:
+                    gen.layers = np.concatenate([lay for _, lay in gen.unseen] + [gen.layers])
+                gen.unseen.clear()
+            tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
+            gen.tree, gen.whole = (tree if b == 1 and gen.constraint is None else tree.main_path()), True
+            if gen.constraint is not None:
+                self._constrain_draft(gen, budget)
         if b > 1 and any(g.tree.num_nodes > 1 for g in gens):
             curve = self.cost_curve or {1: 1.0}
             best = rows_per_sequence([[g.expected(j) for j in range(g.tree.num_nodes)] for g in gens],
@@ -336,15 +367,40 @@ class Decoder:
             for gen in gens:
                 if gen.drafter is not None:
                     gen.drafter.use_cost_curve(self.cost_meter.curve)  # the loop's own step costs (cost_meter.py)
-        return [self._advance(r, gen, cache, out, took) for r, gen in enumerate(gens)]
+        reasons = [self._advance(r, gen, cache, out, took) for r, gen in enumerate(gens)]
+        if b > 1:
+            self.load_gate.record(b, drafting, sum(len(g.emitted) for g in gens), time.perf_counter() - t0)
+        return reasons
+
+    @staticmethod
+    def _constrain_draft(gen: Generation, budget: int) -> None:
+        """A constrained generation's chain: its draft up to the first token its grammar refuses, or the tokens the
+        grammar forces where they reach further (drafted at no cost; its drafter then hears nothing of this step)."""
+        chain, c = gen.tree.tokens, gen.constraint
+        keep = c.valid_prefix(chain[1:].tolist())
+        forced = c.forced()[: budget - 1] if gen.asked else []  # plain decoding (and a plain step) drafts nothing
+        if len(forced) > keep:
+            gen.tree, gen.whole = DraftTree.chain([int(chain[0]), *forced]), False
+        elif keep < len(chain) - 1:
+            gen.tree, gen.whole = DraftTree.chain(chain[: keep + 1].tolist()), False
+
+    @staticmethod
+    def _rows(gen: Generation, tree: DraftTree, logits: np.ndarray, argmax: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``tree``'s rows as acceptance sees them: a constrained generation's masked by its grammar, row by row
+        along its chain (a backend's argmax, of the unmasked rows, is then not used)."""
+        if gen.constraint is None:
+            return logits, argmax
+        masks = gen.constraint.masks(tree.tokens.tolist())
+        return np.where(masks, logits, np.float32(-np.inf)).astype(np.float32, copy=False), None
 
     def _advance(self, r: int, gen: Generation, cache: KVCache, out: StepOutputs, took: float) -> str | None:
         """Row ``r``'s acceptance (the loop's one rule), its accepted nodes' K/V kept, its tokens emitted."""
         tree = gen.tree
         n = tree.num_nodes
         buffers = tree.buffers()
-        argmax = None if out.argmax is None else out.argmax[r, :n]
-        acc = accept_step(tree, buffers, out.logits[r, :n], argmax, gen.sampling, gen.rng, len(gen.tokens))
+        logits, argmax = self._rows(gen, tree, out.logits[r, :n], None if out.argmax is None else out.argmax[r, :n])
+        acc = accept_step(tree, buffers, logits, argmax, gen.sampling, gen.rng, len(gen.tokens))
         nodes = acc.nodes
         last = int(nodes[-1])
         cache.commit_row(r, gen.committed, nodes)
@@ -356,6 +412,8 @@ class Decoder:
         # fancy indexing (see verify._chain_accept); copied either way (the backend reuses its outputs).
         keep = slice(0, last + 1) if last == len(nodes) - 1 else nodes
         gen.committed += len(nodes)
+        if not gen.asked and gen.drafter is not None:  # kept for its drafter's next call (a model catches up)
+            gen.unseen.append((gen.hidden, gen.layers))
         gen.hidden = out.hidden_states[r, keep].copy()
         if out.layer_states is not None:
             gen.layers = out.layer_states[r, keep].copy()
@@ -366,6 +424,10 @@ class Decoder:
         st.tree_sizes.append(n)
         reason = self.emit(gen, acc.tokens.tolist())
         st.accepted.append(len(gen.emitted))
+        if gen.constraint is not None:
+            gen.constraint.advance(gen.emitted)
+        if gen.top_logprobs is not None:  # token i was chosen by the row of accepted node i
+            st.logprobs += token_logprobs(out.logits[r, nodes[: len(gen.emitted)]], gen.emitted, gen.top_logprobs)
         return reason
 
     # --- one generation ---------------------------------------------------------------------------
@@ -434,61 +496,3 @@ def cut_at_stop(emitted: list[int], eos: frozenset[int], remaining: int) -> list
             cut = i + 1
             break
     return emitted[: min(cut, remaining)]
-
-
-def measure_cost_curve(decoder: Decoder, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 5,
-                       past: int = 256, largest: int | None = None) -> dict[int, float]:
-    """Cost of a T-token step relative to a 1-token step, measured on ``decoder``'s backend.
-
-    Sizes up to ``largest`` (the decoder's tree budget if None; never past its plan's rows) are measured.
-    Each size runs ``repeats`` chain steps over a scratch cache holding ``past`` tokens (fewer when the
-    bundle's context is short), in rounds over the sizes; each round gives every size's cost relative
-    to that round's 1-token step, and the median over the rounds counts: a slow spell of the machine
-    hits a ratio's two sides alike, and one lucky or unlucky step moves nothing. (Neither this nor the
-    fastest run of each size, used before, makes the curve agree between the workers of one bench run:
-    2 rows cost 1.07-1.30 of 1 row with the one, 1.12-1.30 with the other, on the AMD EPYC.)
-    On a backend that runs 1-row and multi-row steps on different graphs (``OrtBackend`` with a
-    GGUF-block graph) the curve has a step between T = 1 and T = 2, which a fixed table cannot know.
-    """
-    largest = min(largest or decoder.max_tree, decoder.plan.max_rows, decoder.manifest.limits.max_tree)
-    sizes = tuple(t for t in sizes if t <= largest) or (1,)
-    past = max(1, min(past, decoder.manifest.limits.max_context - sizes[-1]))
-    cache = decoder.backend.new_cache(1, bucket_for(min(past + sizes[-1], decoder.buckets[-1]), decoder.buckets))
-    cache.length = past
-    feeds = {}
-    for size in sizes:
-        t = max(size, decoder.min_rows)  # what a step of ``size`` nodes runs
-        feeds[size] = decoder._inputs(np.zeros(t, dtype=np.int64), np.arange(t),
-                                      np.tril(np.ones((t, t), dtype=bool)), cache, np.arange(t))
-        decoder.backend.step(feeds[size], cache)  # warm-up (first run of this shape)
-    ratios: dict[int, list[float]] = {t: [] for t in sizes}
-    for _ in range(repeats):
-        took = {}
-        for size in sizes:
-            t0 = time.perf_counter()
-            decoder.backend.step(feeds[size], cache)
-            took[size] = time.perf_counter() - t0
-        for size in sizes:
-            ratios[size].append(took[size] / took[sizes[0]])
-    return without_spikes({t: float(np.median(ratios[t])) for t in sizes})
-
-
-SPIKE = 1.15  # a point this far above the chord of its neighbours is a slow spell, not the kernels
-
-
-def without_spikes(curve: dict[int, float]) -> dict[int, float]:
-    """``curve`` with each point from T = 4 on that sits more than :data:`SPIKE` times above the chord of
-    its neighbours brought down to that chord. A step's cost grows about linearly in its rows beyond a
-    few, so such a point is the machine's noise; kept, it would stop every drafter from drafting that
-    deep, and so from ever timing it again in the loop. (From T = 1 to 2 a real jump is possible: a
-    backend may run 1-row steps on another graph.)"""
-    sizes = sorted(curve)
-    out = dict(curve)
-    for lo, t, hi in zip(sizes, sizes[1:], sizes[2:]):
-        if lo < 2:
-            continue
-        chord = out[lo] + (out[hi] - out[lo]) * (t - lo) / (hi - lo)
-        if out[t] > SPIKE * chord:
-            out[t] = chord
-    return out
-

@@ -39,10 +39,12 @@ from typing import Self
 from .backends import make_backend
 from .batch import BatchScheduler, drafter_factory
 from .bundle import BundleManifest, read_manifest
-from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams, measure_cost_curve
+from .cost_curve import measure_cost_curve
+from .decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
 from .drafters import make_drafter
 from .drafters.kinds import AUTO
 from .errors import ExactnessWarning, PromptError, SpecDeployError
+from .grammar import CompiledGrammar, Grammar, GrammarCompiler, GrammarError
 from .plan import ROWS_CHECK, StepPlan
 from .probe import resolve_plan
 from .scheduler import Scheduler, SerialScheduler
@@ -132,6 +134,7 @@ class Engine:
             self.cost_curve = measure_cost_curve(self.decoder)
             self.decoder.track_costs(self.cost_curve)  # then re-estimated from the decode loop's steps
         self._mutex = threading.Lock()  # guards the totals below and the set of open streams
+        self._grammars: GrammarCompiler | None = None  # made at the first constrained request
         self._streams: weakref.WeakSet[TextStream] = weakref.WeakSet()
         self._totals = {"generations": 0, "cancelled": 0, "prompt_tokens": 0, "new_tokens": 0, "steps": 0,
                         "step_tokens": 0}
@@ -200,16 +203,24 @@ class Engine:
     def stream(self, prompt: str | None = None, messages: Sequence[dict] | None = None, *,
                max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] = (), seed: int | None = None, chat: bool = False,
-               typical: bool = False, cache_namespace: str = "") -> TextStream:
+               typical: bool = False, cache_namespace: str = "", logprobs: int | None = None,
+               response_format: dict | None = None, regex: str | None = None, grammar: str | None = None
+               ) -> TextStream:
         """Stream text deltas. Validation happens here; the stream queues for the engine at its first ``next()``.
         ``cache_namespace``: the part of a cross-request draft cache (the suffix draft's) this generation reads
-        and adds to; "" shares it with every generation that passes "" (the default)."""
+        and adds to; "" shares it with every generation that passes "" (the default). ``logprobs``: each token's
+        log-probability and its position's ``logprobs`` most likely tokens (0-20) in ``completion.logprobs``
+        (live in ``stats.logprobs``), bit for bit those of plain decoding where the step plan is exact.
+        ``response_format`` (OpenAI's: ``json_object``, or ``json_schema`` with its schema), ``regex`` or ``grammar``
+        (Lark) constrain the output, every draft source staying exact under the constraint (``runtime/grammar.py``);
+        an invalid or unsupported one fails here in one sentence (:class:`~.grammar.GrammarError`)."""
         if self._closed:
             raise SpecDeployError("This engine is closed.")
         if isinstance(stop, str):
             stop = (stop,)
         ids = self.encode(prompt, messages, chat)
-        config = GenerationConfig(max_new_tokens, SamplingParams(temperature, top_p, top_k, seed, typical))
+        config = GenerationConfig(max_new_tokens, SamplingParams(temperature, top_p, top_k, seed, typical), logprobs,
+                                  self._constraint(response_format, regex, grammar))
         self.decoder.check_prompt(ids, config)
         stops = tuple(s for s in stop if s)
         stream = TextStream(len(ids))
@@ -217,6 +228,22 @@ class Engine:
         with self._mutex:
             self._streams.add(stream)
         return stream
+
+    def _constraint(self, response_format: dict | None, regex: str | None, grammar: str | None
+                    ) -> CompiledGrammar | None:
+        """The one constraint asked for, compiled against this bundle's tokenizer (built at the first one)."""
+        asked = [g for g in (Grammar.from_response_format(response_format),
+                             None if regex is None else Grammar("regex", regex),
+                             None if grammar is None else Grammar("lark", grammar)) if g is not None]
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise GrammarError("Give one constraint: response_format, regex or grammar.")
+        with self._mutex:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.bundle_dir / self.manifest.tokenizer.file,
+                                                 self.manifest.model.vocab_size, self.manifest.model.eos_token_ids)
+        return self._grammars.compile(asked[0])
 
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
              stream: TextStream, cache_namespace: str = "") -> Iterator[str]:

@@ -78,3 +78,41 @@ def rows_per_sequence(expected: list[list[float]], cost: Callable[[int], float],
         if value > best:
             best_t, best = t, value
     return best_t
+
+
+class LoadGate:
+    """Whether the sequences of a step of several draft at all: by measured tokens per second of whole iterations
+    in each mode at that batch size (their proposals, trained drafts' calls and draft rows all included).
+
+    The rows rule (:func:`rows_per_sequence`) prices draft rows, but by the time it runs every drafter has drafted;
+    at high load those calls alone can cost more than the rows return. So each batch size first runs
+    :attr:`MIN` iterations drafting, then as many plainly, and from then on the mode with the higher rate, trying
+    the other one iteration in :attr:`EXPLORE` so that a change of load or text is seen."""
+
+    MIN = 8  # iterations of a mode at a batch size before its rate counts
+    EXPLORE = 64  # iterations between two tries of the mode not in use
+    RATE = 0.1  # weight of the newest iteration in a mode's running rate
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[int, bool], list[float]] = {}  # (batch, drafting) -> [tokens per second, iterations]
+        self._since: dict[int, int] = {}
+
+    def drafting(self, batch: int) -> bool:
+        draft, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
+        if draft is None or draft[1] < self.MIN:
+            return True
+        if plain is None or plain[1] < self.MIN:
+            return False
+        best = draft[0] >= plain[0]
+        self._since[batch] = self._since.get(batch, 0) + 1
+        if self._since[batch] >= self.EXPLORE:
+            self._since[batch] = 0
+            return not best
+        return best
+
+    def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        entry = self.rates.setdefault((batch, drafting), [0.0, 0])
+        entry[1] += 1
+        entry[0] += max(1.0 / entry[1], self.RATE) * (tokens / seconds - entry[0])  # a plain mean at first

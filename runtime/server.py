@@ -30,6 +30,7 @@ from typing import Any
 
 from .engine import Completion, Engine, TextStream
 from .errors import SpecDeployError
+from .grammar import GrammarError
 from .server_front import FrontDoor
 from .server_metrics import Metrics
 
@@ -50,6 +51,7 @@ try:
         ResponseShape,
         check_supported,
         error_body,
+        logprobs_asked,
         parse_request,
         sse,
     )
@@ -159,6 +161,7 @@ class AppServer:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_id}'.",
                            param="model", code="model_not_found")
         check_supported(req)
+        logprobs = logprobs_asked(req)
         if max_tokens > self.max_tokens_limit:
             param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise ApiError(400, f"{param} is {max_tokens} but this server allows at most {self.max_tokens_limit}.",
@@ -166,55 +169,80 @@ class AppServer:
         self._admit()
         handed_off = False
         try:
-            try:
-                stream = await run_in_threadpool(
-                    self.engine.stream, prompt, messages, max_new_tokens=max_tokens, temperature=req.temperature,
-                    top_p=req.top_p, top_k=req.top_k, stop=[req.stop] if isinstance(req.stop, str) else req.stop or (),
-                    seed=None if req.seed is None else req.seed % (1 << 64),
-                    cache_namespace=(req.user or "") if self.config.cache_per_user else "")
-            except SpecDeployError as exc:
-                if self.engine.closed:
-                    raise ApiError(503, "The server is shutting down.", code="shutting_down") from None
-                raise ApiError(400, str(exc), param="messages" if messages else "prompt") from None
-            if stream.prompt_tokens > self.max_prompt_tokens:
-                stream.close()
-                raise ApiError(400, f"The prompt has {stream.prompt_tokens} tokens but this server accepts at most "
-                                    f"{self.max_prompt_tokens}.", param="messages" if messages else "prompt",
-                               code="context_length_exceeded")
+            streams = await self._start(req, prompt, messages, max_tokens, logprobs)
             shape = ResponseShape(messages is not None, self.model_id,
-                                  bool(req.stream_options and req.stream_options.include_usage), self.engine.fingerprint)
+                                  bool(req.stream_options and req.stream_options.include_usage), self.engine.fingerprint,
+                                  None if logprobs is None else self._token_text)
             if req.stream:
                 handed_off = True  # the response releases the admission when it ends, however it ends
-                end = self._stream_end(request, stream)
-                return _EventStream(self._events(request, stream, shape, end), end)
-            completion = await self._drain(request, stream)
-            if completion is None:
+                end = self._stream_end(request, streams)
+                return _EventStream(self._events(request, streams, shape, end), end)
+            completions = await self._drain(request, streams)
+            if completions is None:
                 return Response(status_code=499)  # the client went away; nobody reads this
-            request.scope["specdeploy.tokens"] = completion.stats.new_tokens
-            if completion.finish_reason == "cancelled":
+            request.scope["specdeploy.tokens"] = sum(c.stats.new_tokens for c in completions)
+            if any(c.finish_reason == "cancelled" for c in completions):
                 raise ApiError(503, "The server is shutting down.", code="shutting_down")
-            return JSONResponse(shape.full(completion))
+            return JSONResponse(shape.full(completions))
         finally:
             if not handed_off:
                 self._release()
 
-    async def _drain(self, request: Request, stream: TextStream) -> Completion | None:
-        """Run a whole generation in a worker thread; None if the client disconnected first."""
-        work = asyncio.get_running_loop().run_in_executor(self.pool, _exhaust, stream)
+    async def _start(self, req: GenerationRequest, prompt: str | None, messages: list[dict] | None, max_tokens: int,
+                     logprobs: int | None) -> list[TextStream]:
+        """The request's ``n`` generations, queued for the engine (choice ``i`` samples with ``seed + i``, so that
+        choice 0 is the answer ``n=1`` gives), or one sentence as an ``ApiError``; nothing is left running."""
+        streams: list[TextStream] = []
+        try:
+            for i in range(req.n):
+                streams.append(await run_in_threadpool(
+                    self.engine.stream, prompt, messages, max_new_tokens=max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, top_k=req.top_k, stop=[req.stop] if isinstance(req.stop, str) else req.stop or (),
+                    seed=None if req.seed is None else (req.seed + i) % (1 << 64),
+                    cache_namespace=(req.user or "") if self.config.cache_per_user else "", logprobs=logprobs,
+                    **req.constraint()))
+            if streams[0].prompt_tokens > self.max_prompt_tokens:
+                raise ApiError(400, f"The prompt has {streams[0].prompt_tokens} tokens but this server accepts at most "
+                                    f"{self.max_prompt_tokens}.", param="messages" if messages else "prompt",
+                               code="context_length_exceeded")
+        except GrammarError as exc:
+            for stream in streams:
+                stream.close()
+            raise ApiError(400, str(exc), param=req.constraint_param(), code="invalid_value") from None
+        except SpecDeployError as exc:
+            for stream in streams:
+                stream.close()
+            if self.engine.closed:
+                raise ApiError(503, "The server is shutting down.", code="shutting_down") from None
+            raise ApiError(400, str(exc), param="messages" if messages else "prompt") from None
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+    def _token_text(self, token: int) -> str:
+        return self.engine.codec.decode([token], skip_special_tokens=False)
+
+    async def _drain(self, request: Request, streams: list[TextStream]) -> list[Completion] | None:
+        """Run whole generations in worker threads; None if the client disconnected first."""
+        loop = asyncio.get_running_loop()
+        work = asyncio.gather(*(loop.run_in_executor(self.pool, _exhaust, s) for s in streams))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if work.done():
                 return work.result()
             self.metrics.disconnects += 1
-            request.scope["specdeploy.tokens"] = stream.stats.new_tokens
+            request.scope["specdeploy.tokens"] = sum(s.stats.new_tokens for s in streams)
             request.scope["specdeploy.note"] = " client-disconnected"
             return None
         finally:
             gone.cancel()
-            stream.close()  # a no-op once finished; otherwise frees the slot (disconnect or shutdown)
+            for stream in streams:
+                stream.close()  # a no-op once finished; otherwise frees the slot (disconnect or shutdown)
 
-    def _stream_end(self, request: Request, stream: TextStream) -> Callable[[bool], None]:
+    def _stream_end(self, request: Request, streams: list[TextStream]) -> Callable[[bool], None]:
         """Cleanup for one streamed response; runs once, from the body or from the response if no body ran."""
         ended = False
 
@@ -223,63 +251,84 @@ class AppServer:
             if ended:
                 return
             ended = True
-            stream.close()  # a no-op once finished; otherwise frees the slot
+            for stream in streams:
+                stream.close()  # a no-op once finished; otherwise frees the slot
             self._release()
             if not finished:
                 self.metrics.disconnects += 1
-                request.scope["specdeploy.tokens"] = stream.stats.new_tokens
+                request.scope["specdeploy.tokens"] = sum(s.stats.new_tokens for s in streams)
                 request.scope["specdeploy.note"] = " client-disconnected"
 
         return end
 
-    async def _events(self, request: Request, stream: TextStream, shape: ResponseShape,
+    async def _events(self, request: Request, streams: list[TextStream], shape: ResponseShape,
                       end: Callable[[bool], None]) -> AsyncIterator[bytes]:
-        """Server-sent events; Starlette cancels this generator when the client disconnects."""
+        """Server-sent events, choice ``i``'s chunks carrying index ``i``; Starlette cancels this generator when the
+        client disconnects."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def push(item: object) -> None:
+        def push(item: tuple[int, object]) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone (hard shutdown)
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        def work() -> None:
+        def work(i: int) -> None:
             try:
-                for delta in stream:
-                    push(delta)
-                push(_DONE)
+                for delta in streams[i]:
+                    push((i, delta))
+                push((i, _DONE))
             except Exception as exc:  # noqa: BLE001 - handed to the event loop, which logs it
-                push(exc)
+                push((i, exc))
 
         finished = False
+        sent = [0] * len(streams)  # per choice: log-probabilities sent (tokens), and the text before the next one's
+        offset = [0] * len(streams)
+
+        def logprobs(i: int, upto: int) -> dict | None:  # choice i's, of the tokens decoded since its last chunk
+            entries = streams[i].stats.logprobs[sent[i]:upto]
+            body = shape.logprobs(entries, offset[i])
+            sent[i] += len(entries)
+            if body is not None:
+                offset[i] += sum(len(self._token_text(e.token)) for e in entries)
+            return body
+
         try:
-            self.pool.submit(work)
-            if shape.chat:
-                yield sse(shape.chunk(None, role=True))
-            while True:
-                item = await queue.get()
-                parts: list[str] = []
-                while isinstance(item, str):  # coalesce deltas that piled up while we were writing
-                    parts.append(item)
-                    item = queue.get_nowait() if not queue.empty() else None
-                if parts:
-                    yield sse(shape.chunk("".join(parts)))
-                if item is None:
+            for i in range(len(streams)):
+                self.pool.submit(work, i)
+                if shape.chat:
+                    yield sse(shape.chunk(None, role=True, index=i))
+            done = 0
+            item = None
+            while done < len(streams):
+                i, value = item if item is not None else await queue.get()
+                item = None
+                if isinstance(value, str):
+                    parts = [value]
+                    while not queue.empty():  # coalesce this choice's deltas that piled up while we were writing
+                        item = queue.get_nowait()
+                        if item[0] != i or not isinstance(item[1], str):
+                            break
+                        parts.append(item[1])
+                        item = None
+                    yield sse(shape.chunk("".join(parts), logprobs=logprobs(i, len(streams[i].stats.logprobs)),
+                                          index=i))
                     continue
-                if isinstance(item, BaseException):
-                    log.error("generation failed", exc_info=item)
+                if isinstance(value, BaseException):
+                    log.error("generation failed", exc_info=value)
                     yield sse(error_body("The generation failed; see the server log.", "server_error"))
                     break
-                c = stream.completion
+                c = streams[i].completion
                 assert c is not None
-                request.scope["specdeploy.tokens"] = c.stats.new_tokens
+                request.scope["specdeploy.tokens"] = sum(s.stats.new_tokens for s in streams)
                 if c.finish_reason == "cancelled":  # engine closed under us: shutdown
                     request.scope["specdeploy.note"] = " cancelled-at-shutdown"
                     yield sse(error_body("The server is shutting down.", "server_error", code="shutting_down"))
                     break
-                yield sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason))
-                if shape.include_usage:
-                    yield sse(shape.usage_chunk(c))
-                break
+                yield sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason, index=i,
+                                      logprobs=logprobs(i, len(c.token_ids)) if sent[i] < len(c.token_ids) else None))
+                done += 1
+            if done == len(streams) and shape.include_usage:
+                yield sse(shape.usage_chunk([s.completion for s in streams]))
             yield b"data: [DONE]\n\n"
             finished = True
         finally:

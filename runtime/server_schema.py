@@ -9,15 +9,28 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
 
+from .logprobs import MAX_TOP
+
 if TYPE_CHECKING:
     from .engine import Completion
+    from .logprobs import TokenLogprob
 
 _MAX_STOP_CHARS = 256
+MAX_COMPLETION_LOGPROBS = 5  # the completions endpoint's most alternatives per token, as OpenAI's
+MAX_N = 16  # the most choices one request may ask for (each is a generation of its own)
+
+
+def logprobs_asked(req: GenerationRequest) -> int | None:
+    """How many alternatives per token the request asks log-probabilities for (None: none)."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs if isinstance(req, CompletionRequest) else None
 
 
 # --- request schema ------------------------------------------------------------------------------
@@ -27,6 +40,18 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class GenerationRequest(_Strict):
@@ -44,6 +69,25 @@ class GenerationRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = None  # an extension, as vLLM spells it: the output matches this regular expression
+    guided_grammar: str | None = None  # ... or this Lark grammar
+
+    def constraint(self) -> dict[str, Any]:
+        """The constraint keywords of ``Engine.stream`` this request asks for."""
+        out: dict[str, Any] = {}
+        if self.response_format is not None:
+            out["response_format"] = self.response_format.model_dump(by_alias=True, exclude_none=True)
+        if self.guided_regex is not None:
+            out["regex"] = self.guided_regex
+        if self.guided_grammar is not None:
+            out["grammar"] = self.guided_grammar
+        return out
+
+    def constraint_param(self) -> str:
+        """The request field a constraint error points at."""
+        return "guided_regex" if self.guided_regex is not None else \
+            "guided_grammar" if self.guided_grammar is not None else "response_format"
 
 
 class CompletionRequest(GenerationRequest):
@@ -127,7 +171,7 @@ def parse_request(model: type[_Strict], body: bytes) -> Any:
 def check_supported(req: GenerationRequest) -> None:
     """Reject OpenAI features this server does not implement instead of silently ignoring them."""
     checks = [
-        ("n", req.n != 1, "Only n=1 is supported."),
+        ("n", not 1 <= req.n <= MAX_N, f"n must be between 1 and {MAX_N}."),
         ("presence_penalty", req.presence_penalty != 0.0, "presence_penalty is not supported."),
         ("frequency_penalty", req.frequency_penalty != 0.0, "frequency_penalty is not supported."),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported."),
@@ -141,13 +185,16 @@ def check_supported(req: GenerationRequest) -> None:
             ("prompt", isinstance(req.prompt, list) and len(req.prompt) != 1, "Give exactly one prompt per request."),
             ("echo", req.echo, "echo is not supported."),
             ("best_of", req.best_of not in (None, 1), "Only best_of=1 is supported."),
-            ("logprobs", req.logprobs is not None, "logprobs are not supported."),
+            ("logprobs", req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS,
+             f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}."),
             ("suffix", req.suffix is not None, "suffix is not supported."),
         ]
     if isinstance(req, ChatRequest):
         checks += [
-            ("logprobs", bool(req.logprobs), "logprobs are not supported."),
-            ("top_logprobs", req.top_logprobs is not None, "top_logprobs are not supported."),
+            ("top_logprobs", req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP,
+             f"top_logprobs must be between 0 and {MAX_TOP}."),
+            ("top_logprobs", req.top_logprobs is not None and not req.logprobs,
+             "top_logprobs needs logprobs set to true."),
         ]
     for param, bad, msg in checks:
         if bad:
@@ -158,9 +205,11 @@ def check_supported(req: GenerationRequest) -> None:
 class ResponseShape:
     """How one endpoint's responses and stream chunks look."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool, fingerprint: str = ""):
+    def __init__(self, chat: bool, model: str, include_usage: bool, fingerprint: str = "",
+                 token_text: Callable[[int], str] | None = None):
         self.chat, self.model, self.include_usage = chat, model, include_usage
         self.fingerprint = fingerprint  # the engine's (Engine.fingerprint): says whether answers are exact
+        self.token_text = token_text  # a token's text, where the request asked for log-probabilities
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -168,39 +217,62 @@ class ResponseShape:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
-    def chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def logprobs(self, entries: Sequence[TokenLogprob], offset: int = 0) -> dict | None:
+        """The ``logprobs`` of a choice (or of a chunk's tokens), in the endpoint's form; None where not asked.
+        ``offset``: the text position of the first entry's token (completions' ``text_offset``)."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        if self.chat:
+            def item(tok: int, lp: float) -> dict:
+                t = text(tok)
+                return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+            return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                                for e in entries], "refusal": None}
+        tokens = [text(e.token) for e in entries]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def chunk(self, delta: str | None, finish_reason: str | None = None, role: bool = False,
+              logprobs: dict | None = None, index: int = 0) -> dict:
         if self.chat:
             d: dict = {} if delta is None else {"content": delta}
             if role:
                 d = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk") | {"choices": [choice]}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = self._head("text_completion") | {"choices": [choice]}
         if self.include_usage:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, c: Completion) -> dict:
+    def usage_chunk(self, cs: Sequence[Completion]) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
-            "choices": [], "usage": usage(c)}
+            "choices": [], "usage": usage(cs)}
 
-    def full(self, c: Completion) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                      "finish_reason": c.finish_reason}
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-            body = self._head("text_completion")
-        st = c.stats
-        return body | {"choices": [choice], "usage": usage(c), "specdeploy": {
+    def full(self, cs: Sequence[Completion]) -> dict:
+        """The whole response: one choice per completion (``n``), in order."""
+        choices = []
+        for i, c in enumerate(cs):
+            logprobs = self.logprobs(c.logprobs)
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        st = cs[0].stats
+        return body | {"choices": choices, "usage": usage(cs), "specdeploy": {
             "tokens_per_s": round(st.tokens_per_s, 3), "tau": round(st.mean_accepted, 4), "steps": st.steps}}
 
 
-def usage(c: Completion) -> dict:
-    p, n = c.stats.prompt_tokens, c.stats.new_tokens
+def usage(cs: Sequence[Completion]) -> dict:
+    """The prompt once, and every choice's completion tokens."""
+    p, n = cs[0].stats.prompt_tokens, sum(c.stats.new_tokens for c in cs)
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
 

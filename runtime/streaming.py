@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .decode import DecodeStats
+from .logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,11 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (closed before the end)
     stats: DecodeStats
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Each of ``token_ids``' log-probability (and its position's best tokens), where the request asked."""
+        return self.stats.logprobs[: len(self.token_ids)]
 
 
 class TextStream:

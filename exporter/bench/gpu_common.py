@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, measure_cost_curve
+from specdeploy.runtime.cost_curve import measure_cost_curve
+from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig
 from specdeploy.runtime.plan import StepPlan
 
 SCHEMA = 1

@@ -472,7 +472,7 @@ def test_two_graph_backend_routes_steps_by_rows(tiny_bundle, tmp_path, monkeypat
 
 
 def test_prompt_lookup_uses_the_measured_cost_curve(tiny_bundle):
-    from specdeploy.runtime.decode import measure_cost_curve
+    from specdeploy.runtime.cost_curve import measure_cost_curve
     from specdeploy.runtime.tree_cost import step_cost
 
     with load(tiny_bundle, draft="prompt-lookup") as spec, load(tiny_bundle, draft=None) as plain:

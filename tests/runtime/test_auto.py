@@ -366,7 +366,7 @@ def test_a_retry_that_does_not_pay_doubles_the_wait_and_one_that_pays_resets_it(
 
 
 def test_a_spike_in_the_measured_cost_curve_is_brought_down_to_its_neighbours_chord():
-    from specdeploy.runtime.decode import without_spikes
+    from specdeploy.runtime.cost_curve import without_spikes
 
     measured = {1: 1.0, 2: 1.04, 4: 2.04, 8: 2.17, 16: 3.44}  # seen at load on a noisy machine: T = 4 spiked
     smooth = without_spikes(measured)

@@ -205,11 +205,30 @@ def test_batching_refusals_are_one_sentence(tiny_bundle):
         load(tiny_bundle, max_batch=0, draft=None)
 
 
-def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle):
-    """5,000 two-token samples, each beside three other requests in the same steps and with prompt-lookup drafts
-    verified by tree rejection sampling: their joint distribution is the base's (chi-square, p > 0.05)."""
+def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle, monkeypatch):
+    """5,000 two-token samples, each beside three other requests in the same steps and with drafts for its second
+    token verified by tree rejection sampling: their joint distribution is the base's (chi-square, p > 0.05)."""
     from scipy.stats import chisquare
+    from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
+    from specdeploy.runtime.rows import LoadGate
+    from specdeploy.runtime.tree import DraftTree
     from specdeploy.runtime.verify import warp_logits
+
+    # Drafts in every step, verified whole: the random model's samples rarely repeat the prompt, so the samplers'
+    # second token is drafted as its likeliest value (accepted often, rejected often), the others' by lookup.
+    monkeypatch.setattr(LoadGate, "drafting", lambda self, batch: True)
+    monkeypatch.setattr("specdeploy.runtime.batch.measure_cost_curve",
+                        lambda decoder, largest=None: {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.16})
+    likeliest: dict[int, int] = {}
+    lookup = PromptLookupDrafter.propose
+
+    def propose(self, ctx):
+        a = int(ctx.tokens[-1])
+        if len(ctx.tokens) == len(ids) + 1 and a in likeliest:
+            return DraftTree.chain([a, likeliest[a]])
+        return lookup(self, ctx)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", propose)
 
     warp = {"temperature": 1.5, "top_k": 4}
     prompt = "a b a b a b a b a b a b"
@@ -223,6 +242,8 @@ def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle)
 
         first = probs(ids)
         expected = {(a, b): first[a] * p for a in np.flatnonzero(first) for b, p in enumerate(probs(ids + [a])) if p}
+        for a in np.flatnonzero(first):
+            likeliest[int(a)] = int(np.argmax(probs(ids + [int(a)])))
         stop = threading.Event()
 
         def others(i: int) -> None:  # three long requests always in flight
@@ -233,9 +254,13 @@ def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle)
         for t in busy:
             t.start()
         pairs: list[tuple[int, ...]] = []
+        drafted: list[bool] = []
 
         def sample(n: int) -> None:  # four samplers at once: steps shared with the others and with each other
-            pairs.extend(tuple(eng.generate(prompt, max_new_tokens=2, **warp).token_ids) for _ in range(n))
+            # three tokens, so that the step after the prefill can verify a lookup draft for the second
+            runs = [eng.generate(prompt, max_new_tokens=3, **warp) for _ in range(n)]
+            pairs.extend(tuple(r.token_ids[:2]) for r in runs)
+            drafted.extend(max(r.stats.tree_sizes, default=1) > 1 for r in runs)
 
         try:
             samplers = [threading.Thread(target=sample, args=(1250,)) for _ in range(4)]
@@ -250,6 +275,7 @@ def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle)
                 t.join(60)
     counts = {c: pairs.count(c) for c in set(pairs)}
     assert len(pairs) == 5000 and shared >= 3 and set(counts) <= set(expected)
+    assert sum(drafted) > 2500, sum(drafted)  # drafts were verified in the batch (rejection sampling)
     cells = sorted(expected)
     observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
     want = np.array([expected[c] for c in cells]) * observed.sum()
@@ -276,3 +302,44 @@ def test_the_gathered_graph_takes_rows_apart_and_an_older_bundle_serves_one_at_a
             assert eng.generate(PROMPTS[0], max_new_tokens=4).finish_reason in ("stop", "length")
     msgs = [str(w.message) for w in caught if issubclass(w.category, ExactnessWarning)]
     assert len(msgs) == 1 and "predates rows of several sequences" in msgs[0] and "re-export" in msgs[0]
+
+
+def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
+    from specdeploy.runtime.rows import LoadGate
+
+    gate = LoadGate()
+    modes = []
+    for _ in range(2 * LoadGate.MIN):  # drafting measured first, then plain steps
+        d = gate.drafting(4)
+        modes.append(d)
+        gate.record(4, d, 8 if d else 10, 1.0)  # here plain steps give more tokens per second
+    assert modes == [True] * LoadGate.MIN + [False] * LoadGate.MIN
+    later = [gate.drafting(4) for _ in range(2 * LoadGate.EXPLORE)]
+    assert later.count(True) == 2  # the slower mode, tried once in EXPLORE steps
+    assert gate.drafting(8)  # another batch size is measured on its own
+
+
+def test_a_drafter_that_sat_steps_out_gets_every_state_it_missed(tiny_bundle, monkeypatch):
+    # Where the load gate runs plain steps, the drafters are not asked; at their next call ctx.hidden holds the base
+    # states of every token accepted since their last call, so a model with a cache of its own can catch up.
+    from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
+    from specdeploy.runtime.rows import LoadGate
+
+    calls: dict[int, list[tuple[int, int]]] = {}
+    original = PromptLookupDrafter.propose
+
+    def recorded(self, ctx):
+        calls.setdefault(id(self), []).append((len(ctx.hidden), len(ctx.tokens)))
+        return original(self, ctx)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", recorded)
+    flips = iter([True, False, False, True, False] * 1000)
+    monkeypatch.setattr(LoadGate, "drafting", lambda self, batch: next(flips))
+    with load(tiny_bundle, draft="prompt-lookup", max_batch=4) as eng:
+        if not isinstance(eng.scheduler, BatchScheduler):
+            pytest.skip(f"no batching on this machine: {eng.batch_reason}")
+        concurrently(eng, PROMPTS[:4], max_new_tokens=60)
+    assert len(calls) >= 2
+    for seen in calls.values():
+        given = np.cumsum([rows for rows, _ in seen])
+        assert list(given) == [tokens - 1 for _, tokens in seen]  # every accepted token's state, once

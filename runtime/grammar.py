@@ -1,0 +1,175 @@
+"""Constrained decoding: a grammar (a JSON schema, any JSON object, a regular expression or a Lark grammar) masks
+every row a step verifies, so speculative output under a constraint is what plain constrained decoding gives.
+
+The grammar engine is llguidance (MIT; a Rust core with no Python dependencies, so the lean runtime stays free of
+torch): it computes a token mask in tens of microseconds for a 49k vocabulary here, rolls back, and tells which
+tokens the grammar forces. Candidates weighed (docs/how-it-works.md, "Structured output"): xgrammar needs torch at
+import, which the runtime does not take; outlines-core compiles a JSON schema to a regex index up front, which is
+slow for large schemas and covers less of JSON Schema.
+
+How a step stays exact (:meth:`~.decode.Decoder.step`): a constrained generation drafts a chain. Its draft is cut
+at the first token the grammar refuses, or replaced by the tokens the grammar forces where those reach further (a
+draft that costs nothing). Row ``j`` of the chain is masked with the grammar's state after the chain's first ``j``
+drafted tokens (computed forward, then rolled back: a rejected branch leaves nothing behind), and acceptance runs
+on the masked rows: greedy takes the masked argmax, sampling draws from the masked distribution, exactly as a plain
+constrained step would. The accepted tokens then advance the state.
+
+llguidance is imported only when a grammar is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import PromptError, SpecDeployError
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+class GrammarError(PromptError):
+    """A constraint that cannot be compiled: an invalid schema, an unsupported feature, a bad regex or grammar."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a generation's output must match: ``kind`` (one of :data:`KINDS`) and its ``source`` (a JSON schema as
+    a dict or JSON text, a regular expression, or a Lark grammar; nothing for ``json_object``)."""
+
+    kind: str
+    source: Any = None
+
+    @classmethod
+    def from_response_format(cls, response_format: dict | None) -> Grammar | None:
+        """The grammar of an OpenAI ``response_format`` (``text``: none)."""
+        if not response_format or response_format.get("type") in (None, "text"):
+            return None
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return cls("json_object")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise GrammarError("A json_schema response_format needs json_schema.schema.")
+            return cls("json_schema", spec["schema"])
+        raise GrammarError(f"response_format type '{kind}' is not one of text, json_object, json_schema.")
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # the bitmask helpers
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise SpecDeployError(f"Constrained decoding needs llguidance ({exc}): pip install llguidance.") from None
+    return llguidance
+
+
+class GrammarCompiler:
+    """Compiles grammars against one bundle's tokenizer (built once, about 0.3 s for a 49k vocabulary)."""
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: Sequence[int]):
+        llg = _llguidance()
+        self.vocab_size = vocab_size
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.tokenizer = llg.LLTokenizer(Path(tokenizer_json).read_text(encoding="utf-8"), n_vocab=vocab_size,
+                                         eos_token=sorted(self.eos))
+
+    def compile(self, grammar: Grammar) -> CompiledGrammar:
+        """The grammar checked and ready for generations, or one sentence (:class:`GrammarError`)."""
+        llg = _llguidance()
+        matcher = llg.LLMatcher
+        try:
+            if grammar.kind in ("json_schema", "json_object"):
+                schema = {"type": "object"} if grammar.kind == "json_object" else grammar.source
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, dict):
+                    raise GrammarError("The JSON schema must be a JSON object.")
+                text = matcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            elif grammar.kind == "regex":
+                text = matcher.grammar_from_regex(str(grammar.source))
+            elif grammar.kind == "lark":
+                text = matcher.grammar_from_lark(str(grammar.source))
+            else:
+                raise GrammarError(f"The constraint kind '{grammar.kind}' is not one of {', '.join(KINDS)}.")
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"The {grammar.kind.replace('_', ' ')} is not valid: {_sentence(exc)}") from None
+        error = matcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise GrammarError(f"The {grammar.kind.replace('_', ' ')} cannot be used: {_sentence(error)}")
+        return CompiledGrammar(self, text)
+
+
+def _sentence(what: object) -> str:
+    """An error's first line, as the end of one sentence."""
+    line = str(what).strip().splitlines()[0] if str(what).strip() else "unknown error"
+    return line if line.endswith(".") else line + "."
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    compiler: GrammarCompiler
+    text: str
+
+    def start(self) -> Constraint:
+        """A fresh state of the grammar for one generation."""
+        return Constraint(self.compiler, self.text)
+
+
+class Constraint:
+    """One generation's place in its grammar."""
+
+    def __init__(self, compiler: GrammarCompiler, grammar: str):
+        llg = _llguidance()
+        self._np = llg.numpy
+        self._matcher = llg.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+        self.vocab_size = compiler.vocab_size
+        self._bitmask = self._np.allocate_token_bitmask(1, compiler.vocab_size)
+        self._check()
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise GrammarError(f"The constraint failed: {_sentence(self._matcher.get_error())}")
+
+    def allowed(self) -> np.ndarray:
+        """``[V]`` bool: the tokens the grammar allows next (only end-of-sequence once it is complete)."""
+        self._np.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
+    def masks(self, chain: Sequence[int]) -> np.ndarray:
+        """``[n, V]``: row ``j``'s allowed tokens after the chain's drafted tokens ``chain[1..j]`` (``chain[0]``, the
+        root, is already consumed); the state is rolled back after."""
+        n = len(chain)
+        out = np.empty((n, self.vocab_size), dtype=bool)
+        consumed = 0
+        for j in range(n):
+            out[j] = self.allowed()
+            if j < n - 1 and not self._matcher.is_stopped():  # past its end only end-of-sequence may follow
+                if not self._matcher.consume_token(int(chain[j + 1])):
+                    raise GrammarError("A draft token the grammar refuses reached verification.")  # drafts are cut
+                consumed += 1
+        if consumed:
+            self._matcher.rollback(consumed)
+        return out
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar takes from here, in order."""
+        return int(self._matcher.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (a free draft)."""
+        return [int(t) for t in self._matcher.compute_ff_tokens()]
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The generation emitted ``tokens``."""
+        for t in tokens:
+            if self._matcher.is_stopped():  # complete: what follows is end-of-sequence, which ends the generation
+                break
+            self._matcher.consume_token(int(t))
+        self._check()
