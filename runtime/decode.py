@@ -342,6 +342,7 @@ class Decoder:
                     gen.layers = np.concatenate([lay for _, lay in gen.unseen] + [gen.layers])
                 gen.unseen.clear()
             tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
+            gen.stats.gate_ar += not gen.asked and gen.drafter is not None  # a plain step of a drafting generation
             gen.tree, gen.whole = (tree if b == 1 and gen.constraint is None else tree.main_path()), True
             if gen.constraint is not None:
                 self._constrain_draft(gen, budget)
