@@ -53,7 +53,7 @@ def test_two_replicas_answer_chat_stream_and_completion_through_the_openai_clien
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=ray_server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="bundle", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=3)
+        c.chat.completions.create(model="bundle", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=17)
     # Requests reach both replicas: each one's /metrics counts its own.
     seen = {httpx.get(ray_server.url + "/health", timeout=5).json().get("pid") for _ in range(40)}
     assert len(seen) == 2
