@@ -288,8 +288,8 @@ class AppServer:
             entries = streams[i].stats.logprobs[sent[i]:upto]
             body = shape.logprobs(entries, offset[i])
             sent[i] += len(entries)
-            if body is not None:
-                offset[i] += sum(len(self._token_text(e.token)) for e in entries)
+            if body is not None and not shape.chat:  # completions' text_offset: the texts the body already decoded
+                offset[i] += sum(len(t) for t in body["tokens"])
             return body
 
         try:
