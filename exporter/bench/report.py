@@ -32,13 +32,20 @@ JSON schema (stable; CI and other tools read it)::
       own_plain, identical_to_own_plain: a peer's speculative variant, the name of that peer's plain
               variant and on how many prompts its output equals that one's (null otherwise),
       categories {<prompt category>: {prompts, tokens_per_s, speedup_vs_ar (against ar on the same
-              prompts, end to end), decode_speedup_vs_ar, identical_prompts}},
+              prompts, end to end), decode_speedup_vs_ar, identical_prompts, valid_prompts (constrained
+              prompts whose answer meets the constraint; null without constraints), cut_prompts (of the
+              others, those cut by --max-new-tokens before the answer ended)}},
+      valid_prompts, constrained_prompts: of the prompts that carry a constraint (a structured prompt set),
+              how many answers meet it (JSON valid against the schema, or tool calls of a known tool with valid
+              arguments), and how many there are (0: none),
       steps, new_tokens, seconds,
       prompts: [ index, prompt_tokens, new_tokens, seconds, tokens_per_s, decode_tokens_per_s, tau,
                  steps, loop_overhead, finish_reason, identical_to_ar, first_difference (index of the
-                 first token that differs from ar, else null), token_ids,
+                 first token that differs from ar, else null), token_ids, valid (the answer meets the
+                 prompt's constraint; null: none), invalid_reason, tool_calls (the runtime's parsed calls),
                  category, prompt and text (the first 3 prompts only) ] ]
-Values a variant cannot measure are null (skipped variants: all of them).
+Values a variant cannot measure are null (skipped variants: all of them). A run on constrained prompts also
+runs ``ar-unconstrained`` (ar on the same ids without the constraint), beside ar in ``structured`` below the table.
 """
 
 from __future__ import annotations
@@ -54,7 +61,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 
-from specdeploy.exporter.bench.spec import BASELINE, RunResult, Score, VariantSpec
+from specdeploy.exporter.bench.spec import BASELINE, RunResult, Score, StructuredPrompt, VariantSpec
+from specdeploy.exporter.bench.structured import check_answer
 
 _VERSIONED = ("specdeploy", "onnxruntime", "onnxruntime-gpu", "numpy", "tokenizers", "torch", "transformers",
               "onnxruntime-genai", "llama-cpp-python", "nvidia-mtbench-evaluator")
@@ -64,6 +72,7 @@ class _Prompt(Protocol):
     text: str
     ids: list[int]
     category: str
+    structured: StructuredPrompt | None
 
 
 class _Decoder(Protocol):
@@ -129,7 +138,14 @@ def _prompt_entry(i: int, r: RunResult, base: RunResult, prompt: _Prompt, codec:
         "first_difference": _first_difference(r.tokens, base.tokens),
         "token_ids": r.tokens,
         "category": prompt.category,
+        "valid": None,
+        "invalid_reason": None,
+        "tool_calls": r.tool_calls,
     }
+    structured = getattr(prompt, "structured", None)
+    if structured is not None:
+        why = check_answer(structured.constraint, codec.decode(r.tokens), r.tool_calls)
+        entry["valid"], entry["invalid_reason"] = why is None, why
     if with_text:
         entry["prompt"] = prompt.text
         entry["text"] = codec.decode(r.tokens)
@@ -150,6 +166,8 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
     if same < len(per):
         asked = dict(spec.options).get("step_plan")
         why = ("another runtime or precision, whose kernels can flip near-tied argmaxes" if spec.runner != "ours"
+               else "decoded without the prompts' constraint, which ar decodes under" if dict(spec.options).get(
+                   "unconstrained")
                else "LOSSY: inexact speculation was allowed" if lossy
                else f"step plan '{asked}', another graph's arithmetic than ar's: its own plain decoding is its "
                     f"reference" if asked
@@ -183,6 +201,8 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
         "steps": len(accepted) if have_steps else None,
         "new_tokens": sum(len(r.tokens) for r in runs),
         "seconds": sum(r.seconds for r in runs),
+        "valid_prompts": sum(bool(p["valid"]) for p in per),
+        "constrained_prompts": sum(p["valid"] is not None for p in per),
         "prompts": per,
     }
 
@@ -198,8 +218,12 @@ def _categories(v: dict[str, Any], ar: dict[str, Any] | None) -> dict[str, dict[
             mine = _mean([v["prompts"][i][key] for i in idx if v["prompts"][i][key]])
             base = _mean([ar["prompts"][i][key] for i in idx if ar["prompts"][i][key]]) if ar and ar["prompts"] else None
             ratios[ratio] = mine / base if mine is not None and base else None
+        checked = [v["prompts"][i]["valid"] for i in idx if v["prompts"][i]["valid"] is not None]
         out[cat] = {"prompts": len(idx), "tokens_per_s": _mean([v["prompts"][i]["tokens_per_s"] for i in idx]),
-                    **ratios, "identical_prompts": sum(v["prompts"][i]["identical_to_ar"] for i in idx)}
+                    **ratios, "identical_prompts": sum(v["prompts"][i]["identical_to_ar"] for i in idx),
+                    "valid_prompts": sum(checked) if checked else None,
+                    "cut_prompts": sum(v["prompts"][i]["valid"] is False and v["prompts"][i]["finish_reason"] == "length"
+                                       for i in idx) if checked else None}
     return out
 
 
@@ -210,7 +234,7 @@ def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
             "mean_accepted_tokens": None, "identical_to_ar": None, "identical_prompts": None,
             "loop_overhead": None, "acceptance_histogram": None, "depth_acceptance": None,
             "gate_decisions": None, "profile": None, "steps": None,
-            "new_tokens": None, "categories": {}, "quality": None, "quality_note": None, "own_plain": None, "identical_to_own_plain": None,
+            "new_tokens": None, "categories": {}, "quality": None, "valid_prompts": None, "constrained_prompts": None, "quality_note": None, "own_plain": None, "identical_to_own_plain": None,
             "seconds": None, "prompts": []}
 
 
@@ -333,7 +357,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"{gate_cell} | {ident} | {_own_plain_cell(v)} | {_quality_cell(v)} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
         )
-    return "\n".join(lines + _category_table(report)) + "\n"
+    return "\n".join(lines + _category_table(report) + _structured_table(report)) + "\n"
 
 
 def _category_table(report: dict[str, Any]) -> list[str]:
@@ -357,6 +381,38 @@ def _category_table(report: dict[str, Any]) -> list[str]:
         lines.append(f"| {v['name']} | {_fmt(v['speedup_vs_ar'], '.2f', '×')} "
                      f"[{_fmt(v.get('decode_speedup_vs_ar'), '.2f', '×')}] | " + " | ".join(cells) + " |")
     return lines
+
+
+def _structured_table(report: dict[str, Any]) -> list[str]:
+    """Per category of constrained prompts: each variant's tok/s, its speed-up against constrained ar, how many
+    answers meet the constraint and equal ar's; then constrained ar against ar without the constraint."""
+    ran = [v for v in report["variants"] if not v["skipped"] and v.get("constrained_prompts")]
+    cats = list(dict.fromkeys(c for v in ran for c, e in (v.get("categories") or {}).items()
+                              if e.get("valid_prompts") is not None))
+    if not cats:
+        return []
+    lines = ["", ("Structured output by category: tok/s end to end (speed-up vs constrained ar), answers that meet "
+                  "the constraint (JSON valid against its schema; a call of a known tool with valid arguments; 'cut': "
+                  "stopped by --max-new-tokens first), answers identical to ar's:"), "",
+             "| variant | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+    for v in ran:
+        cells = []
+        for c in cats:
+            e = (v.get("categories") or {}).get(c)
+            cells.append("–" if not e else f"{_fmt(e['tokens_per_s'], '.1f')} ({_fmt(e['speedup_vs_ar'], '.2f', '×')}), "
+                         f"valid {e['valid_prompts']}/{e['prompts']}{f' ({cut} cut)' if (cut := e.get('cut_prompts')) else ''}, "
+                         f"same {e['identical_prompts']}/{e['prompts']}")
+        lines.append(f"| {v['name']} | " + " | ".join(cells) + " |")
+    free = next((v for v in ran if v["name"] == "ar-unconstrained"), None)
+    if free is not None:
+        ratios = [f"{c} {_fmt(r, '.2f', '×')}" for c in cats if c in free["categories"]
+                  for r in [_inverse(free["categories"][c]["speedup_vs_ar"])]]
+        lines += ["", "Constrained ar against ar without the constraint (tok/s ratio, same prompts): " + ", ".join(ratios)]
+    return lines
+
+
+def _inverse(x: float | None) -> float | None:
+    return 1.0 / x if x else None
 
 
 def _any_quality(report: dict[str, Any]) -> dict[str, Any] | None:

@@ -31,7 +31,15 @@ from pathlib import Path
 from specdeploy.exporter.bench.promptsets import BenchItem, load_set
 from specdeploy.exporter.bench.registry import VARIANTS, unavailable
 from specdeploy.exporter.bench.report import build_report, quality_class, write_outputs
-from specdeploy.exporter.bench.spec import BASELINE, BenchError, RunResult, Score, VariantSpec
+from specdeploy.exporter.bench.spec import (
+    BASELINE,
+    BenchError,
+    RunResult,
+    Score,
+    StructuredPrompt,
+    VariantSpec,
+)
+from specdeploy.exporter.bench.variants import UNCONSTRAINED_AR
 from specdeploy.exporter.bench.worker import THREAD_ENV
 from specdeploy.exporter.check.quality import HELD_IN_TEXTS
 from specdeploy.runtime.bundle import read_manifest
@@ -166,8 +174,9 @@ class Worker:
         except (BrokenPipeError, OSError):
             raise self._crashed() from None
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
-        self.send({"op": "generate", "ids": ids, "max_new_tokens": max_new_tokens})
+    def generate(self, ids: list[int], max_new_tokens: int, structured: StructuredPrompt | None = None) -> RunResult:
+        self.send({"op": "generate", "ids": ids, "max_new_tokens": max_new_tokens,
+                   **({"structured": structured.to_json()} if structured is not None else {})})
         message = self.receive()
         if message.get("event") != "result":
             raise BenchError(f"The bench worker for variant '{self.name}' answered {message!r}.")
@@ -262,11 +271,39 @@ class BenchPrompt:
     text: str
     ids: list[int]
     category: str = "all"
+    structured: StructuredPrompt | None = None  # a constrained prompt: its messages and constraint
 
 
 def encode_prompts(codec: TextCodec, texts: list[str]) -> list[BenchPrompt]:
     """First turns through the chat template, as ``Engine.encode(prompt, chat=True)`` does."""
     return [BenchPrompt(text, codec.encode_chat([{"role": "user", "content": text}])) for text in texts]
+
+
+def tools_unsupported() -> str | None:
+    """Why this runtime cannot take tools (``Engine.stream(tools=...)``, the codec rendering them), or None."""
+    import importlib.util
+    import inspect
+
+    from specdeploy.runtime.engine import Engine
+
+    if "tools" not in inspect.signature(Engine.stream).parameters or importlib.util.find_spec(
+            "specdeploy.runtime.tools") is None or "tools" not in inspect.signature(TextCodec.encode_chat).parameters:
+        return "this specdeploy's Engine.stream takes no tools"
+    return None
+
+
+def chat_prompt(codec: TextCodec, item: BenchItem, messages: list[dict]) -> BenchPrompt:
+    """``messages`` (ending with ``item``'s turn) as chat ids, rendered with the item's tools where it has some, as
+    ``Engine.stream(messages, tools=..., tool_choice=...)`` renders them."""
+    constraint = item.constraint
+    if constraint is not None and constraint.tools is not None:
+        from specdeploy.runtime.tools import ToolSpec
+
+        ids = codec.encode_chat(messages, ToolSpec.parse(list(constraint.tools), constraint.tool_choice))
+    else:
+        ids = codec.encode_chat(messages)
+    structured = StructuredPrompt(tuple(messages), constraint) if constraint is not None else None
+    return BenchPrompt(item.text, ids, item.category, structured)
 
 
 def prompt_items(prompts_file: Path | None, prompt_set: str | None, num_prompts: int,
@@ -297,7 +334,7 @@ def later_turns(items: list[BenchItem], codec: TextCodec, answer: Callable[[list
             reply = codec.decode(answer(codec.encode_chat(messages)))
             messages.append({"role": "assistant", "content": reply})
         messages.append({"role": "user", "content": item.text})
-        out.append(BenchPrompt(item.text, codec.encode_chat(messages), item.category))
+        out.append(chat_prompt(codec, item, messages))
     return out
 
 
@@ -315,10 +352,18 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
     identity on a CPU kind this machine is not (:mod:`.emulate`); peers are skipped then."""
     if num_prompts < 1 or max_new_tokens < 1 or threads < 1:
         raise BenchError("--num-prompts, --max-new-tokens and --threads must be at least 1.")
-    specs = resolve_variants(variants)
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     items, prompts_source = prompt_items(prompts_file, prompt_set, num_prompts, progress)
+    if any(it.tools for it in items) and (why := tools_unsupported()):
+        progress(f"[bench] {why}: the {sum(bool(it.tools) for it in items)} tool-call prompts are left out.")
+        items = [it for it in items if not it.tools]
+        if not items:
+            raise BenchError(f"The prompt set holds tool-call prompts only, and {why}.")
+    constrained = any(it.constraint is not None for it in items)
+    # A constrained set also runs ar without the constraint: what the constraint costs plain decoding.
+    specs = resolve_variants(variants + ([UNCONSTRAINED_AR] if constrained and UNCONSTRAINED_AR not in variants
+                                         else []))
     codec = TextCodec.for_bundle(bundle, manifest)
     limit = manifest.limits.max_context
 
@@ -330,11 +375,15 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
 
     # Each conversation's first turn, checked before anything loads; a later turn is encoded once ar has
     # answered the earlier ones.
-    prompts = [BenchPrompt(it.text, codec.encode_chat([{"role": "user", "content": (*it.earlier_turns, it.text)[0]}]),
-                           it.category) for it in items]
+    prompts = [chat_prompt(codec, it, [{"role": "user", "content": (*it.earlier_turns, it.text)[0]}]) for it in items]
     check_lengths(prompts)
 
     skipped = {s.name: note for s in specs if (note := unavailable(s, manifest))}
+    if constrained:
+        from specdeploy.exporter.bench.registry import RUNNERS
+
+        skipped.update({s.name: "skipped: this runner decodes under no JSON schema or tool constraint." for s in specs
+                        if s.name not in skipped and not RUNNERS[s.runner].constrains})
     prefix: tuple[str, ...] = ()
     emulated: dict[str, str] | None = None
     if emulate_cpu:
@@ -361,7 +410,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                 workers[s.name] = Worker(s.name, worker_argv(s, bundle, threads, tree, prefix), env, Path(log_dir))
                 workers[s.name].receive()  # "ready"
             for name, w in workers.items():
-                w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens))  # warm-up, not timed
+                w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens), prompts[0].structured)  # not timed
                 progress(f"[bench] {name}: loaded and warmed up")
             if any(it.earlier_turns for it in items):
                 progress(f"[bench] {BASELINE} answers the earlier turns of {sum(bool(it.earlier_turns) for it in items)} "
@@ -373,7 +422,7 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                 k = i % len(order)
                 for name in order[k:] + order[:k]:
                     time.sleep(SETTLE_S)  # the previous variant's threads stop spinning (see SETTLE_S)
-                    r = workers[name].generate(prompt.ids, max_new_tokens)
+                    r = workers[name].generate(prompt.ids, max_new_tokens, prompt.structured)
                     results[name].append(r)
                     tps = len(r.tokens) / r.seconds if r.seconds > 0 else 0.0
                     progress(f"[bench] prompt {i + 1}/{len(prompts)}  {name:<18} {len(r.tokens):4d} tokens "
@@ -390,7 +439,8 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                 "precision": "/".join(sorted({g.precision for g in manifest.graphs if g.role == "base"})),
                 "max_new_tokens": max_new_tokens, "threads": threads, "tree": tree,
                 "prompts_file": prompts_source, "prompt_set": prompt_set, "baseline": BASELINE,
-                "baseline_added": BASELINE not in variants, "emulated_cpu": emulate_cpu},
+                "baseline_added": BASELINE not in variants, "emulated_cpu": emulate_cpu,
+                "constrained_prompts": sum(p.structured is not None for p in prompts)},
         text_prompts=TEXT_PROMPTS, machine=emulated, quality=quality,
     )
     table = write_outputs(report, Path(json_out))

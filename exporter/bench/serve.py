@@ -7,7 +7,10 @@ single-client speed and, for each prompt, its answer alone on that server. At ea
 Measured: aggregate completion tokens per second of wall time, p50 and p95 request latency, and
 whether each answer is complete (the token budget or the end of the turn) and identical to the same
 prompt's answer alone on that server and on the first server (list ``1:none`` first to hold every answer to the
-bundle's plain greedy answer). Written as JSON with a PNG of throughput and latency.
+bundle's plain greedy answer). A structured prompt set's requests carry their ``response_format`` or ``tools`` and
+``tool_choice``; every answer is then also checked to meet it (JSON valid against the schema, or tool calls of a
+known tool with valid arguments), and tool-call answers are compared by their calls' names and arguments.
+Written as JSON with a PNG of throughput and latency.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from specdeploy.exporter.bench.report import machine_info
 from specdeploy.exporter.bench.run import BenchError
+from specdeploy.exporter.bench.structured import Constraint, call_signature, check_answer
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -75,13 +79,22 @@ class _Server:
         self._log.flush()
         return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def chat(self, prompt: str, max_tokens: int) -> dict:
+    def chat(self, prompt: str, max_tokens: int, constraint: Constraint | None = None) -> dict:
+        """One greedy chat request (with the prompt's constraint); the answer, its latency and, where the request
+        had a constraint, ``invalid``: why the answer does not meet it (None: it does)."""
         t0 = time.perf_counter()
-        body = _post(self.url + "/v1/chat/completions", {"model": "bench", "max_tokens": max_tokens, "temperature": 0,
-                                                           "messages": [{"role": "user", "content": prompt}]}, 3600)
+        body = _post(self.url + "/v1/chat/completions", {
+            "model": "bench", "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}], **(constraint.keywords() if constraint else {})}, 3600)
         choice = body["choices"][0]
-        return {"latency_s": time.perf_counter() - t0, "text": choice["message"]["content"],
-                "finish_reason": choice["finish_reason"], "tokens": body["usage"]["completion_tokens"]}
+        text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or None
+        out = {"latency_s": time.perf_counter() - t0, "text": text, "tool_calls": calls,
+               # what must match another server's answer: the calls' names and arguments (their ids differ), else the text
+               "answer": json.dumps(call_signature(calls)) if calls else text,
+               "finish_reason": choice["finish_reason"], "tokens": body["usage"]["completion_tokens"]}
+        if constraint is not None:
+            out["invalid"] = check_answer(constraint, text, calls)
+        return out
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -99,7 +112,8 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def _concurrent(server: _Server, prompts: list[str], max_tokens: int) -> tuple[list[dict], float]:
+def _concurrent(server: _Server, prompts: list[str], max_tokens: int,
+                constraints: dict[str, Constraint]) -> tuple[list[dict], float]:
     """Every prompt sent at once, one client thread each; the answers and the wall time."""
     out: list[dict | BaseException | None] = [None] * len(prompts)
     gate = threading.Barrier(len(prompts) + 1)
@@ -107,7 +121,7 @@ def _concurrent(server: _Server, prompts: list[str], max_tokens: int) -> tuple[l
     def client(i: int) -> None:
         gate.wait()
         try:
-            out[i] = server.chat(prompts[i], max_tokens)
+            out[i] = server.chat(prompts[i], max_tokens, constraints.get(prompts[i]))
         except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
             out[i] = exc
 
@@ -141,20 +155,26 @@ def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: 
              categories: dict[str, str] | None = None) -> dict:
     tokens = sum(a["tokens"] for a in answers)
     lat = [a["latency_s"] for a in answers]
-    complete = sum(a["finish_reason"] == "stop" or (a["finish_reason"] == "length" and a["tokens"] == max_tokens)
-                   for a in answers)
-    same = sum(a["text"] == alone[p]["text"] for a, p in zip(answers, prompts))
+    complete = sum(a["finish_reason"] in ("stop", "tool_calls") or (a["finish_reason"] == "length"
+                                                                     and a["tokens"] == max_tokens) for a in answers)
+    same = sum(a["answer"] == alone[p]["answer"] for a, p in zip(answers, prompts))
+    checked = [a["invalid"] for a in answers if "invalid" in a]
     return {"clients": len(answers), "requests": len(answers), "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(_percentile(lat, 0.5), 3),
             "p95_latency_s": round(_percentile(lat, 0.95), 3), "complete": complete, "identical_to_alone": same,
+            **({"constrained": len(checked), "valid": sum(why is None for why in checked),
+                "invalid_examples": [why for why in checked if why is not None][:3]} if checked else {}),
             **({"categories": _by_category(answers, prompts, categories)} if categories else {})}
 
 
 def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], concurrency: list[int], prompts: list[str],
                     max_new_tokens: int, threads: int, draft: str, json_out: Path,
-                    say: Callable[[str], None] = print, categories: dict[str, str] | None = None) -> dict[str, Any]:
+                    say: Callable[[str], None] = print, categories: dict[str, str] | None = None,
+                    constraints: dict[str, Constraint] | None = None) -> dict[str, Any]:
     """``max_batches``: one server each, a max_batch or (max_batch, draft) (else ``draft``); ``categories``: each
-    prompt's category (a named prompt set), reported apart in every run."""
+    prompt's category (a named prompt set), reported apart in every run; ``constraints``: a prompt's constraint,
+    sent with it and checked in its answers."""
+    constraints = constraints or {}
     if not prompts:
         raise BenchError("bench-serve needs at least one prompt.")
     servers = [mb if isinstance(mb, tuple) else (mb, draft) for mb in max_batches]
@@ -172,28 +192,29 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
         say(f"starting server --max-batch {mb} --draft {srv_draft} ...")
         server = _Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log")
         try:
-            server.chat(asked[0], 8)  # warm-up: first-run allocations
+            server.chat(asked[0], 8, constraints.get(asked[0]))  # warm-up: first-run allocations, the grammar's tokenizer
             say(f"  concurrency 1: {len(set(asked))} prompts one after another (each prompt's answer alone) ...")
             alone: dict[str, dict] = {}
             t0 = time.perf_counter()
             for p in dict.fromkeys(asked):
-                alone[p] = server.chat(p, max_new_tokens)
+                alone[p] = server.chat(p, max_new_tokens, constraints.get(p))
             wall = time.perf_counter() - t0
             uniq = list(alone)
             runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, categories), "clients": 1,
-                     "_texts": [(p, alone[p]["text"]) for p in uniq]}]
+                     "_texts": [(p, alone[p]["answer"]) for p in uniq]}]
             for c in levels:
                 if c == 1:
                     continue
                 say(f"  concurrency {c} ...")
-                answers, wall = _concurrent(server, asked[:c], max_new_tokens)
+                answers, wall = _concurrent(server, asked[:c], max_new_tokens, constraints)
                 runs.append({**_summary(answers, wall, alone, asked[:c], max_new_tokens, categories),
-                             "_texts": [(p, a["text"]) for p, a in zip(asked[:c], answers)]})
+                             "_texts": [(p, a["answer"]) for p, a in zip(asked[:c], answers)]})
                 r = runs[-1]
                 say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
-                    f"identical {r['identical_to_alone']}/{c}, complete {r['complete']}/{c}")
+                    f"identical {r['identical_to_alone']}/{c}, complete {r['complete']}/{c}"
+                    + (f", valid {r['valid']}/{r['constrained']}" if "valid" in r else ""))
             report["servers"].append({"max_batch": mb, "draft": srv_draft, "runs": runs,
-                                      "answers_alone": {p: alone[p]["text"] for p in uniq}})
+                                      "answers_alone": {p: alone[p]["answer"] for p in uniq}})
         finally:
             server.close()
     _compare(report)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specdeploy.exporter.bench.structured import Constraint
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.errors import SpecDeployError
 
@@ -65,6 +66,23 @@ class RunResult:
     # What explains the number (ours only): the measured step-cost curve {rows: cost relative to one row}
     # and the drafter's running costs (draft call and step, ms) after this generation.
     profile: dict | None = None
+    tool_calls: list[dict] | None = None  # the calls the runner parsed from its answer (OpenAI's form), if any
+
+
+@dataclass(frozen=True)
+class StructuredPrompt:
+    """A constrained prompt as an OpenAI request carries it: its messages (those the prompt ids render) and what
+    its answer must be."""
+
+    messages: tuple[dict, ...]
+    constraint: Constraint
+
+    def to_json(self) -> dict:
+        return {"messages": list(self.messages), "constraint": self.constraint.keywords()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StructuredPrompt:
+        return cls(tuple(data["messages"]), Constraint.from_keywords(data["constraint"]))
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,8 @@ def score_logits(logits: Any, ids: list[int]) -> Score:
 class Runner(ABC):
     """Loads one variant once and times generations on token ids."""
 
+    constrains = False  # whether generate() decodes under a StructuredPrompt's constraint
+
     def __init__(self, bundle: Path, manifest: BundleManifest, spec: VariantSpec, threads: int,
                  tree: str | None):
         self.bundle, self.manifest, self.spec = bundle, manifest, spec
@@ -101,8 +121,9 @@ class Runner(ABC):
         return None
 
     @abstractmethod
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
-        """Greedy generation of up to ``max_new_tokens`` after the prompt ``ids``."""
+    def generate(self, ids: list[int], max_new_tokens: int, structured: StructuredPrompt | None = None) -> RunResult:
+        """Greedy generation of up to ``max_new_tokens`` after the prompt ``ids``; ``structured``: the prompt's
+        messages and constraint, which a runner that :attr:`constrains` decodes under (``ids`` render them)."""
 
     def score(self, ids: list[int]) -> Score | None:
         """Teacher-forced quality inputs on ``ids``: the argmax at every position and the negative

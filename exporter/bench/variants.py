@@ -19,7 +19,14 @@ import time
 import warnings
 from typing import Any
 
-from specdeploy.exporter.bench.spec import Runner, RunResult, Score, VariantSpec, score_logits
+from specdeploy.exporter.bench.spec import (
+    Runner,
+    RunResult,
+    Score,
+    StructuredPrompt,
+    VariantSpec,
+    score_logits,
+)
 from specdeploy.runtime.drafters.kinds import (
     AUTO,
     CERBERUS,
@@ -39,6 +46,7 @@ _HF = ("torch", "transformers")
 _GATHERED_AR = "ar-gathered"
 _LONE_AR = "ar-lone"
 _HF_INSTALL = "pip install torch transformers"
+UNCONSTRAINED_AR = "ar-unconstrained"  # plain decoding of a constrained prompt set's prompts without the constraint
 
 
 def _ours(draft: str | None, description: str, name: str | None = None, **kw: Any) -> VariantSpec:
@@ -52,6 +60,10 @@ def _ours(draft: str | None, description: str, name: str | None = None, **kw: An
 
 OWN_VARIANTS = (
     _ours(None, "plain autoregressive (the baseline)", name="ar"),
+    # A structured prompt set's prompts (the same ids) with no response_format or tool_choice: what the constraint
+    # costs plain decoding (bench adds it to such a run).
+    _ours(None, "plain autoregressive, the prompts' constraint left out", name=UNCONSTRAINED_AR,
+          options=(("unconstrained", True),)),
     _ours(PROMPT_LOOKUP, "prompt-lookup tree drafts"),
     _ours(PROMPT_LOOKUP, "prompt lookup with --allow-inexact: where the probe finds no exact step plan here, trees "
           "on the fastest plan anyway (LOSSY); else as prompt-lookup", name=f"{bench_variant(PROMPT_LOOKUP)}-inexact",
@@ -88,7 +100,10 @@ OWN_VARIANTS = (
 
 
 class OursRunner(Runner):
-    """The specdeploy runtime (``specdeploy.runtime.load``), plain or with a drafter."""
+    """The specdeploy runtime (``specdeploy.runtime.load``), plain or with a drafter; a structured prompt goes
+    through ``Engine.stream`` with its messages and constraint, as a caller of the Python API sends it."""
+
+    constrains = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -110,11 +125,18 @@ class OursRunner(Runner):
                 "cost_curve_loop": dict(meter.curve) if meter is not None and meter.updates else None,
                 **(drafter.profile() if drafter is not None else {})}
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+    def generate(self, ids: list[int], max_new_tokens: int, structured: StructuredPrompt | None = None) -> RunResult:
         from specdeploy.runtime.decode import DecodeStats, GenerationConfig, SamplingParams
 
-        stats = DecodeStats()
-        tokens = self.engine.generate_ids(ids, GenerationConfig(max_new_tokens, SamplingParams()), stats)
+        tool_calls = None
+        if structured is not None and not dict(self.spec.options).get("unconstrained"):
+            completion = self.engine.generate(messages=list(structured.messages), max_new_tokens=max_new_tokens,
+                                              temperature=0.0, **structured.constraint.keywords())
+            stats, tokens = completion.stats, list(completion.token_ids)
+            tool_calls = [dict(c) for c in getattr(completion, "tool_calls", None) or ()] or None
+        else:
+            stats = DecodeStats()
+            tokens = self.engine.generate_ids(ids, GenerationConfig(max_new_tokens, SamplingParams()), stats)
         return RunResult(
             tokens=[int(t) for t in tokens],
             seconds=stats.prefill_s + stats.decode_s,
@@ -129,6 +151,7 @@ class OursRunner(Runner):
             plan=self.engine.plan.reason,
             refused=bool(self.spec.draft) and self.engine.draft_name == "none",
             profile=self._profile(),
+            tool_calls=tool_calls,
         )
 
     def score(self, ids: list[int]) -> Score:
@@ -162,7 +185,7 @@ class HfRunner(Runner):
         self.model = load_model(self.manifest.source.path).model  # fp32, eval mode
         self.eos = [int(e) for e in self.manifest.model.eos_token_ids]
 
-    def generate(self, ids: list[int], max_new_tokens: int) -> RunResult:
+    def generate(self, ids: list[int], max_new_tokens: int, structured: StructuredPrompt | None = None) -> RunResult:
         from transformers import GenerationConfig
 
         torch = self.torch

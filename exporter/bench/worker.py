@@ -6,7 +6,8 @@ fight for the cores when they live in one process; timing either one there is me
 Protocol (one JSON object per line):
     worker -> {"event": "ready", "pid": ...}               after loading
            -> {"event": "error", "message": ...}           a user error (SpecDeployError); exits 2
-    parent -> {"op": "generate", "ids": [...], "max_new_tokens": M}
+    parent -> {"op": "generate", "ids": [...], "max_new_tokens": M[, "structured": {"messages": [...],
+               "constraint": {response_format | tools, tool_choice}}]}   a constrained prompt (ids render messages)
     worker -> {"event": "result", ...RunResult fields}
     parent -> {"op": "score", "ids": [...]}              teacher-forced quality inputs on one text
     worker -> {"event": "score", "argmax": [...], "nll": [...]}  (both null: this runner has no logits)
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = _protocol_channel()
 
     from specdeploy.exporter.bench.registry import RUNNERS, VARIANTS
+    from specdeploy.exporter.bench.spec import StructuredPrompt
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.errors import SpecDeployError
 
@@ -83,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                     _send(channel, {"event": "score", "argmax": score.argmax if score else None,
                                     "nll": score.nll if score else None})
                     continue
-                result = runner.generate(ids, int(request["max_new_tokens"]))
+                structured = request.get("structured")
+                result = runner.generate(ids, int(request["max_new_tokens"]),
+                                         StructuredPrompt.from_json(structured) if structured else None)
             except SpecDeployError as exc:
                 _send(channel, {"event": "error", "message": str(exc)})
                 return 2

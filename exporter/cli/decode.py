@@ -90,7 +90,8 @@ def load_engine(bundle: Path, **options):
               help="JSONL of {'prompt': ...} or MT-bench records (default: MT-bench question.jsonl).")
 @click.option("--prompt-set", default=None, type=click.Choice(SETS),
               help="A named prompt set instead of --prompts: Spec-Bench's categories from public data in PyPI packages "
-                   "(spec-bench: --num-prompts of each); see docs/benchmarks.md for the packages.")
+                   "(spec-bench, structured: --num-prompts of each); json-extraction, tool-calls and json-template "
+                   "decode under their JSON schema or tools, and each answer is checked; see docs/benchmarks.md.")
 @click.option("--num-prompts", default=20, show_default=True, type=int)
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--threads", default=2, show_default=True, type=int)
@@ -122,6 +123,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
     Example:
       specdeploy bench bundles/smollm2 --variants ar,hf,prompt-lookup --num-prompts 20 --json out/bench.json
       specdeploy bench bundles/smollm2-q4_1 --variants auto,ngram,llama.cpp-lookup --prompt-set spec-bench --num-prompts 8
+      specdeploy bench bundles/smollm2-q4_1 --variants ar,auto,llama.cpp --prompt-set structured --num-prompts 8
       specdeploy bench bundles/smollm2-q4_1 --variants ar,ngram --num-prompts 4 --max-new-tokens 32 --emulate-cpu EPYC-Rome
     """
     from specdeploy.exporter.bench.run import run_bench
@@ -249,8 +251,10 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(path_type=Path),
               help="JSONL prompts ({'prompt': ...} or MT-bench 'turns'); default: MT-bench first turns.")
 @click.option("--prompt-set", default=None, type=click.Choice(SETS),
-              help="A named prompt set instead of --prompts (--num-prompts of each category for spec-bench); each "
-                   "category is reported apart. Second turns are left out: a server request carries no earlier answer.")
+              help="A named prompt set instead of --prompts (--num-prompts of each category for spec-bench and "
+                   "structured); each category is reported apart. Second turns are left out: a server request carries "
+                   "no earlier answer. The structured sets send their response_format or tools, and every answer is "
+                   "checked to meet it.")
 @click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(min=1),
               help="Prompts per category of --prompt-set.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
@@ -264,6 +268,7 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
     \b
     Example:
       specdeploy bench-serve bundles/smollm2 --max-batch 1,16 --concurrency 1,4,16,32 --max-new-tokens 128
+      specdeploy bench-serve bundles/smollm2 --max-batch 1:none,4 --concurrency 1,4 --prompt-set structured --num-prompts 4
     """
     from specdeploy.exporter.bench.run import BenchError, default_prompts_file, read_prompt_records
     from specdeploy.exporter.bench.serve import run_serve_bench
@@ -284,7 +289,7 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
             out.append((ints(mb, "--max-batch")[0] if mb.strip() else 0, name.strip() or draft))
         return out
 
-    categories = None
+    categories, constraints = None, None
     if prompt_set is not None:
         if prompts_file is not None:
             raise BenchError("Give --prompts or --prompt-set, not both.")
@@ -294,12 +299,14 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         if not items:
             raise BenchError(f"The '{prompt_set}' set holds second turns only, which bench-serve cannot send.")
         prompts, categories = [it.text for it in items], {it.text: it.category for it in items}
+        constraints = {it.text: c for it in items if (c := it.constraint) is not None}
     else:  # a file's records may name their category
         records = read_prompt_records(prompts_file or default_prompts_file())
         prompts = [text for text, _ in records]
         categories = {text: c for text, c in records if c} if prompts_file is not None else None
     report = run_serve_bench(bundle, servers(max_batches), ints(concurrency, "--concurrency"), prompts,
-                             max_new_tokens, threads, draft, json_out, say=click.echo, categories=categories)
+                             max_new_tokens, threads, draft, json_out, say=click.echo, categories=categories,
+                             constraints=constraints)
     m = report["machine"]
     click.echo(f"machine: {m['cpu_model']} ({m['cpu_isa']}), {threads} threads")
     for srv in report["servers"]:
@@ -309,7 +316,8 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
             click.echo(f"--max-batch {srv['max_batch']:>3} --draft {srv['draft']:<13} clients {r['clients']:>3}: "
                        f"{r['tokens_per_s']:7.1f} tok/s  p50 {r['p50_latency_s']:6.2f} s  p95 {r['p95_latency_s']:6.2f} s"
                        f"  identical {r['identical_to_alone']}/{r['requests']} (to the first server: "
-                       f"{r['identical_to_first']}/{r['requests']})  complete {r['complete']}/{r['requests']}{extra}")
+                       f"{r['identical_to_first']}/{r['requests']})  complete {r['complete']}/{r['requests']}"
+                       + (f"  valid {r['valid']}/{r['constrained']}" if "valid" in r else "") + extra)
             for cat, c in (r.get("categories") or {}).items():
                 click.echo(f"    {cat:<16} {c['requests']:3d} requests  {c['tokens_per_s_per_request']:7.1f} tok/s per request")
     click.echo(f"wrote {json_out} and {json_out.with_suffix('.png')}")

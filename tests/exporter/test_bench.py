@@ -18,7 +18,8 @@ VARIANT_KEYS = {
     "name", "description", "skipped", "note", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "decode_speedup_vs_ar", "mean_accepted_tokens", "identical_to_ar", "identical_prompts", "loop_overhead", "acceptance_histogram",
     "depth_acceptance", "gate_decisions", "steps", "new_tokens", "seconds", "prompts", "lossy", "plan", "profile",
-    "quality", "quality_note", "own_plain", "identical_to_own_plain", "categories",
+    "quality", "quality_note", "own_plain", "identical_to_own_plain", "categories", "valid_prompts",
+    "constrained_prompts",
 }
 PROMPT_KEYS = {
     "index", "prompt_tokens", "new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "steps",
