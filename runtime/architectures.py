@@ -41,6 +41,9 @@ class Architecture:
     default_system_prompt: str | None = None
     # Variables chat templates of this family test; rendered as given when the caller passes none.
     template_variables: Mapping[str, object] = field(default_factory=dict)
+    # How its instruct models write tool calls where their chat template renders tools (runtime/tools.py's
+    # FORMATS); "" where specdeploy renders tools generically whatever the template (the Hermes form).
+    tool_call_format: str = ""
 
     def has_bias(self, config) -> bool:
         """Whether the q/k/v projections of a model with this ``config`` carry biases."""
@@ -94,12 +97,13 @@ class Architecture:
         return ", ".join(parts)
 
 
-_TOOLS = {"tools": None, "documents": None}  # templates test them; no tool calling through specdeploy
+_TOOLS = {"tools": None, "documents": None}  # templates test them; a request's tools replace the None
 
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("LlamaForCausalLM", "llama", "llama", attention_bias="config", output="config",
                  rope="rotary (rope_theta)", sliding_window="none", gguf_qk_permuted=True,
-                 end_of_turn=("<|eot_id|>", "<|im_end|>", "<|end_of_text|>"), template_variables=_TOOLS),
+                 end_of_turn=("<|eot_id|>", "<|im_end|>", "<|end_of_text|>"), template_variables=_TOOLS,
+                 tool_call_format="llama3-json"),
     Architecture("MistralForCausalLM", "mistral", "llama", attention_bias="none", output="config",
                  rope="rotary (rope_theta)", sliding_window="always", end_of_turn=("</s>",),
                  chat_format="[INST]", template_variables=_TOOLS),
@@ -107,7 +111,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  rope="rotary (rope_theta)", sliding_window="use_sliding_window",
                  end_of_turn=("<|im_end|>", "<|endoftext|>"), chat_format="ChatML",
                  default_system_prompt="You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
-                 template_variables=_TOOLS),
+                 template_variables=_TOOLS, tool_call_format="hermes"),
 )
 SUPPORTED = tuple(a.name for a in ARCHITECTURES)
 

@@ -50,6 +50,7 @@ from .probe import resolve_plan
 from .scheduler import Scheduler, SerialScheduler
 from .streaming import Completion, TextStream, text_deltas
 from .text import TextCodec
+from .tools import TAGS, ToolCallParser, ToolError, ToolSpec, call_grammar
 
 
 def _rows_verdict(plan: StepPlan) -> str:
@@ -188,15 +189,15 @@ class Engine:
 
     # --- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
-               chat: bool = False) -> list[int]:
+               chat: bool = False, tools: ToolSpec | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
             raise PromptError("Give either a prompt or a messages list, not both.")
         if messages is not None:
-            return self.codec.encode_chat(messages)
+            return self.codec.encode_chat(messages, tools)
         if not isinstance(prompt, str) or not prompt.strip():
             raise PromptError("The prompt is empty.")
-        if chat:
-            return self.codec.encode_chat([{"role": "user", "content": prompt}])
+        if chat or tools is not None:
+            return self.codec.encode_chat([{"role": "user", "content": prompt}], tools)
         return self.codec.encode(prompt)
 
     # --- generation -------------------------------------------------------------------------
@@ -204,8 +205,9 @@ class Engine:
                max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                stop: Sequence[str] = (), seed: int | None = None, chat: bool = False,
                typical: bool = False, cache_namespace: str = "", logprobs: int | None = None,
-               response_format: dict | None = None, regex: str | None = None, grammar: str | None = None
-               ) -> TextStream:
+               response_format: dict | None = None, regex: str | None = None, grammar: str | None = None,
+               tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+               parallel_tool_calls: bool | None = None) -> TextStream:
         """Stream text deltas. Validation happens here; the stream queues for the engine at its first ``next()``.
         ``cache_namespace``: the part of a cross-request draft cache (the suffix draft's) this generation reads
         and adds to; "" shares it with every generation that passes "" (the default). ``logprobs``: each token's
@@ -213,18 +215,34 @@ class Engine:
         (live in ``stats.logprobs``), bit for bit those of plain decoding where the step plan is exact.
         ``response_format`` (OpenAI's: ``json_object``, or ``json_schema`` with its schema), ``regex`` or ``grammar``
         (Lark) constrain the output, every draft source staying exact under the constraint (``runtime/grammar.py``);
-        an invalid or unsupported one fails here in one sentence (:class:`~.grammar.GrammarError`)."""
+        an invalid or unsupported one fails here in one sentence (:class:`~.grammar.GrammarError`).
+        ``tools`` (OpenAI's function tools), ``tool_choice`` (``auto``, the default with tools; ``none``; ``required``;
+        or ``{"type": "function", "function": {"name": ...}}``) and ``parallel_tool_calls`` as OpenAI's: the tools go
+        through the chat template (a prompt becomes a user message), and ``completion.tool_calls`` holds the answer's
+        calls; ``required`` and a named function constrain the answer to calls that parse (``runtime/tools.py``)."""
         if self._closed:
             raise SpecDeployError("This engine is closed.")
         if isinstance(stop, str):
             stop = (stop,)
-        ids = self.encode(prompt, messages, chat)
+        spec = ToolSpec.parse(tools, tool_choice, parallel_tool_calls)
+        ids = self.encode(prompt, messages, chat, spec)
+        constraint = self._constraint(response_format, regex, grammar)
+        parser = None
+        if spec is not None and spec.shown:
+            fmt = self.codec.tool_call_format
+            tags = {t: i for t in TAGS if (i := self.codec.added_token_id(t)) is not None}
+            calls = self._compile(Grammar("lark", call_grammar(spec, fmt, tags)), "tools")  # checks every schema
+            if spec.forced:
+                if constraint is not None:
+                    raise GrammarError("Give one constraint: response_format, regex, grammar or a required tool call.")
+                constraint = calls
+            parser = ToolCallParser(fmt, forced=spec.forced)
         config = GenerationConfig(max_new_tokens, SamplingParams(temperature, top_p, top_k, seed, typical), logprobs,
-                                  self._constraint(response_format, regex, grammar))
+                                  constraint)
         self.decoder.check_prompt(ids, config)
         stops = tuple(s for s in stop if s)
         stream = TextStream(len(ids))
-        stream.attach(self._run(ids, config, stops, stream, cache_namespace))
+        stream.attach(self._run(ids, config, stops, stream, cache_namespace, parser))
         with self._mutex:
             self._streams.add(stream)
         return stream
@@ -239,21 +257,32 @@ class Engine:
             return None
         if len(asked) > 1:
             raise GrammarError("Give one constraint: response_format, regex or grammar.")
+        return self._compile(asked[0])
+
+    def _compile(self, grammar: Grammar, param: str | None = None) -> CompiledGrammar:
+        """``grammar`` compiled against this bundle's tokenizer (the compiler built at the first one); an error
+        names the request field ``param`` where given (a tool's schema: :class:`~.tools.ToolError`)."""
         with self._mutex:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.bundle_dir / self.manifest.tokenizer.file,
                                                  self.manifest.model.vocab_size, self.manifest.model.eos_token_ids)
-        return self._grammars.compile(asked[0])
+        try:
+            return self._grammars.compile(grammar)
+        except GrammarError as exc:
+            if param is None:
+                raise
+            why = str(exc).split(": ", 1)[-1]
+            raise ToolError(f"A tool's parameters schema cannot be used: {why}", param=param) from None
 
     def _run(self, ids: list[int], config: GenerationConfig, stops: tuple[str, ...],
-             stream: TextStream, cache_namespace: str = "") -> Iterator[str]:
+             stream: TextStream, cache_namespace: str = "", tools: ToolCallParser | None = None) -> Iterator[str]:
         tokens = self._submit(ids, config, stream.stats, stream.cancel_flag, cache_namespace)
         if tokens is None:  # cancelled while queued, or the engine closed first
             stream.cancel_unstarted()
             self._record(stream.stats, ran=False)
             return
         try:
-            yield from text_deltas(tokens, self.codec.stream(), stops, stream)
+            yield from text_deltas(tokens, self.codec.stream(), stops, stream, tools)
         finally:
             self._record(stream.stats, ran=True)
 

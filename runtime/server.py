@@ -11,9 +11,12 @@ queue and a running one stops after the current decode step, so its slot or batc
 next request. Requests are validated with strict pydantic models (no type coercion,
 unknown fields rejected) and every failure is an OpenAI-style error body.
 
-Differences from the OpenAI API, on purpose: one choice per request (``n`` = 1), one prompt per
-completion request, no logprobs or penalties, and a request whose prompt plus ``max_tokens`` runs past
-the bundle's context ends there with ``finish_reason: "length"`` instead of being refused.
+Served as OpenAI's: ``n`` (up to 16), ``logprobs``/``top_logprobs``, ``response_format`` (json_object,
+json_schema), ``tools``/``tool_choice`` (``runtime/tools.py``), ``stream_options.include_usage``; as vLLM spells
+them, ``guided_regex`` and ``guided_grammar``. Differences, on purpose: one prompt per completion request, no
+penalties or ``logit_bias``, a streamed answer's tool calls come whole in one chunk at its end, and a request
+whose prompt plus ``max_tokens`` runs past the bundle's context ends there with ``finish_reason: "length"``
+instead of being refused.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .errors import SpecDeployError
 from .grammar import GrammarError
 from .server_front import FrontDoor
 from .server_metrics import Metrics
+from .tools import ToolError
 
 try:
     import uvicorn  # noqa: F401 (run by .server_run; checked here with the rest of the extra)
@@ -149,9 +153,7 @@ class AppServer:
 
     async def chat(self, request: Request) -> Response:
         req: ChatRequest = parse_request(ChatRequest, await self._body(request))
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                    for m in req.messages]
+        messages = req.chat_messages()
         max_tokens = req.max_completion_tokens or req.max_tokens or self.max_tokens_limit
         return await self._generate(request, req, prompt=None, messages=messages, max_tokens=max_tokens)
 
@@ -200,15 +202,16 @@ class AppServer:
                     top_p=req.top_p, top_k=req.top_k, stop=[req.stop] if isinstance(req.stop, str) else req.stop or (),
                     seed=None if req.seed is None else (req.seed + i) % (1 << 64),
                     cache_namespace=(req.user or "") if self.config.cache_per_user else "", logprobs=logprobs,
-                    **req.constraint()))
+                    **req.constraint(), **(req.tool_options() if isinstance(req, ChatRequest) else {})))
             if streams[0].prompt_tokens > self.max_prompt_tokens:
                 raise ApiError(400, f"The prompt has {streams[0].prompt_tokens} tokens but this server accepts at most "
                                     f"{self.max_prompt_tokens}.", param="messages" if messages else "prompt",
                                code="context_length_exceeded")
-        except GrammarError as exc:
+        except (GrammarError, ToolError) as exc:
             for stream in streams:
                 stream.close()
-            raise ApiError(400, str(exc), param=req.constraint_param(), code="invalid_value") from None
+            param = exc.param if isinstance(exc, ToolError) else req.constraint_param()
+            raise ApiError(400, str(exc), param=param, code="invalid_value") from None
         except SpecDeployError as exc:
             for stream in streams:
                 stream.close()
@@ -324,6 +327,8 @@ class AppServer:
                     request.scope["specdeploy.note"] = " cancelled-at-shutdown"
                     yield sse(error_body("The server is shutting down.", "server_error", code="shutting_down"))
                     break
+                if c.tool_calls:
+                    yield sse(shape.tool_calls_chunk(c.tool_calls, index=i))
                 yield sse(shape.chunk(None if shape.chat else "", finish_reason=c.finish_reason, index=i,
                                       logprobs=logprobs(i, len(c.token_ids)) if sent[i] < len(c.token_ids) else None))
                 done += 1

@@ -103,10 +103,48 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # an assistant message with tool_calls may have none
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
+    refusal: str | None = None
+
+    def text(self) -> str | None:
+        return self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(GenerationRequest):
@@ -114,6 +152,36 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = Field(default=None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_options(self) -> dict[str, Any]:
+        """The tool keywords of ``Engine.stream`` this request asks for."""
+        if not self.tools and self.tool_choice is None:
+            return {}
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+        return {"tools": [t.model_dump(exclude_none=True) for t in self.tools or ()], "tool_choice": choice,
+                "parallel_tool_calls": self.parallel_tool_calls}
+
+    def chat_messages(self) -> list[dict]:
+        """The messages as the engine takes them: developer as system, text parts joined, tool calls kept."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.text()
+            if content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ApiError(400, f"messages[{i}] needs content.", param=f"messages[{i}].content",
+                               code="invalid_value")
+            if m.role == "tool" and not m.tool_call_id:
+                raise ApiError(400, f"messages[{i}] is a tool message without a tool_call_id.",
+                               param=f"messages[{i}].tool_call_id", code="invalid_value")
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
 
 
 class ApiError(Exception):
@@ -139,7 +207,8 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def _param(loc: tuple, extra: bool = False) -> str | None:
     """``("messages", 0, "content", "str")`` -> ``"messages[0].content"`` (pydantic's union branch tags dropped)."""
-    fields = set(ChatMessage.model_fields) | set(TextPart.model_fields) | set(StreamOptions.model_fields)
+    fields = set().union(*(m.model_fields for m in (ChatMessage, TextPart, StreamOptions, ToolCall, FunctionCall,
+                                                     ToolDef, FunctionDef, NamedToolChoice, ResponseFormat)))
     out = ""
     for i, part in enumerate(loc):
         if isinstance(part, int):
@@ -250,6 +319,12 @@ class ResponseShape:
             body["usage"] = None
         return body
 
+    def tool_calls_chunk(self, calls: Sequence[dict], index: int = 0) -> dict:
+        """A chat stream's chunk carrying a choice's tool calls whole (sent once the answer has ended)."""
+        body = self.chunk(None, index=index)
+        body["choices"][0]["delta"] = {"tool_calls": [{"index": k} | c for k, c in enumerate(calls)]}
+        return body
+
     def usage_chunk(self, cs: Sequence[Completion]) -> dict:
         return self._head("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [], "usage": usage(cs)}
@@ -260,8 +335,10 @@ class ResponseShape:
         for i, c in enumerate(cs):
             logprobs = self.logprobs(c.logprobs)
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason})
+                message: dict = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    message = {"role": "assistant", "content": c.text or None, "tool_calls": list(c.tool_calls)}
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         body = self._head("chat.completion" if self.chat else "text_completion")

@@ -8,14 +8,19 @@ from dataclasses import dataclass
 
 from .decode import DecodeStats
 from .logprobs import TokenLogprob
+from .tools import ToolCallParser
 
 
 @dataclass(frozen=True)
 class Completion:
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop" (EOS or stop string), "length", or "cancelled" (closed before the end)
+    # "stop" (EOS or stop string), "length", "tool_calls" (the answer is tool calls), or "cancelled"
+    finish_reason: str
     stats: DecodeStats
+    # The answer's tool calls in OpenAI's form (``{"id", "type", "function": {"name", "arguments"}}``), where the
+    # generation was given tools and the answer calls them; ``text`` is then the content before the calls.
+    tool_calls: tuple[dict, ...] = ()
 
     @property
     def logprobs(self) -> list[TokenLogprob]:
@@ -80,14 +85,17 @@ class TextStream:
         self.completion = Completion("", (), "cancelled", self.stats)
 
 
-def text_deltas(tokens: Iterator[int], detok, stops: Sequence[str], stream: TextStream) -> Iterator[str]:
+def text_deltas(tokens: Iterator[int], detok, stops: Sequence[str], stream: TextStream,
+                tools: ToolCallParser | None = None) -> Iterator[str]:
     """The text deltas of ``tokens`` (a generation running for ``stream``), decoded by ``detok`` (a
     :meth:`~.text.TextCodec.stream`). Text that might start a stop string is held back, and the first stop
-    string ends the text before it. ``stream.completion`` is set when this ends: exhausted, stopped,
-    cancelled, closed at a yield or failed; ``tokens`` is closed then, whatever the reason."""
+    string ends the text before it. With ``tools``, text from where a tool call may start is held back too, and
+    the end splits the text into content and calls. ``stream.completion`` is set when this ends: exhausted,
+    stopped, cancelled, closed at a yield or failed; ``tokens`` is closed then, whatever the reason."""
     stats = stream.stats
     hold = max((len(s) for s in stops), default=1) - 1  # chars that might start a stop string
-    emitted_len, ids, reason = 0, [], ""
+    emitted_len, ids, reason, end = 0, [], "", None
+    final, calls = "", ()
     try:
         for tok in tokens:
             if stream.cancelled:
@@ -98,23 +106,28 @@ def text_deltas(tokens: Iterator[int], detok, stops: Sequence[str], stream: Text
             text = detok.text
             hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if hit >= 0:
-                if hit > emitted_len:
-                    yield text[emitted_len:hit]
-                emitted_len, reason = hit, "stop"
+                end, reason = hit, "stop"
                 break
             safe = len(text) - hold if stops else len(text)
+            if tools is not None:
+                safe = min(safe, tools.content_end(text))
             if safe > emitted_len:
                 yield text[emitted_len:safe]
                 emitted_len = safe
         else:
             reason = stats.finish_reason
-            if len(detok.text) > emitted_len:
-                yield detok.text[emitted_len:]
-                emitted_len = len(detok.text)
+        if reason in ("stop", "length"):  # the answer is whole: the rest of its content, and its calls
+            final, calls = tools.parse(detok.text[:end]) if tools is not None else (detok.text[:end], ())
+            if len(final) > emitted_len:
+                yield final[emitted_len:]
+            emitted_len = len(final)
+            if calls and reason == "stop":
+                reason = "tool_calls"
     finally:
         # Also runs when the stream is closed at a yield (GeneratorExit): the generation always ends here.
         tokens.close()
         if not reason:  # closed at a yield, or an error escaped the decoder
             reason = "cancelled" if stream.cancelled or not stats.finish_reason else stats.finish_reason
         stats.finish_reason = reason
-        stream.completion = Completion(detok.text[:emitted_len], tuple(ids), stats.finish_reason, stats)
+        stream.completion = Completion(detok.text[:emitted_len] if not calls else final, tuple(ids),
+                                       stats.finish_reason, stats, calls)

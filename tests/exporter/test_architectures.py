@@ -13,7 +13,7 @@ from specdeploy.exporter import source
 from specdeploy.exporter.cli import main
 from specdeploy.runtime.architectures import ARCHITECTURES, SUPPORTED, architecture
 from specdeploy.runtime.bundle import read_manifest
-from specdeploy.runtime.errors import ModelSourceError, UnsupportedArchitectureError
+from specdeploy.runtime.errors import ModelSourceError, PromptError, UnsupportedArchitectureError
 from specdeploy.runtime.text import TextCodec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,16 +73,20 @@ def test_a_tiny_qwen2_exports_with_its_description(tiny_bundle_factory, tiny_mod
 
 
 def test_a_template_that_tests_tools_renders(tiny_bundle):
-    """Qwen's templates test ``tools``; the description defines it, so --chat works."""
+    """Qwen's templates test ``tools``; the description defines it, so --chat works (and, as in transformers, an
+    undefined variable is falsy, so a template's tests of what it was not given pass too)."""
     manifest = read_manifest(tiny_bundle)
     info = manifest.tokenizer.__class__(manifest.tokenizer.file, "{% if tools %}T{% endif %}"
                                         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
                                         manifest.tokenizer.bos_token, manifest.tokenizer.eos_token)
     messages = [{"role": "user", "content": "hi"}]
     assert TextCodec(tiny_bundle, info, {"tools": None}).render_chat(messages) == "<user>hi"
-    bare = TextCodec(tiny_bundle, info)
-    with pytest.raises(Exception, match="tools"):
-        bare.render_chat(messages)
+    assert TextCodec(tiny_bundle, info).render_chat(messages) == "<user>hi"
+    assert TextCodec(tiny_bundle, info, {"tools": None}).render_chat(messages, tools=[{"type": "function"}]) == \
+        "T<user>hi"
+    broken = manifest.tokenizer.__class__(manifest.tokenizer.file, "{{ messages[3].content + 1 }}", None, None)
+    with pytest.raises(PromptError, match="cannot render"):
+        TextCodec(tiny_bundle, broken).render_chat(messages)
     codec = TextCodec.for_bundle(tiny_bundle, manifest)
     assert codec.template_variables == dict(architecture(name=manifest.model.architecture).template_variables)
 

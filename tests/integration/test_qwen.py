@@ -7,6 +7,7 @@ install it, so these tests skip there; they run wherever the extra is installed,
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 from specdeploy.runtime import load
@@ -82,3 +83,28 @@ def test_the_gguf_precision_keeps_the_files_blocks_at_near_fp32_quality(tmp_path
     with load(out, draft=None) as plain, load(out, draft="auto") as spec:
         ids = plain.encode(CODE_EDIT, chat=True)
         assert spec.generate_ids(ids, GenerationConfig(64)) == plain.generate_ids(ids, GenerationConfig(64))
+
+
+def test_tools_go_through_qwens_template_and_required_calls_are_exact(qwen_bundle):
+    """Qwen2.5 renders the tools itself and writes ``<tool_call>`` as a token of its own, which the call grammar
+    names by id; a required call parses, and speculation leaves it token for token the same."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    kw = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "max_new_tokens": 64}
+    with load(qwen_bundle, draft=None) as plain:
+        assert "# Tools" in plain.codec.render_tool_chat(msgs, plain_spec(tools))
+        want = plain.generate(messages=msgs, **kw)
+    assert want.finish_reason == "tool_calls" and want.text == "", want
+    assert want.token_ids[0] == 151657  # <tool_call>, as the model writes it
+    assert want.tool_calls[0]["function"]["name"] == "get_weather"
+    assert set(json.loads(want.tool_calls[0]["function"]["arguments"])) == {"city"}
+    with load(qwen_bundle, draft="auto") as spec:
+        assert spec.generate(messages=msgs, **kw).token_ids == want.token_ids
+
+
+def plain_spec(tools):
+    from specdeploy.runtime.tools import ToolSpec
+
+    return ToolSpec.parse(tools)
