@@ -151,11 +151,14 @@ class Generation:
         self.whole = True  # this step verifies its drafter's whole proposal (a batch may trim it)
         self.emitted: list[int] = []  # what its last step (or its prefill) emitted
         self.asked = True  # its drafter was asked for this step's draft
+        self.certain = 0  # this step's leading draft tokens that its grammar forces (certain to be accepted)
         self.unseen: list[tuple[np.ndarray, np.ndarray | None]] = []  # states of steps its drafter was not asked
 
     def expected(self, drafted: int) -> float:
-        """Expected tokens of a step verifying ``drafted`` of its draft tokens."""
-        return self.acceptance.expected_up_to(drafted)[drafted] if drafted else 1.0
+        """Expected tokens of a step verifying ``drafted`` of its draft tokens (the forced ones certain)."""
+        sure = min(drafted, self.certain)
+        rest = drafted - sure
+        return sure + (self.acceptance.expected_up_to(rest)[rest] if rest else 1.0)
 
 
 class Decoder:
@@ -344,8 +347,13 @@ class Decoder:
             tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
             gen.stats.gate_ar += not gen.asked and gen.drafter is not None  # a plain step of a drafting generation
             gen.tree, gen.whole = (tree if b == 1 and gen.constraint is None else tree.main_path()), True
-            if gen.constraint is not None:
-                self._constrain_draft(gen, budget)
+            gen.certain = 0
+            if gen.constraint is not None and gen.drafter is not None:  # plain decoding drafts nothing, forced or not
+                # its chain under the grammar; the forced tokens are drafted whatever the drafter or the load
+                # gate said: certain, they are weighed at their value by the rows rule below
+                draft, gen.certain = gen.constraint.chain(gen.tree.tokens[1:].tolist(), budget)
+                if draft != gen.tree.tokens[1:].tolist():  # its drafter hears nothing of this step
+                    gen.tree, gen.whole = DraftTree.chain([int(gen.tree.tokens[0]), *draft]), False
         if b > 1 and any(g.tree.num_nodes > 1 for g in gens):
             curve = self.cost_curve or {1: 1.0}
             best = rows_per_sequence([[g.expected(j) for j in range(g.tree.num_nodes)] for g in gens],
@@ -374,26 +382,13 @@ class Decoder:
         return reasons
 
     @staticmethod
-    def _constrain_draft(gen: Generation, budget: int) -> None:
-        """A constrained generation's chain: its draft up to the first token its grammar refuses, or the tokens the
-        grammar forces where they reach further (drafted at no cost; its drafter then hears nothing of this step)."""
-        chain, c = gen.tree.tokens, gen.constraint
-        keep = c.valid_prefix(chain[1:].tolist())
-        forced = c.forced()[: budget - 1] if gen.asked else []  # plain decoding (and a plain step) drafts nothing
-        if len(forced) > keep:
-            gen.tree, gen.whole = DraftTree.chain([int(chain[0]), *forced]), False
-        elif keep < len(chain) - 1:
-            gen.tree, gen.whole = DraftTree.chain(chain[: keep + 1].tolist()), False
-
-    @staticmethod
     def _rows(gen: Generation, tree: DraftTree, logits: np.ndarray, argmax: np.ndarray | None
               ) -> tuple[np.ndarray, np.ndarray | None]:
         """``tree``'s rows as acceptance sees them: a constrained generation's masked by its grammar, row by row
         along its chain (a backend's argmax, of the unmasked rows, is then not used)."""
         if gen.constraint is None:
             return logits, argmax
-        masks = gen.constraint.masks(tree.tokens.tolist())
-        return np.where(masks, logits, np.float32(-np.inf)).astype(np.float32, copy=False), None
+        return gen.constraint.mask(tree.tokens.tolist(), logits), None
 
     def _advance(self, r: int, gen: Generation, cache: KVCache, out: StepOutputs, took: float) -> str | None:
         """Row ``r``'s acceptance (the loop's one rule), its accepted nodes' K/V kept, its tokens emitted."""
@@ -405,8 +400,8 @@ class Decoder:
         nodes = acc.nodes
         last = int(nodes[-1])
         cache.commit_row(r, gen.committed, nodes)
-        if n > 1:
-            gen.acceptance.update(len(nodes) - 1, n - 1)
+        if n - 1 > gen.certain:  # the draft's own tokens, past the forced ones
+            gen.acceptance.update(max(0, len(nodes) - 1 - gen.certain), n - 1 - gen.certain)
         if gen.drafter is not None and gen.whole:  # a trimmed draft's cut tokens were never tried
             gen.drafter.accepted(nodes, tree)
         # Nodes 0..last (a chain's accepted prefix, always) as a slice: one small numpy call fewer than

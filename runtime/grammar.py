@@ -7,9 +7,10 @@ tokens the grammar forces. Candidates weighed (docs/how-it-works.md, "Structured
 import, which the runtime does not take; outlines-core compiles a JSON schema to a regex index up front, which is
 slow for large schemas and covers less of JSON Schema.
 
-How a step stays exact (:meth:`~.decode.Decoder.step`): a constrained generation drafts a chain. Its draft is cut
-at the first token the grammar refuses, or replaced by the tokens the grammar forces where those reach further (a
-draft that costs nothing). Row ``j`` of the chain is masked with the grammar's state after the chain's first ``j``
+How a step stays exact (:meth:`~.decode.Decoder.step`): a constrained generation drafts a chain
+(:meth:`Constraint.chain`). Its draft is cut at the first token the grammar refuses, or replaced by the tokens the
+grammar forces where those reach further (a draft that costs nothing), or extended by the tokens the grammar forces
+after its end. Row ``j`` of the chain is masked with the grammar's state after the chain's first ``j``
 drafted tokens (computed forward, then rolled back: a rejected branch leaves nothing behind), and acceptance runs
 on the masked rows: greedy takes the masked argmax, sampling draws from the masked distribution, exactly as a plain
 constrained step would. The accepted tokens then advance the state.
@@ -162,9 +163,42 @@ class Constraint:
         """How many of ``tokens`` the grammar takes from here, in order."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces from here (a free draft)."""
-        return [int(t) for t in self._matcher.compute_ff_tokens()]
+    def forced(self, after: Sequence[int] = ()) -> list[int]:
+        """The tokens the grammar forces from here (a free draft), or after ``after`` (tokens it takes; the state
+        is rolled back after)."""
+        consumed = 0
+        for t in after:
+            if self._matcher.is_stopped():  # complete: only end-of-sequence follows, which it does not consume
+                break
+            if not self._matcher.consume_token(int(t)):
+                raise GrammarError("A draft token the grammar refuses was taken as valid.")  # drafts are cut first
+            consumed += 1
+        # past its end (end-of-sequence taken) nothing is forced, and asking would leave the matcher in error
+        out = [] if self._matcher.is_stopped() else [int(t) for t in self._matcher.compute_ff_tokens()]
+        if consumed:
+            self._matcher.rollback(consumed)
+        return out
+
+    def chain(self, draft: Sequence[int], budget: int) -> tuple[list[int], int]:
+        """The draft tokens to verify after the root, at most ``budget - 1``, and how many of them lead as tokens
+        the grammar forces (certain to be accepted). The drafter's ``draft`` is cut at the first token the grammar
+        refuses; where the grammar forces tokens from the root that reach further, they replace it; otherwise the
+        tokens it forces after the draft's end are appended (a draft that stops where a key or a bracket follows
+        gets them). Either way the forced tokens cost nothing to propose."""
+        room = budget - 1
+        if room < 1:
+            return [], 0
+        forced = self.forced()[:room]
+        keep = list(draft[: self.valid_prefix(draft)])[:room]
+        if len(keep) <= len(forced):
+            return forced, len(forced)
+        tail = self.forced(keep)[: room - len(keep)] if len(keep) < room else []
+        return keep + tail, len(forced)
+
+    def mask(self, tokens: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        """The rows of a chain (``tokens``: its root, then its drafts) as acceptance sees them under the grammar:
+        row ``j`` masked with the grammar's state after the first ``j`` drafts."""
+        return np.where(self.masks(tokens), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The generation emitted ``tokens``."""

@@ -135,3 +135,24 @@ def test_the_openai_sdk_parses_structured_output(server, tiny_bundle):
         assert r.json()["error"]["message"].endswith("."), r.text
     r = httpx.post(url, json=base | {"guided_regex": "[0-9]{3}", "max_tokens": 8, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"]) == 3, r.text
+
+
+def test_a_draft_that_stops_where_the_grammar_forces_tokens_gets_them(tiny_bundle):
+    """The grammar as a draft source beside another one: the tokens it forces after a draft's end are appended (a
+    value copied by lookup, then the next key), within the budget; a refused token cuts the draft first."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    with load(tiny_bundle, draft=None) as eng:
+        codec, m = eng.codec, eng.manifest
+    c = GrammarCompiler(tiny_bundle / m.tokenizer.file, m.model.vocab_size, m.model.eos_token_ids) \
+        .compile(Grammar("json_schema", schema)).start()
+    opening = c.forced()
+    assert codec.decode(opening).startswith('{"name') and c.chain([], 16) == (opening, len(opening))  # certain
+    c.advance(codec.encode('{"name":"', add_special_tokens=False))
+    value = codec.encode('Ann"', add_special_tokens=False)
+    chain, certain = c.chain(value, 16)
+    assert certain == 0 and chain[: len(value)] == value and codec.decode(chain[len(value):]).startswith(',"age')
+    assert c.chain(value, len(value) + 2) == (chain[: len(value) + 1], 0)  # the budget counts the root
+    refused = value + codec.encode("}", add_special_tokens=False)  # "age" is required: the brace is refused
+    assert c.chain(refused, 16) == (chain, 0)
+    assert c.valid_prefix(chain) == len(chain)  # nothing of the look-ahead is left in the state
