@@ -35,6 +35,7 @@ def test_real_model_chat_through_openai_client(real_bundle, tmp_path):
             model = client.models.list().data[0].id
             messages = [{"role": "user", "content": "Name three prime numbers."}]
             out = client.chat.completions.create(model=model, messages=messages, max_tokens=32, temperature=0)
+            _structured_clients(client, model)
         text = out.choices[0].message.content
         with load(real_bundle, draft="prompt-lookup", max_batch=16) as eng:  # as the server runs it
             assert text == eng.generate(messages=messages, max_new_tokens=32).text
@@ -42,6 +43,25 @@ def test_real_model_chat_through_openai_client(real_bundle, tmp_path):
     finally:
         srv.stop()
     assert os.path.exists(srv.log_path)
+
+
+def _structured_clients(client, model: str) -> None:
+    """The OpenAI SDK's parse() and instructor (its default tools mode), unchanged, get validated objects."""
+    import instructor
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Person(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str = Field(max_length=40)
+        age: int = Field(ge=0, le=130)
+
+    msgs = [{"role": "user", "content": "Extract the person: Maria Lopez, 34, moved to Valencia last spring."}]
+    parsed = client.chat.completions.parse(model=model, messages=msgs, response_format=Person, max_tokens=64,
+                                           temperature=0).choices[0].message.parsed
+    assert isinstance(parsed, Person) and "Maria" in parsed.name, parsed
+    person = instructor.from_openai(client).chat.completions.create(
+        model=model, messages=msgs, response_model=Person, max_tokens=96, temperature=0, max_retries=0)
+    assert isinstance(person, Person), person
 
 
 @pytest.mark.slow

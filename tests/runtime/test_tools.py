@@ -241,3 +241,27 @@ def test_bad_tool_requests_are_400_with_one_sentence(server, tiny_bundle):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param and words in err["message"], (extra, err)
         assert err["message"].count(". ") == 0, err["message"]
+
+
+def test_clients_users_have_get_parsed_objects_unchanged(server, tiny_bundle):
+    """The OpenAI SDK's ``parse()`` with a pydantic model (a strict json_schema) and instructor, both in its
+    default tools mode (a named tool_choice) and its JSON-schema mode: each returns a validated object."""
+    import instructor
+    from openai import OpenAI
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class City(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # else a random model may add keys until max_tokens
+        name: str = Field(max_length=8)
+        population: int = Field(ge=0, le=9999)
+        capital: bool
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Describe Oslo as JSON."}]
+    parsed = client.chat.completions.parse(model=tiny_bundle.name, messages=msgs, response_format=City,
+                                           max_tokens=160, temperature=0).choices[0].message.parsed
+    assert isinstance(parsed, City) and len(parsed.name) <= 8
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        city = instructor.from_openai(client, mode=mode).chat.completions.create(
+            model=tiny_bundle.name, messages=msgs, response_model=City, max_tokens=160, temperature=0, max_retries=0)
+        assert isinstance(city, City) and 0 <= city.population <= 9999, mode
