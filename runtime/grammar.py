@@ -129,6 +129,7 @@ class Constraint:
         llg = _llguidance()
         self._np = llg.numpy
         self._matcher = llg.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+        self._tokenizer = compiler.tokenizer
         self.vocab_size = compiler.vocab_size
         self._bitmask = self._np.allocate_token_bitmask(1, compiler.vocab_size)
         self._check()
@@ -163,9 +164,16 @@ class Constraint:
         """How many of ``tokens`` the grammar takes from here, in order."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
 
-    def forced(self, after: Sequence[int] = ()) -> list[int]:
-        """The tokens the grammar forces from here (a free draft), or after ``after`` (tokens it takes; the state
-        is rolled back after)."""
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here (a free draft, certain to be accepted)."""
+        return [int(t) for t in self._matcher.compute_ff_tokens()]
+
+    def ahead(self, after: Sequence[int] = ()) -> tuple[list[int], int]:
+        """A free draft from here, or after ``after`` (tokens the grammar takes; the state is rolled back after):
+        the tokens of every byte the grammar forces, and how many of them lead as the tokens it forces. Those are
+        certain; the rest are the bytes' greedy tokenization, which the model writes most often (at a point where
+        the forced bytes may end inside a longer token, llguidance forces only the tokens before it: after a key,
+        ``":"`` is forced text, but not yet a forced token)."""
         consumed = 0
         for t in after:
             if self._matcher.is_stopped():  # complete: only end-of-sequence follows, which it does not consume
@@ -173,8 +181,16 @@ class Constraint:
             if not self._matcher.consume_token(int(t)):
                 raise GrammarError("A draft token the grammar refuses was taken as valid.")  # drafts are cut first
             consumed += 1
-        # past its end (end-of-sequence taken) nothing is forced, and asking would leave the matcher in error
-        out = [] if self._matcher.is_stopped() else [int(t) for t in self._matcher.compute_ff_tokens()]
+        out: tuple[list[int], int] = ([], 0)
+        if not self._matcher.is_stopped():  # past its end nothing is forced, and asking would leave it in error
+            forced = self.forced()
+            raw = self._matcher.compute_ff_bytes()
+            greedy = [int(t) for t in self._tokenizer.tokenize_bytes(raw)] if raw else []
+            if len(greedy) > len(forced) and greedy[: len(forced)] == forced \
+                    and self.valid_prefix(greedy) == len(greedy):
+                out = (greedy, len(forced))
+            else:
+                out = (forced, len(forced))
         if consumed:
             self._matcher.rollback(consumed)
         return out
@@ -182,18 +198,19 @@ class Constraint:
     def chain(self, draft: Sequence[int], budget: int) -> tuple[list[int], int]:
         """The draft tokens to verify after the root, at most ``budget - 1``, and how many of them lead as tokens
         the grammar forces (certain to be accepted). The drafter's ``draft`` is cut at the first token the grammar
-        refuses; where the grammar forces tokens from the root that reach further, they replace it; otherwise the
-        tokens it forces after the draft's end are appended (a draft that stops where a key or a bracket follows
-        gets them). Either way the forced tokens cost nothing to propose."""
+        refuses; where the grammar's own draft from the root (:meth:`ahead`) reaches further, it replaces it;
+        otherwise the grammar's draft after the draft's end is appended (a draft that stops where a key or a
+        bracket follows gets them). Either way the grammar's tokens cost nothing to propose."""
         room = budget - 1
         if room < 1:
             return [], 0
-        forced = self.forced()[:room]
+        own, sure = self.ahead()
         keep = list(draft[: self.valid_prefix(draft)])[:room]
-        if len(keep) <= len(forced):
-            return forced, len(forced)
-        tail = self.forced(keep)[: room - len(keep)] if len(keep) < room else []
-        return keep + tail, len(forced)
+        if len(keep) <= len(own):
+            return own[:room], min(sure, room)
+        tail = self.ahead(keep)[0][: room - len(keep)] if len(keep) < room else []
+        lead = next((i for i, (a, b) in enumerate(zip(keep, own[:sure])) if a != b), min(sure, len(keep)))
+        return keep + tail, lead
 
     def mask(self, tokens: Sequence[int], logits: np.ndarray) -> np.ndarray:
         """The rows of a chain (``tokens``: its root, then its drafts) as acceptance sees them under the grammar:

@@ -147,7 +147,10 @@ def test_a_draft_that_stops_where_the_grammar_forces_tokens_gets_them(tiny_bundl
     c = GrammarCompiler(tiny_bundle / m.tokenizer.file, m.model.vocab_size, m.model.eos_token_ids) \
         .compile(Grammar("json_schema", schema)).start()
     opening = c.forced()
-    assert codec.decode(opening).startswith('{"name') and c.chain([], 16) == (opening, len(opening))  # certain
+    assert codec.decode(opening).startswith('{"name')  # as tokens: what cannot merge with the value that follows
+    draft, certain = c.chain([], 16)  # the forced text as tokens, the forced tokens first (certain)
+    assert codec.decode(draft) == '{"name":"' and draft[:certain] == opening and certain == len(opening)
+    assert c.chain([], 2) == (opening[:1], 1)
     c.advance(codec.encode('{"name":"', add_special_tokens=False))
     value = codec.encode('Ann"', add_special_tokens=False)
     chain, certain = c.chain(value, 16)
