@@ -346,14 +346,12 @@ class Decoder:
                 gen.unseen.clear()
             tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
             gen.stats.gate_ar += not gen.asked and gen.drafter is not None  # a plain step of a drafting generation
-            gen.tree, gen.whole = (tree if b == 1 and gen.constraint is None else tree.main_path()), True
+            gen.tree, gen.whole = (tree if b == 1 else tree.main_path()), True
             gen.certain = 0
             if gen.constraint is not None and gen.drafter is not None:  # plain decoding drafts nothing, forced or not
-                # its chain under the grammar; the forced tokens are drafted whatever the drafter or the load
-                # gate said: certain, they are weighed at their value by the rows rule below
-                draft, gen.certain = gen.constraint.chain(gen.tree.tokens[1:].tolist(), budget)
-                if draft != gen.tree.tokens[1:].tolist():  # its drafter hears nothing of this step
-                    gen.tree, gen.whole = DraftTree.chain([int(gen.tree.tokens[0]), *draft]), False
+                draft, gen.certain = gen.constraint.draft(gen.tree, budget)
+                if draft is not gen.tree:  # its drafter hears nothing of this step
+                    gen.tree, gen.whole = draft, False
         if b > 1 and any(g.tree.num_nodes > 1 for g in gens):
             curve = self.cost_curve or {1: 1.0}
             best = rows_per_sequence([[g.expected(j) for j in range(g.tree.num_nodes)] for g in gens],
@@ -388,7 +386,7 @@ class Decoder:
         along its chain (a backend's argmax, of the unmasked rows, is then not used)."""
         if gen.constraint is None:
             return logits, argmax
-        return gen.constraint.mask(tree.tokens.tolist(), logits), None
+        return gen.constraint.mask(tree.tokens.tolist(), logits, None if tree.is_chain else tree.parents), None
 
     def _advance(self, r: int, gen: Generation, cache: KVCache, out: StepOutputs, took: float) -> str | None:
         """Row ``r``'s acceptance (the loop's one rule), its accepted nodes' K/V kept, its tokens emitted."""

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PromptError, SpecDeployError
+from .tree import DraftTree
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -212,10 +213,72 @@ class Constraint:
         lead = next((i for i, (a, b) in enumerate(zip(keep, own[:sure])) if a != b), min(sure, len(keep)))
         return keep + tail, lead
 
-    def mask(self, tokens: Sequence[int], logits: np.ndarray) -> np.ndarray:
-        """The rows of a chain (``tokens``: its root, then its drafts) as acceptance sees them under the grammar:
-        row ``j`` masked with the grammar's state after the first ``j`` drafts."""
-        return np.where(self.masks(tokens), logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+    def draft(self, tree: DraftTree, budget: int) -> tuple[DraftTree, int]:
+        """A drafter's ``tree`` as this step verifies it under the grammar, and how many of its draft tokens lead
+        as tokens the grammar forces: a tree pruned to the paths the grammar takes where it forces nothing next
+        (``tree`` itself where it takes them all), else a chain with the grammar's own tokens (:meth:`chain`),
+        which are drafted whatever the drafter or the load gate said and, certain, weighed at their value by a
+        batch's rows rule."""
+        if not tree.is_chain and not self.forced():
+            keep = np.flatnonzero(self.tree_valid(tree.tokens, tree.parents))
+            if keep.size == tree.num_nodes:
+                return tree, 0
+            where = np.full(tree.num_nodes, -1, dtype=np.int64)
+            where[keep] = np.arange(keep.size)
+            parents = np.where(tree.parents[keep] >= 0, where[np.maximum(tree.parents[keep], 0)], -1)
+            return DraftTree(tree.tokens[keep], parents), 0
+        path = tree.main_path().tokens
+        draft, certain = self.chain(path[1:].tolist(), budget)
+        if draft == path[1:].tolist() and tree.is_chain:
+            return tree, certain
+        return DraftTree.chain([int(path[0]), *draft]), certain
+
+    def mask(self, tokens: Sequence[int], logits: np.ndarray, parents: Sequence[int] | None = None) -> np.ndarray:
+        """The rows of a chain (``tokens``: its root, then its drafts) or of a tree (``parents`` given) as
+        acceptance sees them under the grammar: node ``i``'s row masked with the grammar's state after the drafted
+        tokens on its path."""
+        allowed = self.masks(tokens) if parents is None else self._walk(tokens, parents, rows=True)[1]
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+    def tree_valid(self, tokens: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """``[N]`` bool: the tree's nodes whose drafted path the grammar takes (the root always)."""
+        return self._walk(tokens, parents, rows=False)[0]
+
+    def _walk(self, tokens: Sequence[int], parents: Sequence[int], rows: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each node's path consumed in turn (rolled back to the common prefix between nodes, and wholly after):
+        whether the grammar takes it, and with ``rows`` the tokens it allows after it."""
+        n = len(tokens)
+        ok = np.zeros(n, dtype=bool)
+        ok[0] = True
+        out = np.empty((n, self.vocab_size), dtype=bool) if rows else None
+        paths: list[tuple[int, ...]] = [()] * n
+        stack: list[int] = []  # the nodes whose tokens the matcher holds now, root first
+        for i in range(n):
+            if i:
+                p = int(parents[i])
+                if not ok[p]:
+                    continue
+                paths[i] = (*paths[p], i)
+            path = paths[i][:-1] if not rows else paths[i]  # validity: the parent's state, then the token
+            common = next((k for k, (a, b) in enumerate(zip(stack, path)) if a != b), min(len(stack), len(path)))
+            if len(stack) > common:
+                self._matcher.rollback(len(stack) - common)
+                del stack[common:]
+            for node in path[common:]:
+                if self._matcher.is_stopped():  # past its end nothing but end-of-sequence follows
+                    break
+                if not self._matcher.consume_token(int(tokens[node])):
+                    raise GrammarError("A draft token the grammar refuses reached verification.")
+                stack.append(node)
+            if i and not rows:
+                ok[i] = not self._matcher.is_stopped() and self.valid_prefix([int(tokens[i])]) == 1
+            elif i:
+                ok[i] = True
+            if rows:
+                out[i] = self.allowed()
+        if stack:
+            self._matcher.rollback(len(stack))
+        return ok, out
 
     def advance(self, tokens: Sequence[int]) -> None:
         """The generation emitted ``tokens``."""

@@ -118,8 +118,9 @@ def validation_error(schema: dict, value: Any) -> str | None:
         return errors[0] if errors else None
     try:
         jsonschema.validate(value, schema)
-    except jsonschema.ValidationError as exc:
-        return exc.message
+    except jsonschema.ValidationError as exc:  # where in the value, as the small checker says it
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path).lstrip(".")
+        return f"{where or '(the value)'}: {exc.message}"
     return None
 
 

@@ -159,3 +159,34 @@ def test_a_draft_that_stops_where_the_grammar_forces_tokens_gets_them(tiny_bundl
     refused = value + codec.encode("}", add_special_tokens=False)  # "age" is required: the brace is refused
     assert c.chain(refused, 16) == (chain, 0)
     assert c.valid_prefix(chain) == len(chain)  # nothing of the look-ahead is left in the state
+
+
+def test_a_tree_draft_is_pruned_to_the_paths_the_grammar_takes_and_masked_along_each(tiny_bundle):
+    """Trees under a constraint (one generation alone): nodes the grammar refuses go with their subtrees, and each
+    node's row is masked with the grammar's state after its own path, as a chain of that path would be."""
+    from specdeploy.runtime.tree import DraftTree
+
+    with load(tiny_bundle, draft=None) as eng:
+        codec, m = eng.codec, eng.manifest
+    compiler = GrammarCompiler(tiny_bundle / m.tokenizer.file, m.model.vocab_size, m.model.eos_token_ids)
+    a, b, c, d, x = (codec.encode(ch, add_special_tokens=False)[0] for ch in "abcdx")
+    root = 0
+    #        0     1  2  3  4  5  6
+    tokens = [root, a, x, b, x, d, c]
+    parents = [-1, 0, 0, 1, 1, 3, 0]
+    con = compiler.compile(Grammar("regex", "[ac][bc]d*")).start()
+    assert con.forced() == []
+    assert con.tree_valid(tokens, parents).tolist() == [True, True, False, True, False, True, True]
+    pruned, certain = con.draft(DraftTree(tokens, parents), 16)
+    assert certain == 0 and pruned.tokens.tolist() == [root, a, b, d, c]
+    assert pruned.parents.tolist() == [-1, 0, 1, 2, 0]
+    logits = np.random.default_rng(0).standard_normal((5, m.model.vocab_size)).astype(np.float32)
+    rows = con.mask(pruned.tokens.tolist(), logits, pruned.parents)
+    chain = con.mask([root, a, b, d], logits[:4])  # the path root -> a -> b -> d, as a chain
+    assert np.array_equal(rows[:4], chain)
+    assert np.array_equal(rows[4], con.mask([root, c], logits[[0, 4]])[1])  # c's row: after "c"
+    whole = DraftTree([root, a, c], [-1, 0, 0])  # every node taken: the drafter's own tree, untouched
+    assert con.draft(whole, 16)[0] is whole
+    forcing = compiler.compile(Grammar("regex", "a[bc]d*")).start()  # "a" is forced: a chain with it
+    assert forcing.draft(DraftTree(tokens, parents), 16)[0].tokens.tolist()[:2] == [root, a]
+    assert con.valid_prefix([a, b, d]) == 3  # nothing of the walks is left in the state
