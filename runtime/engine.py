@@ -50,7 +50,7 @@ from .probe import resolve_plan
 from .scheduler import Scheduler, SerialScheduler
 from .streaming import Completion, TextStream, text_deltas
 from .text import TextCodec
-from .tools import TAGS, ToolCallParser, ToolError, ToolSpec, call_grammar
+from .tools import ToolCallParser, ToolError, ToolSpec, call_grammar
 
 
 def _rows_verdict(plan: StepPlan) -> str:
@@ -230,8 +230,7 @@ class Engine:
         parser = None
         if spec is not None and spec.shown:
             fmt = self.codec.tool_call_format
-            tags = {t: i for t in TAGS if (i := self.codec.added_token_id(t)) is not None}
-            calls = self._compile(Grammar("lark", call_grammar(spec, fmt, tags)), "tools")  # checks every schema
+            calls = self._compile(Grammar("lark", call_grammar(spec, fmt, self.codec.tool_tag_ids)), "tools")
             if spec.forced:
                 if constraint is not None:
                     raise GrammarError("Give one constraint: response_format, regex, grammar or a required tool call.")

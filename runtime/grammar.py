@@ -21,6 +21,7 @@ llguidance is imported only when a grammar is asked for.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from .errors import PromptError, SpecDeployError
 from .tree import DraftTree
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
+_CACHED = 64  # compiled grammars a compiler keeps
 
 
 class GrammarError(PromptError):
@@ -80,9 +82,28 @@ class GrammarCompiler:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.tokenizer = llg.LLTokenizer(Path(tokenizer_json).read_text(encoding="utf-8"), n_vocab=vocab_size,
                                          eos_token=sorted(self.eos))
+        self._cache: dict[tuple, CompiledGrammar] = {}
+        self._lock = threading.Lock()
 
     def compile(self, grammar: Grammar) -> CompiledGrammar:
-        """The grammar checked and ready for generations, or one sentence (:class:`GrammarError`)."""
+        """The grammar checked and ready for generations, or one sentence (:class:`GrammarError`). The last
+        :data:`_CACHED` distinct grammars are kept: a request's ``n`` choices, or a service's one schema, compile
+        once."""
+        key = (grammar.kind, grammar.source if isinstance(grammar.source, str | None)
+               else json.dumps(grammar.source, sort_keys=True))
+        with self._lock:
+            found = self._cache.pop(key, None)
+            if found is not None:
+                self._cache[key] = found  # most recently used last
+                return found
+        compiled = self._compile(grammar)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHED:
+                self._cache.pop(next(iter(self._cache)))
+        return compiled
+
+    def _compile(self, grammar: Grammar) -> CompiledGrammar:
         llg = _llguidance()
         matcher = llg.LLMatcher
         try:
@@ -161,6 +182,18 @@ class Constraint:
             self._matcher.rollback(consumed)
         return out
 
+    def _take(self, tokens: Sequence[int]) -> int:
+        """Consume ``tokens`` (a path the grammar was checked to take) up to the grammar's end, which takes only
+        end-of-sequence after it; how many it consumed (to roll back)."""
+        consumed = 0
+        for t in tokens:
+            if self._matcher.is_stopped():
+                break
+            if not self._matcher.consume_token(int(t)):
+                raise GrammarError("A draft token the grammar refuses reached verification.")  # drafts are cut first
+            consumed += 1
+        return consumed
+
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar takes from here, in order."""
         return int(self._matcher.validate_tokens([int(t) for t in tokens])) if len(tokens) else 0
@@ -175,13 +208,7 @@ class Constraint:
         certain; the rest are the bytes' greedy tokenization, which the model writes most often (at a point where
         the forced bytes may end inside a longer token, llguidance forces only the tokens before it: after a key,
         ``":"`` is forced text, but not yet a forced token)."""
-        consumed = 0
-        for t in after:
-            if self._matcher.is_stopped():  # complete: only end-of-sequence follows, which it does not consume
-                break
-            if not self._matcher.consume_token(int(t)):
-                raise GrammarError("A draft token the grammar refuses was taken as valid.")  # drafts are cut first
-            consumed += 1
+        consumed = self._take(after)
         out: tuple[list[int], int] = ([], 0)
         if not self._matcher.is_stopped():  # past its end nothing is forced, and asking would leave it in error
             forced = self.forced()
@@ -264,12 +291,7 @@ class Constraint:
             if len(stack) > common:
                 self._matcher.rollback(len(stack) - common)
                 del stack[common:]
-            for node in path[common:]:
-                if self._matcher.is_stopped():  # past its end nothing but end-of-sequence follows
-                    break
-                if not self._matcher.consume_token(int(tokens[node])):
-                    raise GrammarError("A draft token the grammar refuses reached verification.")
-                stack.append(node)
+            stack += path[common:][: self._take([tokens[node] for node in path[common:]])]
             if i and not rows:
                 ok[i] = not self._matcher.is_stopped() and self.valid_prefix([int(tokens[i])]) == 1
             elif i:

@@ -5,6 +5,7 @@ No transformers import: the bundle carries ``tokenizer.json`` and the chat templ
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 from .architectures import architecture
 from .bundle import BundleManifest, TokenizerInfo
 from .errors import BundleError, PromptError
-from .tools import ToolSpec, generic_messages, template_messages
+from .tools import TAGS, ToolSpec, generic_messages, template_messages
 
 
 class TextCodec:
@@ -95,11 +96,11 @@ class TextCodec:
         except (TemplateError, TypeError, KeyError, IndexError) as exc:
             raise PromptError(f"The chat template cannot render these messages ({exc}).") from None
 
-    def added_token_id(self, text: str) -> int | None:
-        """The id of ``text`` where the vocabulary holds it as an added token of its own (a tag such as Qwen's
-        ``<tool_call>``), else None."""
-        found = self.tokenizer.get_added_tokens_decoder()
-        return next((i for i, t in found.items() if t.content == text), None)
+    @functools.cached_property
+    def tool_tag_ids(self) -> dict[str, int]:
+        """The tool-call tags the vocabulary holds as added tokens of their own (Qwen's ``<tool_call>``), by id."""
+        added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        return {tag: added[tag] for tag in TAGS if tag in added}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str) or not text:

@@ -116,10 +116,8 @@ def _check_tool(tool: Any, i: int) -> dict:
         raise ToolError(f"{where}.function.parameters must be a JSON schema object.")
     if params.get("type", "object") != "object":
         raise ToolError(f"{where}.function.parameters must describe an object (type 'object').")
-    out = {"name": name, "parameters": params}
-    if isinstance(fn.get("description"), str):
-        out = {"name": name, "description": fn["description"], "parameters": params}
-    return {"type": "function", "function": out}
+    described = {"description": fn["description"]} if isinstance(fn.get("description"), str) else {}
+    return {"type": "function", "function": {"name": name, **described, "parameters": params}}
 
 
 def _choice(tool_choice: Any) -> tuple[str | None, str | None]:
@@ -170,21 +168,19 @@ def generic_messages(messages: Sequence[dict], spec: ToolSpec | None) -> list[di
     appended to the system message (one is added where there is none), earlier calls written out in the Hermes
     form, and each run of tool results one user turn of ``<tool_response>`` blocks."""
     out: list[dict] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(hermes_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
             out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
         elif role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("tool_results"):
+            if i and messages[i - 1]["role"] == "tool":  # a run of results is one user turn
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                out.append({"role": "user", "content": block})
         else:
             out.append({"role": role, "content": content})
-    for m in out:
-        m.pop("tool_results", None)
     if spec is not None and spec.shown:
         block = GENERIC_HEADER + "".join("\n" + to_json(t) for t in spec.tools) + GENERIC_FOOTER
         if out and out[0]["role"] == "system":
