@@ -9,11 +9,14 @@ They run in the same bench as our variants, on the same prompt token ids, greedi
     (``HF_HUB_OFFLINE=1``: the builder reads the local folder and must not reach a hub), into
     ``<specdeploy cache>/peers/<weights sha>/ort-genai-<precision>-<version>/``, shared by every bundle
     of that model. The builder's own CPU defaults apply (int4: blocks of 32, ``accuracy_level`` 4).
+    Structured prompts decode under genai's own guidance (llguidance) with the schema llama.cpp gets below
+    (:func:`constraint_schema`), its JSON written compactly as ours is; an onnxruntime-genai without
+    ``GeneratorParams.set_guidance`` is skipped on structured prompt sets.
 ``llama.cpp``
     llama-cpp-python on the GGUF the bundle was exported from (``manifest.source.path``), so the
     weights are the shipped quantized ones (SmolLM2: Q4_1). A bundle exported from a HF folder has no
     GGUF: the variant is skipped with a note. Structured prompts decode under ``LlamaGrammar.from_json_schema``
-    of their schema (tools: one call as ``{"name", "arguments"}`` JSON).
+    of :func:`constraint_schema`.
 
 All peers take the bench's ``--threads``. Their numerics differ from ours (other kernels, other
 quantization), so ``identical_to_ar`` is reported as measured: differences are expected, not hidden.
@@ -42,7 +45,7 @@ from specdeploy.exporter.bench.spec import (
     VariantSpec,
     score_logits,
 )
-from specdeploy.exporter.bench.structured import tool_call_schema
+from specdeploy.exporter.bench.structured import Constraint, tool_call_schema
 from specdeploy.runtime.bundle import BundleManifest
 from specdeploy.runtime.errors import SpecDeployError
 
@@ -69,7 +72,22 @@ def _gguf_source(manifest: BundleManifest) -> Path | None:
     return path
 
 
+def constraint_schema(constraint: Constraint) -> dict:
+    """The JSON schema a peer decodes a structured prompt under: the response format's schema (``{"type": "object"}``
+    for ``json_object``); for tools, one call written as JSON ``{"name": ..., "arguments": {...}}`` of one of them
+    (:func:`tool_call_schema`: the peers have no tool calling of their own at the token level)."""
+    if constraint.tools is not None:
+        return tool_call_schema(constraint.tools)
+    schema = constraint.schema
+    return {"type": "object"} if schema is None else schema
+
+
 # --- onnxruntime-genai -----------------------------------------------------------------------------
+# genai's guidance is llguidance, as our runtime's: JSON written compactly as ours is (runtime/grammar.py), not
+# llguidance's default free whitespace, which spends tokens on indentation that our answers do not have.
+GENAI_JSON_STYLE = {"x-guidance": {"whitespace_flexible": False}}
+
+
 def genai_model_dir(manifest: BundleManifest, precision: str) -> Path:
     """Where the genai build of the bundle's source model at ``precision`` is cached."""
     from specdeploy.exporter.source import cache_root
@@ -103,8 +121,22 @@ def build_genai_model(manifest: BundleManifest, precision: str, threads: int) ->
     return dest
 
 
+class _GenaiHasGuidance:
+    """``OrtGenaiRunner.constrains``, which the parent bench reads on structured prompt sets: whether the installed
+    onnxruntime-genai has guidance (``GeneratorParams.set_guidance``). Without it the variant is skipped there,
+    rather than timed on unconstrained answers."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> bool:
+        import onnxruntime_genai as og
+
+        return hasattr(og.GeneratorParams, "set_guidance")
+
+
 class OrtGenaiRunner(Runner):
-    """onnxruntime-genai greedy decoding of the builder's model (``options``: precision)."""
+    """onnxruntime-genai greedy decoding of the builder's model (``options``: precision); a structured prompt decodes
+    under genai's guidance of :func:`constraint_schema` (``json_schema``)."""
+
+    constrains = _GenaiHasGuidance()
 
     @classmethod
     def unavailable(cls, spec: VariantSpec, manifest: BundleManifest) -> str | None:
@@ -137,8 +169,13 @@ class OrtGenaiRunner(Runner):
         speculative = self.speculative
         if speculative:
             params.set_speculative_options(**speculative)
+        if structured is not None:
+            # enable_ff_tokens stays False: forced tokens are then decoded one per call like the rest, so
+            # get_next_tokens() hands out every token (with it on, it leaves the forced ones out).
+            schema = constraint_schema(structured.constraint) | GENAI_JSON_STYLE
+            params.set_guidance("json_schema", json.dumps(schema))
+        gen = og.Generator(self.model, params)  # compiles the grammar: before the clock starts, as for llama.cpp
         t0 = time.perf_counter()
-        gen = og.Generator(self.model, params)
         gen.append_tokens(ids)  # the prefill runs here
         tokens: list[int] = []
         t_first = None
@@ -303,10 +340,7 @@ class LlamaCppRunner(Runner):
     def _grammar(self, structured: StructuredPrompt) -> Any:
         """llama.cpp's grammar for the prompt's JSON schema; for tools, one call written as JSON ``{"name": ...,
         "arguments": {...}}`` of one of them (llama.cpp has no tool calling of its own at the token level)."""
-        c = structured.constraint
-        schema = c.schema if c.tools is None else tool_call_schema(c.tools)
-        if schema is None:  # json_object
-            schema = {"type": "object"}
+        schema = constraint_schema(structured.constraint)
         return self.llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
 
     def score(self, ids: list[int]) -> Score:
@@ -324,19 +358,22 @@ class LlamaCppRunner(Runner):
 # context, the draft length adapted between min_adaptive_k and 5 by its own throughput estimate.
 GENAI_NGRAM = (("ngram_size", 3), ("max_draft_tokens", 5), ("min_adaptive_k", 1))
 _NUMERICS = "; other numerics than ours, so outputs may differ from ar"
+_GUIDED = "; structured sets decode under genai's guidance (llguidance, the prompts' JSON schema)"
 PEER_VARIANTS = (
-    VariantSpec("ort-genai-fp32", "ort-genai", "onnxruntime-genai fp32 (model builder on the fp32 source)" + _NUMERICS,
+    VariantSpec("ort-genai-fp32", "ort-genai", "onnxruntime-genai fp32 (model builder on the fp32 source)"
+                + _GUIDED + _NUMERICS,
                 options=(("precision", "fp32"),), requires=("onnxruntime_genai", "transformers", "torch"),
                 install=PEERS_INSTALL),
-    VariantSpec("ort-genai-int4", "ort-genai", "onnxruntime-genai int4 (model builder, CPU defaults)" + _NUMERICS,
+    VariantSpec("ort-genai-int4", "ort-genai", "onnxruntime-genai int4 (model builder, CPU defaults)"
+                + _GUIDED + _NUMERICS,
                 options=(("precision", "int4"),), requires=("onnxruntime_genai", "transformers", "torch"),
                 install=PEERS_INSTALL),
     VariantSpec("ort-genai-fp32-ngram", "ort-genai", "onnxruntime-genai fp32 with its n-gram speculative decoding "
-                "(adaptive draft length)" + _NUMERICS,
+                "(adaptive draft length)" + _GUIDED + _NUMERICS,
                 options=(("precision", "fp32"), ("speculative", GENAI_NGRAM)), plain="ort-genai-fp32",
                 requires=("onnxruntime_genai", "transformers", "torch"), install=PEERS_INSTALL),
     VariantSpec("ort-genai-int4-ngram", "ort-genai", "onnxruntime-genai int4 with its n-gram speculative decoding "
-                "(adaptive draft length)" + _NUMERICS,
+                "(adaptive draft length)" + _GUIDED + _NUMERICS,
                 options=(("precision", "int4"), ("speculative", GENAI_NGRAM)), plain="ort-genai-int4",
                 requires=("onnxruntime_genai", "transformers", "torch"), install=PEERS_INSTALL),
     VariantSpec("llama.cpp", "llama.cpp", "llama.cpp (llama-cpp-python) greedy on the source GGUF" + _NUMERICS,
