@@ -3,7 +3,9 @@
 For each ``--max-batch`` setting (``N`` or ``N:DRAFT``, a draft of its own) one server process runs (its own
 ONNX Runtime threads; this process only sends requests). At concurrency 1 every prompt is asked once, one after another: that gives the
 single-client speed and, for each prompt, its answer alone on that server. At each higher concurrency
-``c``, ``c`` clients send their chat requests at once (prompts 1..c, greedy, ``max_tokens`` each).
+``c``, ``c`` clients draw the prompts from one queue, each sending its next request as soon as its last one is
+answered (greedy, ``max_tokens`` each), until every prompt was asked; with fewer prompts than clients the prompts are
+asked again in turn, so that all ``c`` clients start at once.
 Measured: aggregate completion tokens per second of wall time, p50 and p95 request latency, and
 whether each answer is complete (the token budget or the end of the turn) and identical to the same
 prompt's answer alone on that server and on the first server (list ``1:none`` first to hold every answer to the
@@ -112,20 +114,28 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def _concurrent(server: _Server, prompts: list[str], max_tokens: int,
+def _concurrent(server: _Server, prompts: list[str], clients: int, max_tokens: int,
                 constraints: dict[str, Constraint]) -> tuple[list[dict], float]:
-    """Every prompt sent at once, one client thread each; the answers and the wall time."""
+    """``clients`` client threads, started at once, each asking the next of ``prompts`` until none is left; the
+    answers (in the prompts' order) and the wall time."""
     out: list[dict | BaseException | None] = [None] * len(prompts)
-    gate = threading.Barrier(len(prompts) + 1)
+    gate = threading.Barrier(clients + 1)
+    queue = iter(range(len(prompts)))
+    lock = threading.Lock()
 
-    def client(i: int) -> None:
+    def client() -> None:
         gate.wait()
-        try:
-            out[i] = server.chat(prompts[i], max_tokens, constraints.get(prompts[i]))
-        except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
-            out[i] = exc
+        while True:
+            with lock:
+                i = next(queue, None)
+            if i is None:
+                return
+            try:
+                out[i] = server.chat(prompts[i], max_tokens, constraints.get(prompts[i]))
+            except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+                out[i] = exc
 
-    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
     gate.wait()
@@ -152,14 +162,14 @@ def _by_category(answers: list[dict], prompts: list[str], categories: dict[str, 
 
 
 def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: list[str], max_tokens: int,
-             categories: dict[str, str] | None = None) -> dict:
+             clients: int, categories: dict[str, str] | None = None) -> dict:
     tokens = sum(a["tokens"] for a in answers)
     lat = [a["latency_s"] for a in answers]
     complete = sum(a["finish_reason"] in ("stop", "tool_calls") or (a["finish_reason"] == "length"
                                                                      and a["tokens"] == max_tokens) for a in answers)
     same = sum(a["answer"] == alone[p]["answer"] for a, p in zip(answers, prompts))
     checked = [a["invalid"] for a in answers if "invalid" in a]
-    return {"clients": len(answers), "requests": len(answers), "tokens": tokens, "wall_s": round(wall, 3),
+    return {"clients": clients, "requests": len(answers), "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 2), "p50_latency_s": round(_percentile(lat, 0.5), 3),
             "p95_latency_s": round(_percentile(lat, 0.95), 3), "complete": complete, "identical_to_alone": same,
             **({"constrained": len(checked), "valid": sum(why is None for why in checked),
@@ -181,37 +191,37 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
     levels = sorted(set(concurrency))
     if not levels or levels[0] < 1 or not servers or min(mb for mb, _ in servers) < 1:
         raise BenchError("--concurrency and --max-batch take whole numbers of at least 1.")
-    top = levels[-1]
-    asked = [prompts[i % len(prompts)] for i in range(top)]
+    uniq = list(dict.fromkeys(prompts))
     report: dict[str, Any] = {
         "command": "bench-serve", "bundle": str(bundle), "draft": draft, "threads": threads,
-        "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(asked),
+        "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(uniq),
         "machine": machine_info(), "servers": []}
     logs = Path(tempfile.mkdtemp(prefix="specdeploy-bench-serve-"))
     for i, (mb, srv_draft) in enumerate(servers):
         say(f"starting server --max-batch {mb} --draft {srv_draft} ...")
         server = _Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log")
         try:
-            server.chat(asked[0], 8, constraints.get(asked[0]))  # warm-up: first-run allocations, the grammar's tokenizer
-            say(f"  concurrency 1: {len(set(asked))} prompts one after another (each prompt's answer alone) ...")
+            server.chat(uniq[0], 8, constraints.get(uniq[0]))  # warm-up: first-run allocations, the grammar's tokenizer
+            say(f"  concurrency 1: {len(uniq)} prompts one after another (each prompt's answer alone) ...")
             alone: dict[str, dict] = {}
             t0 = time.perf_counter()
-            for p in dict.fromkeys(asked):
+            for p in uniq:
                 alone[p] = server.chat(p, max_new_tokens, constraints.get(p))
             wall = time.perf_counter() - t0
-            uniq = list(alone)
-            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, categories), "clients": 1,
+            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, 1, categories),
                      "_texts": [(p, alone[p]["answer"]) for p in uniq]}]
             for c in levels:
                 if c == 1:
                     continue
-                say(f"  concurrency {c} ...")
-                answers, wall = _concurrent(server, asked[:c], max_new_tokens, constraints)
-                runs.append({**_summary(answers, wall, alone, asked[:c], max_new_tokens, categories),
-                             "_texts": [(p, a["answer"]) for p, a in zip(asked[:c], answers)]})
+                asked = [uniq[i % len(uniq)] for i in range(max(c, len(uniq)))]
+                say(f"  concurrency {c}: {len(asked)} requests ...")
+                answers, wall = _concurrent(server, asked, c, max_new_tokens, constraints)
+                runs.append({**_summary(answers, wall, alone, asked, max_new_tokens, c, categories),
+                             "_texts": [(p, a["answer"]) for p, a in zip(asked, answers)]})
                 r = runs[-1]
+                n = r["requests"]
                 say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
-                    f"identical {r['identical_to_alone']}/{c}, complete {r['complete']}/{c}"
+                    f"identical {r['identical_to_alone']}/{n}, complete {r['complete']}/{n}"
                     + (f", valid {r['valid']}/{r['constrained']}" if "valid" in r else ""))
             report["servers"].append({"max_batch": mb, "draft": srv_draft, "runs": runs,
                                       "answers_alone": {p: alone[p]["answer"] for p in uniq}})

@@ -8,7 +8,7 @@ schema     records                                     what it exercises
 =========  ==========================================  ===================================================
 product    ``product-ie`` product titles (40)          strings, an enum, an integer, a number, an array
 payment    ``invoices`` e-mails (78, up to 150 words)  an enum, an array of nested objects with a number
-entities   ``ner_finance`` contract sentences          an array (up to 8) of objects with an enum
+entities   ``ner_finance`` contract sentences          an array (up to 6) of objects with an enum
 event      ``event_categories`` Windows event logs     enums, a boolean, a nested object with an integer
 study      ``population_span_extraction`` abstracts    an enum, integers, an array of nested objects
 =========  ==========================================  ===================================================
@@ -26,18 +26,34 @@ from random import Random
 
 from specdeploy.exporter.bench.structured import function_tool
 
-_S, _I, _N, _B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+_N, _B = {"type": "number"}, {"type": "boolean"}
+
+
+def _str(longest: int) -> dict:
+    """A string of at most ``longest`` characters. Every string and number here is bounded, as a production
+    extraction or tool schema bounds them: a small model that falls into a loop inside a value (``"john.john.john"``,
+    ``1000000...``) must still close it, so every answer parses within ``--max-new-tokens``."""
+    return {"type": "string", "maxLength": longest}
+
+
+def _int(least: int, most: int) -> dict:
+    """An integer in ``[least, most]`` (a bounded number of digits)."""
+    return {"type": "integer", "minimum": least, "maximum": most}
+
+
+_WORD, _S, _LONG = _str(24), _str(80), _str(160)  # a unit or a language; a name or a phrase; a message's body
 
 
 def _obj(properties: dict, required: tuple[str, ...]) -> dict:
     return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
 
 
+_COUNT = _int(0, 100_000_000)
 SCHEMAS: dict[str, dict] = {
     "product": _obj({"brand": _S, "model": _S,
                      "category": {"type": "string", "enum": ["laptop", "memory card", "camera", "other"]},
-                     "storage_gb": {"type": "integer", "minimum": 0}, "screen_inches": _N,
-                     "features": {"type": "array", "items": _S, "maxItems": 6}},
+                     "storage_gb": _int(0, 100_000), "screen_inches": _N,
+                     "features": {"type": "array", "items": _str(40), "maxItems": 4}},
                     ("brand", "model", "category", "storage_gb")),
     "payment": _obj({"sender": _S, "recipient": _S,
                      "kind": {"type": "string", "enum": ["charge", "invoice", "receipt", "transfer", "other"]},
@@ -46,18 +62,18 @@ SCHEMAS: dict[str, dict] = {
                          ("value", "currency"))},
                      "date": _S},
                     ("sender", "kind", "amounts")),
-    "entities": _obj({"entities": {"type": "array", "maxItems": 8, "items": _obj(
-        {"name": _S, "type": {"type": "string", "enum": ["PERSON", "ORGANIZATION", "LOCATION"]}}, ("name", "type"))}},
+    "entities": _obj({"entities": {"type": "array", "maxItems": 6, "items": _obj(
+        {"name": _str(48), "type": {"type": "string", "enum": ["PERSON", "ORGANIZATION", "LOCATION"]}}, ("name", "type"))}},
         ("entities",)),
     "event": _obj({"level": {"type": "string", "enum": ["Information", "Warning", "Error"]},
                    "component": _S, "succeeded": _B,
-                   "update": _obj({"name": _S, "kb_number": {"type": "integer", "minimum": 0}}, ("name",))},
+                   "update": _obj({"name": _S, "kb_number": _int(0, 99_999_999)}, ("name",))},
                   ("level", "component", "succeeded")),
     "study": _obj({"condition": _S,
                    "design": {"type": "string", "enum": ["randomized trial", "cohort", "case-control",
                                                          "cross-sectional", "review", "other"]},
-                   "participants": {"type": "integer", "minimum": 0},
-                   "groups": {"type": "array", "maxItems": 4, "items": _obj({"treatment": _S, "size": _I},
+                   "participants": _COUNT,
+                   "groups": {"type": "array", "maxItems": 4, "items": _obj({"treatment": _S, "size": _COUNT},
                                                                             ("treatment",))}},
                   ("condition", "design", "participants")),
 }
@@ -113,22 +129,22 @@ TOOLS: dict[str, dict] = {t["function"]["name"]: t for t in (
     function_tool("get_weather", "Current weather or today's forecast for a city.",
                   {"city": _S, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, ("city",)),
     function_tool("create_calendar_event", "Add an event to the user's calendar.",
-                  {"title": _S, "date": _DATE, "start_time": _TIME, "duration_minutes": {"type": "integer", "minimum": 1},
-                   "attendees": {"type": "array", "items": _S}}, ("title", "date", "start_time")),
+                  {"title": _S, "date": _DATE, "start_time": _TIME, "duration_minutes": _int(1, 1440),
+                   "attendees": {"type": "array", "items": _S, "maxItems": 8}}, ("title", "date", "start_time")),
     function_tool("convert_currency", "Convert an amount of money between currencies at today's rate.",
                   {"amount": _N, "from_currency": _CODE, "to_currency": _CODE}, ("amount", "from_currency", "to_currency")),
     function_tool("web_search", "Search the web and return the top results.",
                   {"query": _S, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}}, ("query",)),
     function_tool("send_email", "Send an e-mail from the user's account.",
-                  {"to": _S, "subject": _S, "body": _S}, ("to", "subject", "body")),
+                  {"to": _str(64), "subject": _S, "body": _LONG}, ("to", "subject", "body")),
     function_tool("convert_units", "Convert a quantity from one unit to another.",
-                  {"value": _N, "from_unit": _S, "to_unit": _S}, ("value", "from_unit", "to_unit")),
+                  {"value": _N, "from_unit": _WORD, "to_unit": _WORD}, ("value", "from_unit", "to_unit")),
     function_tool("get_stock_price", "The latest price of a stock.",
                   {"symbol": _S, "exchange": {"type": "string", "enum": ["NASDAQ", "NYSE", "LSE", "TSE"]}}, ("symbol",)),
     function_tool("translate_text", "Translate a text into another language.",
-                  {"text": _S, "target_language": _S}, ("text", "target_language")),
+                  {"text": _LONG, "target_language": _WORD}, ("text", "target_language")),
     function_tool("set_reminder", "Remind the user of something at a time.",
-                  {"message": _S, "time": _TIME, "repeat": {"type": "string", "enum": ["none", "daily", "weekly"]}},
+                  {"message": _LONG, "time": _TIME, "repeat": {"type": "string", "enum": ["none", "daily", "weekly"]}},
                   ("message", "time")),
     function_tool("book_restaurant", "Book a table at a restaurant.",
                   {"restaurant": _S, "party_size": {"type": "integer", "minimum": 1, "maximum": 20}, "date": _DATE,
@@ -138,7 +154,7 @@ TOOLS: dict[str, dict] = {t["function"]["name"]: t for t in (
                    "mode": {"type": "string", "enum": ["driving", "walking", "transit", "cycling"]}},
                   ("origin", "destination")),
     function_tool("start_timer", "Start a countdown timer.",
-                  {"minutes": {"type": "integer", "minimum": 1}, "label": _S}, ("minutes",)),
+                  {"minutes": _int(1, 1440), "label": _S}, ("minutes",)),
 )}
 _CITIES = ("Oslo", "Lisbon", "Nairobi", "Osaka", "Lima", "Krakow", "Toronto", "Cairo", "Melbourne", "Porto", "Seoul",
            "Denver")

@@ -255,8 +255,9 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
                    "structured); each category is reported apart. Second turns are left out: a server request carries "
                    "no earlier answer. The structured sets send their response_format or tools, and every answer is "
                    "checked to meet it.")
-@click.option("--num-prompts", default=8, show_default=True, type=click.IntRange(min=1),
-              help="Prompts per category of --prompt-set.")
+@click.option("--num-prompts", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Prompts asked (the first of --prompts; of each category of --prompt-set). Every concurrency asks "
+                   "each of them, the clients drawing them from one queue (again in turn where clients outnumber them).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "json_out", default=Path("bench-serve.json"), show_default=True, type=click.Path(path_type=Path),
@@ -302,6 +303,7 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         constraints = {it.text: c for it in items if (c := it.constraint) is not None}
     else:  # a file's records may name their category
         records = read_prompt_records(prompts_file or default_prompts_file())
+        records = records[:num_prompts]
         prompts = [text for text, _ in records]
         categories = {text: c for text, c in records if c} if prompts_file is not None else None
     report = run_serve_bench(bundle, servers(max_batches), ints(concurrency, "--concurrency"), prompts,
