@@ -41,7 +41,7 @@ def _int(least: int, most: int) -> dict:
     return {"type": "integer", "minimum": least, "maximum": most}
 
 
-_WORD, _S, _LONG = _str(24), _str(80), _str(160)  # a unit or a language; a name or a phrase; a message's body
+_WORD, _S, _LONG = _str(24), _str(80), _str(100)  # a unit or a language; a name or a phrase; a short message
 
 
 def _obj(properties: dict, required: tuple[str, ...]) -> dict:
@@ -136,7 +136,7 @@ TOOLS: dict[str, dict] = {t["function"]["name"]: t for t in (
     function_tool("web_search", "Search the web and return the top results.",
                   {"query": _S, "max_results": {"type": "integer", "minimum": 1, "maximum": 10}}, ("query",)),
     function_tool("send_email", "Send an e-mail from the user's account.",
-                  {"to": _str(64), "subject": _S, "body": _LONG}, ("to", "subject", "body")),
+                  {"to": _str(48), "subject": _str(60), "body": _LONG}, ("to", "subject", "body")),
     function_tool("convert_units", "Convert a quantity from one unit to another.",
                   {"value": _N, "from_unit": _WORD, "to_unit": _WORD}, ("value", "from_unit", "to_unit")),
     function_tool("get_stock_price", "The latest price of a stock.",
