@@ -50,11 +50,13 @@ MAX_DRAFT = 10  # longest chain per sequence
 
 
 def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifest, suffix_cache_tokens: int | None = None,
-                    threads: int | None = None, backend: Backend | None = None) -> Callable[[], Drafter] | None:
-    """What makes each batched sequence's own drafter for ``draft`` (chains), or None for plain decoding: the
-    same sources ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (each
-    trained draft keeps a model of its own per sequence). A draft the bundle lacks or does not know fails here,
-    in one sentence, before anything is served."""
+                    threads: int | None = None, backend: Backend | None = None, chains: bool = True
+                    ) -> Callable[[], Drafter] | None:
+    """What makes each batched sequence's own drafter for ``draft``, or None for plain decoding: the same sources
+    ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (each trained draft
+    keeps a model of its own per sequence). ``chains`` False (a plan that verifies trees): trees as ``generate``
+    drafts them, for a sequence alone in a step; beside others a step takes each tree's main path. A draft the
+    bundle lacks or does not know fails here, in one sentence, before anything is served."""
     from .drafters import make_drafter
     from .drafters.kinds import AUTO_MODELS
     from .drafters.make import DraftRequest, bundle_lookup, suffix_cache, trained
@@ -62,10 +64,10 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
 
     if draft in (None, "", NONE):
         return None
-    req = DraftRequest(draft, bundle_dir, manifest, threads=threads, chains=True, backend=backend,
+    req = DraftRequest(draft, bundle_dir, manifest, threads=threads, chains=chains, backend=backend,
                        suffix_cache_tokens=suffix_cache_tokens)
     if draft not in (PROMPT_LOOKUP, NGRAM, SUFFIX, AUTO):  # a trained draft, or a hybrid with one
-        return lambda: make_drafter(draft, bundle_dir, manifest, threads=threads, chains=True, backend=backend)
+        return lambda: make_drafter(draft, bundle_dir, manifest, threads=threads, chains=chains, backend=backend)
     table = getattr(bundle_lookup(req), "table", None) if draft in (NGRAM, AUTO) else None
     if draft == NGRAM and table is None:
         from .drafters.ngram import load_ngram_drafter
@@ -74,13 +76,14 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
     cache = suffix_cache(req) if draft in (SUFFIX, AUTO) else None
     has = {d.kind for d in manifest.drafts}
     model = next((k for k in AUTO_MODELS if k in has), None) if draft == AUTO else None
+    shape = {"branches": 1, "num_tokens": MAX_DRAFT} if chains else {}  # trees: lookup's own default shape
 
     def lookup() -> PromptLookupDrafter:
         if table is None:
-            return PromptLookupDrafter(branches=1, num_tokens=MAX_DRAFT)
+            return PromptLookupDrafter(**shape)
         from .drafters.ngram import NgramDrafter
 
-        return NgramDrafter(table, branches=1, num_tokens=MAX_DRAFT)
+        return NgramDrafter(table, **shape)
 
     def make() -> Drafter:
         from .drafters.auto import AutoDrafter, FreeSources
@@ -89,9 +92,9 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
         if draft in (PROMPT_LOOKUP, NGRAM):
             return lookup()
         if draft == SUFFIX:
-            return SuffixDrafter(cache, chains=True)
-        free = FreeSources(lookup(), SuffixDrafter(cache, chains=True, local=False))
-        return free if model is None else AutoDrafter(trained(model, req), free, chains=True)
+            return SuffixDrafter(cache, chains=chains)
+        free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, local=False))
+        return free if model is None else AutoDrafter(trained(model, req), free, chains=chains)
 
     return make
 
@@ -124,7 +127,9 @@ class BatchScheduler:
         backend.forget_buffers()  # the probes' scratch caches are freed: nothing may alias new buffers
         self.max_batch = max_batch
         self.lossy = lossy  # rows of several sequences are not bitwise as alone here (allow_inexact)
-        self.max_rows = min(plan.max_rows, MAX_DRAFT + 1) if new_drafter is not None and plan.speculate else 1
+        # a sequence's rows: a tree as generate's where the plan verifies trees (alone in a step), else a chain
+        rows = plan.max_rows if plan.trees else min(plan.max_rows, MAX_DRAFT + 1)
+        self.max_rows = rows if new_drafter is not None and plan.speculate else 1
         self.decoder = Decoder(backend, manifest, None, max_tree=self.max_rows, plan=plan)  # the decode loop
         self.limit = manifest.limits.max_context
         self.min_rows = plan.min_rows

@@ -329,8 +329,8 @@ class Decoder:
         columns ``0..committed``), grown to hold ``columns``. Each sequence brings at most ``max_tree`` nodes: a
         tree where the plan verifies trees and it is alone, else a chain.
 
-        Alone, a generation's draft is sized by its drafter on the cost curve. With others, each drafts a chain
-        and the rows per sequence ``T`` are the ones with the most expected tokens of the whole step per unit of
+        Alone, a generation's draft is sized by its drafter on the cost curve. With others, each one's draft is cut
+        to its main path (a chain), and the rows per sequence ``T`` are the ones with the most expected tokens of the whole step per unit of
         the measured cost of ``B x T`` rows (:func:`~.rows.rows_per_sequence`): a draft row is spent only where it
         returns more than it costs the others."""
         b = len(gens)

@@ -149,7 +149,7 @@ class Engine:
         a time, with speculation), with one warning that says why."""
         def factory():  # made only where it batches: the serial fallback makes its own drafter
             return drafter_factory(self.draft_name, self.bundle_dir, self.manifest, suffix_cache_tokens, threads,
-                                   self.backend)
+                                   self.backend, chains=not self.plan.trees)
 
         if self.plan.rows and self.backend.can_batch_rows:
             self.batch_reason = (f"exact batching: up to {max_batch} requests share each step, each answer the one "

@@ -82,37 +82,46 @@ def rows_per_sequence(expected: list[list[float]], cost: Callable[[int], float],
 
 class LoadGate:
     """Whether the sequences of a step of several draft at all: by measured tokens per second of whole iterations
-    in each mode at that batch size (their proposals, trained drafts' calls and draft rows all included).
+    in each mode (their proposals, trained drafts' calls and draft rows all included).
 
     The rows rule (:func:`rows_per_sequence`) prices draft rows, but by the time it runs every drafter has drafted;
-    at high load those calls alone can cost more than the rows return. So each batch size first runs
-    :attr:`MIN` iterations drafting, then as many plainly, and from then on the mode with the higher rate, trying
-    the other one iteration in :attr:`EXPLORE` so that a change of load or text is seen."""
+    at high load those calls alone can cost more than the rows return. Batch sizes are pooled by powers of two
+    (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one sequence at a time, and a gate that learned
+    each size apart would still be exploring when the size changed. Each pool first alternates the two modes,
+    :attr:`MIN` iterations each (so both see the same sizes and the same text), and from then on runs the mode
+    with the higher rate per sequence, trying the other one iteration in :attr:`EXPLORE` so that a change of load
+    or text is seen."""
 
-    MIN = 8  # iterations of a mode at a batch size before its rate counts
+    MIN = 8  # iterations of a mode in a pool before its rate counts
     EXPLORE = 64  # iterations between two tries of the mode not in use
     RATE = 0.1  # weight of the newest iteration in a mode's running rate
 
     def __init__(self) -> None:
-        self.rates: dict[tuple[int, bool], list[float]] = {}  # (batch, drafting) -> [tokens per second, iterations]
+        self.rates: dict[tuple[int, bool], list[float]] = {}  # (pool, drafting) -> [tokens/s per sequence, iterations]
         self._since: dict[int, int] = {}
 
+    @staticmethod
+    def pool(batch: int) -> int:
+        """The batch sizes measured together: up to the next power of two (3 and 4 -> 4; 17-32 -> 32)."""
+        return 1 << max(1, (batch - 1).bit_length())
+
     def drafting(self, batch: int) -> bool:
-        draft, plain = self.rates.get((batch, True)), self.rates.get((batch, False))
-        if draft is None or draft[1] < self.MIN:
-            return True
-        if plain is None or plain[1] < self.MIN:
-            return False
+        key = self.pool(batch)
+        draft, plain = self.rates.get((key, True)), self.rates.get((key, False))
+        n_draft, n_plain = (0 if draft is None else draft[1]), (0 if plain is None else plain[1])
+        if n_draft < self.MIN or n_plain < self.MIN:  # learning: the modes in turn, the one measured less first
+            return n_draft <= n_plain if n_draft < self.MIN and n_plain < self.MIN else n_draft < self.MIN
         best = draft[0] >= plain[0]
-        self._since[batch] = self._since.get(batch, 0) + 1
-        if self._since[batch] >= self.EXPLORE:
-            self._since[batch] = 0
+        self._since[key] = self._since.get(key, 0) + 1
+        if self._since[key] >= self.EXPLORE:
+            self._since[key] = 0
             return not best
         return best
 
     def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
-        if seconds <= 0:
+        if seconds <= 0 or batch < 1:
             return
-        entry = self.rates.setdefault((batch, drafting), [0.0, 0])
+        entry = self.rates.setdefault((self.pool(batch), drafting), [0.0, 0])
         entry[1] += 1
-        entry[0] += max(1.0 / entry[1], self.RATE) * (tokens / seconds - entry[0])  # a plain mean at first
+        rate = tokens / seconds / batch  # per sequence: a pool's sizes differ
+        entry[0] += max(1.0 / entry[1], self.RATE) * (rate - entry[0])  # a plain mean at first

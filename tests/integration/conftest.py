@@ -50,6 +50,23 @@ def real_quant_bundle(tmp_path_factory, real_bundle, real_bundles_built):
     return make
 
 
+@pytest.fixture(scope="session")
+def drafted(real_bundle, tmp_path_factory):
+    """A copy of the real bundle with the three shipped drafts exported into it, and validate's checks of it (its
+    base graphs' and its drafts'): made and validated once for every test that reads them."""
+    import shutil
+
+    from specdeploy.exporter.check.validate import validate_bundle
+    from specdeploy.exporter.export.draft import export_draft
+
+    weights = Path(__file__).resolve().parents[2] / "graphs" / "weights"
+    bundle = tmp_path_factory.mktemp("drafted") / "real"
+    shutil.copytree(real_bundle, bundle)
+    for kind in ("chimera", "medusa", "cerberus"):
+        export_draft(bundle, kind, weights / f"{kind}.safetensors", progress=lambda m: None)
+    return bundle, validate_bundle(bundle, progress=lambda m: None)
+
+
 class PlainRuns:
     """Plain greedy replies on the session's real bundles, each decoded once per session on one open plain engine
     per bundle (and step plan): the references the speculative outputs of several tests are held to.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,20 +19,6 @@ SHIPPED_REPLIES = WEIGHTS / "self-replies.npz"
 SUFFIX_PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON with keys name, age, city.",
                   "Fill in the form: name Bob, age 42, city Rome. Reply as JSON with keys name, age, city.",
                   "one two three four one two three four one two"]
-
-
-@pytest.fixture(scope="module")
-def drafted(real_bundle, tmp_path_factory):
-    """A copy of the real bundle with the three shipped drafts exported into it, and validate's checks of it:
-    made and validated once for both tests below."""
-    from specdeploy.exporter.check.validate import validate_bundle
-    from specdeploy.exporter.export.draft import export_draft
-
-    bundle = tmp_path_factory.mktemp("drafted") / "real"
-    shutil.copytree(real_bundle, bundle)
-    for kind in ("chimera", "medusa", "cerberus"):
-        export_draft(bundle, kind, WEIGHTS / f"{kind}.safetensors", progress=lambda m: None)
-    return bundle, validate_bundle(bundle, progress=lambda m: None)
 
 
 def _drafting_tau(eng, refs, what) -> float:

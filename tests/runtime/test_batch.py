@@ -309,14 +309,27 @@ def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
 
     gate = LoadGate()
     modes = []
-    for _ in range(2 * LoadGate.MIN):  # drafting measured first, then plain steps
-        d = gate.drafting(4)
+    for i in range(2 * LoadGate.MIN):  # the modes in turn, over a batch that drains from 4 to 3
+        b = 4 if i < LoadGate.MIN else 3
+        d = gate.drafting(b)
         modes.append(d)
-        gate.record(4, d, 8 if d else 10, 1.0)  # here plain steps give more tokens per second
-    assert modes == [True] * LoadGate.MIN + [False] * LoadGate.MIN
+        gate.record(b, d, (8 if d else 10) * b // 4, 1.0)  # here plain steps give more tokens per second
+    assert modes == [True, False] * LoadGate.MIN
     later = [gate.drafting(4) for _ in range(2 * LoadGate.EXPLORE)]
     assert later.count(True) == 2  # the slower mode, tried once in EXPLORE steps
-    assert gate.drafting(8)  # another batch size is measured on its own
+    assert not gate.drafting(3)  # 3 and 4 are measured together
+    assert gate.drafting(5) and gate.drafting(8)  # 5-8: measured on their own, drafting first
+    assert [LoadGate.pool(b) for b in (2, 3, 4, 5, 8, 9, 17, 32, 33)] == [2, 4, 4, 8, 8, 16, 32, 32, 64]
+
+
+def test_the_load_gate_compares_rates_per_sequence():
+    from specdeploy.runtime.rows import LoadGate
+
+    gate = LoadGate()
+    for i in range(2 * LoadGate.MIN):  # drafting at 8 sequences, plain at 5: more tokens in all, fewer per sequence
+        d = gate.drafting(8 if i % 2 == 0 else 5)
+        gate.record(8 if d else 5, d, 9 if d else 6, 1.0)
+    assert gate.drafting(6) is False
 
 
 def test_a_drafter_that_sat_steps_out_gets_every_state_it_missed(tiny_bundle, monkeypatch):

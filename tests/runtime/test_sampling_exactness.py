@@ -192,3 +192,17 @@ def test_typical_accept_temperature_zero_is_greedy():
     ref = greedy_accept(tree, tree.buffers(), logits)
     assert acc.tokens.tolist() == ref.tokens.tolist()
 
+
+
+def test_top_k_over_a_grammars_masked_rows_keeps_what_the_whole_row_gives():
+    """``warp_logits`` takes the k-th largest of a masked row's finite values (fast where a grammar leaves few): the
+    kept set, ties included, is the one the k-th largest of the whole row gives."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        z = np.round(rng.standard_normal((int(rng.integers(1, 4)), 50)), 1).astype(np.float32)  # ties at the cut
+        z[rng.random(z.shape) < rng.random()] = -np.inf
+        z[:, 0] = 0.5  # every row keeps a finite value
+        k = int(rng.integers(1, 50))
+        whole = z.astype(np.float64)
+        whole[whole < np.partition(whole, 50 - k, axis=-1)[:, 50 - k, None]] = -np.inf
+        assert np.array_equal(warp_logits(z, 1.3, k) > 0, np.isfinite(whole))
