@@ -88,11 +88,12 @@ class LoadGate:
     at high load those calls alone can cost more than the rows return. Batch sizes are pooled by powers of two
     (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one sequence at a time, and a gate that learned
     each size apart would still be exploring when the size changed. Each pool first alternates the two modes,
-    :attr:`MIN` iterations each (so both see the same sizes and the same text), and from then on runs the mode
+    a few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the mode
     with the higher rate per sequence, trying the other one iteration in :attr:`EXPLORE` so that a change of load
     or text is seen."""
 
-    MIN = 8  # iterations of a mode in a pool before its rate counts
+    MIN = 8  # iterations of a mode in a pool before its rate counts (fewer in large pools: see :meth:`needed`)
+    SAMPLES = 64  # sequence-iterations that suffice: a pool of 32 learns a mode in 3 iterations, not 8
     EXPLORE = 64  # iterations between two tries of the mode not in use
     RATE = 0.1  # weight of the newest iteration in a mode's running rate
 
@@ -105,12 +106,20 @@ class LoadGate:
         """The batch sizes measured together: up to the next power of two (3 and 4 -> 4; 17-32 -> 32)."""
         return 1 << max(1, (batch - 1).bit_length())
 
+    @classmethod
+    def needed(cls, pool: int) -> int:
+        """Iterations of each mode before a pool's rates count: each iteration of a large pool averages over many
+        sequences, and one drafting iteration there calls every sequence's drafter (a trained draft: a model call
+        each)."""
+        return max(3, min(cls.MIN, cls.SAMPLES // pool))
+
     def drafting(self, batch: int) -> bool:
         key = self.pool(batch)
         draft, plain = self.rates.get((key, True)), self.rates.get((key, False))
         n_draft, n_plain = (0 if draft is None else draft[1]), (0 if plain is None else plain[1])
-        if n_draft < self.MIN or n_plain < self.MIN:  # learning: the modes in turn, the one measured less first
-            return n_draft <= n_plain if n_draft < self.MIN and n_plain < self.MIN else n_draft < self.MIN
+        need = self.needed(key)
+        if n_draft < need or n_plain < need:  # learning: the modes in turn, the one measured less first
+            return n_draft <= n_plain if n_draft < need and n_plain < need else n_draft < need
         best = draft[0] >= plain[0]
         self._since[key] = self._since.get(key, 0) + 1
         if self._since[key] >= self.EXPLORE:

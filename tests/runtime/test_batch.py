@@ -320,6 +320,13 @@ def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
     assert not gate.drafting(3)  # 3 and 4 are measured together
     assert gate.drafting(5) and gate.drafting(8)  # 5-8: measured on their own, drafting first
     assert [LoadGate.pool(b) for b in (2, 3, 4, 5, 8, 9, 17, 32, 33)] == [2, 4, 4, 8, 8, 16, 32, 32, 64]
+    assert [LoadGate.needed(p) for p in (2, 4, 8, 16, 32, 64)] == [8, 8, 8, 4, 3, 3]  # sequence-iterations suffice
+    big = LoadGate()
+    for i in range(2 * LoadGate.needed(32)):  # a full batch learns in 3 iterations of each mode
+        d = big.drafting(32)
+        assert d == (i % 2 == 0)
+        big.record(32, d, 32 if d else 40, 1.0)
+    assert not big.drafting(30)
 
 
 def test_the_load_gate_compares_rates_per_sequence():
