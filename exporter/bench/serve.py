@@ -1,8 +1,10 @@
 """``specdeploy bench-serve``: a real ``specdeploy serve`` on loopback under concurrent clients.
 
 For each ``--max-batch`` setting (``N`` or ``N:DRAFT``, a draft of its own) one server process runs (its own
-ONNX Runtime threads; this process only sends requests). At concurrency 1 every prompt is asked once, one after another: that gives the
-single-client speed and, for each prompt, its answer alone on that server. At each higher concurrency
+ONNX Runtime threads; this process only sends requests). All of them start before any is timed, and they take
+turns, so that a drift of the machine's speed falls on every server alike. At concurrency 1 every prompt is asked
+once, one after another, of every server in turn: that gives the single-client speed and, for each prompt, its answer
+alone on that server. At each higher concurrency
 ``c``, ``c`` clients draw the prompts from one queue, each sending its next request as soon as its last one is
 answered (greedy, ``max_tokens`` each), until every prompt was asked; with fewer prompts than clients the prompts are
 asked again in turn, so that all ``c`` clients start at once.
@@ -197,35 +199,46 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
         "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(uniq),
         "machine": machine_info(), "servers": []}
     logs = Path(tempfile.mkdtemp(prefix="specdeploy-bench-serve-"))
-    for i, (mb, srv_draft) in enumerate(servers):
-        say(f"starting server --max-batch {mb} --draft {srv_draft} ...")
-        server = _Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log")
-        try:
-            server.chat(uniq[0], 8, constraints.get(uniq[0]))  # warm-up: first-run allocations, the grammar's tokenizer
-            say(f"  concurrency 1: {len(uniq)} prompts one after another (each prompt's answer alone) ...")
-            alone: dict[str, dict] = {}
-            t0 = time.perf_counter()
-            for p in uniq:
-                alone[p] = server.chat(p, max_new_tokens, constraints.get(p))
-            wall = time.perf_counter() - t0
-            runs = [{**_summary([alone[p] for p in uniq], wall, alone, uniq, max_new_tokens, 1, categories),
-                     "_texts": [(p, alone[p]["answer"]) for p in uniq]}]
-            for c in levels:
-                if c == 1:
-                    continue
-                asked = [uniq[i % len(uniq)] for i in range(max(c, len(uniq)))]
-                say(f"  concurrency {c}: {len(asked)} requests ...")
+    running: list[_Server] = []
+    try:
+        for i, (mb, srv_draft) in enumerate(servers):
+            say(f"starting server --max-batch {mb} --draft {srv_draft} ...")
+            running.append(_Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log"))
+            running[-1].chat(uniq[0], 8, constraints.get(uniq[0]))  # warm-up: first allocations, the tokenizer
+        # Every server is up before any is timed, and they take turns, so that a drift of the machine's speed
+        # (seen on shared VMs: 10-20% within minutes) falls on all of them alike: at concurrency 1 each prompt is
+        # asked of every server in turn, the order reversed every other prompt; at each higher concurrency the
+        # servers run one after another, the order reversed every other level.
+        say(f"  concurrency 1: {len(uniq)} prompts one after another, each asked of every server in turn "
+            "(each prompt's answer alone) ...")
+        alone: list[dict[str, dict]] = [{} for _ in servers]
+        walls = [0.0] * len(servers)
+        for j, p in enumerate(uniq):
+            for k in _turns(len(servers), j):
+                t0 = time.perf_counter()
+                alone[k][p] = running[k].chat(p, max_new_tokens, constraints.get(p))
+                walls[k] += time.perf_counter() - t0
+        runs = [[{**_summary([alone[k][p] for p in uniq], walls[k], alone[k], uniq, max_new_tokens, 1, categories),
+                  "_texts": [(p, alone[k][p]["answer"]) for p in uniq]}] for k in range(len(servers))]
+        for li, c in enumerate(c for c in levels if c > 1):
+            asked = [uniq[i % len(uniq)] for i in range(max(c, len(uniq)))]
+            for k in _turns(len(servers), li):
+                (mb, srv_draft), server = servers[k], running[k]
+                say(f"  concurrency {c}: {len(asked)} requests to --max-batch {mb} --draft {srv_draft} ...")
                 answers, wall = _concurrent(server, asked, c, max_new_tokens, constraints)
-                runs.append({**_summary(answers, wall, alone, asked, max_new_tokens, c, categories),
-                             "_texts": [(p, a["answer"]) for p, a in zip(asked, answers)]})
-                r = runs[-1]
+                runs[k].append({**_summary(answers, wall, alone[k], asked, max_new_tokens, c, categories),
+                                "_texts": [(p, a["answer"]) for p, a in zip(asked, answers)]})
+                r = runs[k][-1]
                 n = r["requests"]
                 say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
                     f"identical {r['identical_to_alone']}/{n}, complete {r['complete']}/{n}"
                     + (f", valid {r['valid']}/{r['constrained']}" if "valid" in r else ""))
-            report["servers"].append({"max_batch": mb, "draft": srv_draft, "runs": runs,
-                                      "answers_alone": {p: alone[p]["answer"] for p in uniq}})
-        finally:
+        for k, (mb, srv_draft) in enumerate(servers):
+            report["servers"].append({"max_batch": mb, "draft": srv_draft,
+                                      "runs": sorted(runs[k], key=lambda r: r["clients"]),
+                                      "answers_alone": {p: alone[k][p]["answer"] for p in uniq}})
+    finally:
+        for server in running:
             server.close()
     _compare(report)
     json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,6 +247,12 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
     os.replace(tmp, json_out)
     _plot(report, json_out.with_suffix(".png"))
     return report
+
+
+def _turns(count: int, turn: int) -> list[int]:
+    """The servers' order on ``turn``: as listed, reversed every other turn."""
+    order = list(range(count))
+    return order if turn % 2 == 0 else order[::-1]
 
 
 def _compare(report: dict) -> None:
