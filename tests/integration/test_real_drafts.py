@@ -16,6 +16,7 @@ from tiny_training import mtbench_first_turns
 
 WEIGHTS = Path(__file__).resolve().parents[2] / "graphs" / "weights"
 SHIPPED_REPLIES = WEIGHTS / "self-replies.npz"
+DRAFT_TOKENS = 32  # per prompt, in the shipped drafts' identity and tau
 SUFFIX_PROMPTS = ["Fill in the form: name Ann, age 31, city Oslo. Reply as JSON with keys name, age, city.",
                   "Fill in the form: name Bob, age 42, city Rome. Reply as JSON with keys name, age, city.",
                   "one two three four one two three four one two"]
@@ -27,7 +28,7 @@ def _drafting_tau(eng, refs, what) -> float:
     tokens = steps = 0
     for ids, ref in refs:
         st = DecodeStats()
-        assert eng.generate_ids(ids, GenerationConfig(48), st) == ref, what
+        assert eng.generate_ids(ids, GenerationConfig(DRAFT_TOKENS), st) == ref, what
         tokens += st.new_tokens - 1 - st.gate_ar
         steps += st.gate_parallel
     return tokens / steps
@@ -35,7 +36,7 @@ def _drafting_tau(eng, refs, what) -> float:
 
 @pytest.mark.slow
 def test_shipped_chimera_on_the_real_model(real_bundle, drafted, plain_runs):
-    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
+    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 32 tokens."""
     bundle, checks = drafted
     w = load_draft_weights(WEIGHTS / "chimera.safetensors", "chimera")
     assert (WEIGHTS / "chimera.safetensors").stat().st_size <= 30 * 2**20
@@ -48,7 +49,7 @@ def test_shipped_chimera_on_the_real_model(real_bundle, drafted, plain_runs):
 
     assert stored_twice(bundle, _graph_files(bundle)) == []  # the trt and ort graphs share their fp32 weights
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"chimera", "chimera-int4"}
-    refs = plain_runs.refs(real_bundle, mtbench_first_turns(3), 48)  # the copy's base is the session bundle's
+    refs = plain_runs.refs(real_bundle, mtbench_first_turns(3), DRAFT_TOKENS)  # the copy's base is the session bundle's
     for tree in (None, "tree16", "dynamic:16"):
         with load(bundle, draft="chimera", tree=tree) as eng:
             plain_runs.same_plan(real_bundle, eng)
@@ -61,11 +62,11 @@ def test_shipped_chimera_on_the_real_model(real_bundle, drafted, plain_runs):
 
 @pytest.mark.slow
 def test_shipped_heads_on_the_real_model(real_bundle, drafted, plain_runs):
-    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 48 tokens."""
+    """Export the shipped weights, validate parity, greedy identity on 3 MT-bench prompts x 32 tokens."""
     bundle, checks = drafted
     assert all(c.passed for c in checks) and {c.case for c in checks} >= {"medusa", "medusa-int4", "cerberus",
                                                                           "cerberus-int4", "cerberus-gate"}
-    refs = plain_runs.refs(real_bundle, mtbench_first_turns(3), 48)
+    refs = plain_runs.refs(real_bundle, mtbench_first_turns(3), DRAFT_TOKENS)
     # The calibrated defaults (tree, vocabulary, gate) and a 16-node tree, whose tau shows the heads learned.
     for draft, tree in (("medusa", None), ("cerberus", None), ("medusa", "tree16"), ("cerberus-nogate", "tree16")):
         with load(bundle, draft=draft, tree=tree) as eng:
