@@ -330,9 +330,9 @@ class Decoder:
         tree where the plan verifies trees and it is alone, else a chain.
 
         Alone, a generation's draft is sized by its drafter on the cost curve. With others, each one's draft is cut
-        to its main path (a chain), and the rows per sequence ``T`` are the ones with the most expected tokens of the whole step per unit of
-        the measured cost of ``B x T`` rows (:func:`~.rows.rows_per_sequence`): a draft row is spent only where it
-        returns more than it costs the others."""
+        to its main path (a chain), and the rows per sequence ``T`` are the ones with the most expected tokens of the
+        whole step per unit of the measured cost of ``B x T`` rows (:func:`~.rows.rows_per_sequence`): a draft row is
+        spent only where it returns more than it costs the others."""
         b = len(gens)
         t0 = time.perf_counter()
         drafting = b == 1 or self.load_gate.drafting(b)  # several: whether drafting pays at this load

@@ -87,10 +87,10 @@ class LoadGate:
     The rows rule (:func:`rows_per_sequence`) prices draft rows, but by the time it runs every drafter has drafted;
     at high load those calls alone can cost more than the rows return. Batch sizes are pooled by powers of two
     (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one sequence at a time, and a gate that learned
-    each size apart would still be exploring when the size changed. Each pool first alternates the two modes,
-    a few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the mode
-    with the higher rate per sequence, trying the other one iteration in :attr:`EXPLORE` so that a change of load
-    or text is seen."""
+    each size apart would still be exploring when the size changed. Each pool first alternates the two modes, a
+    few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the
+    mode with the higher rate per sequence, trying the other one iteration in :attr:`EXPLORE` so that a change of
+    load or text is seen."""
 
     MIN = 8  # iterations of a mode in a pool before its rate counts (fewer in large pools: see :meth:`needed`)
     SAMPLES = 64  # sequence-iterations that suffice: a pool of 32 learns a mode in 3 iterations, not 8
@@ -115,11 +115,9 @@ class LoadGate:
 
     def drafting(self, batch: int) -> bool:
         key = self.pool(batch)
-        draft, plain = self.rates.get((key, True)), self.rates.get((key, False))
-        n_draft, n_plain = (0 if draft is None else draft[1]), (0 if plain is None else plain[1])
-        need = self.needed(key)
-        if n_draft < need or n_plain < need:  # learning: the modes in turn, the one measured less first
-            return n_draft <= n_plain if n_draft < need and n_plain < need else n_draft < need
+        draft, plain = self.rates.get((key, True), (0.0, 0)), self.rates.get((key, False), (0.0, 0))
+        if min(draft[1], plain[1]) < self.needed(key):  # learning: the mode measured less next, drafting first
+            return draft[1] <= plain[1]
         best = draft[0] >= plain[0]
         self._since[key] = self._since.get(key, 0) + 1
         if self._since[key] >= self.EXPLORE:
