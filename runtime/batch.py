@@ -85,6 +85,15 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
 
         return NgramDrafter(table, **shape)
 
+    first: list[Drafter] = []  # the first trained draft made: the later sequences' share its loaded graphs
+
+    def own_model() -> Drafter:
+        twin = first[0].spawn() if first else None
+        if twin is None:
+            twin = trained(model, req)
+            first[:] = first or [twin]
+        return twin
+
     def make() -> Drafter:
         from .drafters.auto import AutoDrafter, FreeSources
         from .drafters.suffix import SuffixDrafter
@@ -94,7 +103,7 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
         if draft == SUFFIX:
             return SuffixDrafter(cache, chains=chains)
         free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, local=False))
-        return free if model is None else AutoDrafter(trained(model, req), free, chains=chains)
+        return free if model is None else AutoDrafter(own_model(), free, chains=chains)
 
     return make
 

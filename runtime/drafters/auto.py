@@ -83,10 +83,12 @@ class FreeSources(_SuffixCacheView, Drafter):
         by_lookup = self.lookup.propose(ctx)
         value, by_suffix = self.suffix.draft(ctx, by_lookup.value)  # a tree only where it may beat lookup's
         plain = self.lookup.worth(None, 0, 1)
-        if value > by_lookup.value:  # the suffix's proposal is worth more (ties: lookup's)
-            best, used, drafted = by_suffix, SUFFIX, by_suffix is not None and value > plain
+        if by_suffix is not None and value > by_lookup.value:  # the suffix's proposal is worth more (ties: lookup's)
+            best, used, drafted = by_suffix, SUFFIX, value > plain
         else:
-            best, used, drafted = by_lookup, "lookup", by_lookup.num_nodes > 1 and by_lookup.value > plain
+            # Lookup drafts what its own rule chose: a chain length worth more than a plain step. A trie of two matches
+            # is priced by its main path alone, so its value may read below a plain step's; declining it lost speed.
+            best, used, drafted = by_lookup, "lookup", by_lookup.num_nodes > 1
         if not drafted:
             self._used = None
             self.sources["plain"] += 1

@@ -35,6 +35,11 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget per-sequence state before a new prompt."""
 
+    def spawn(self) -> Drafter | None:
+        """A drafter like this one for another sequence, sharing what it loaded (its graphs) and what it learned,
+        with a fresh state of its own; None where it cannot, and the caller makes one anew."""
+        return None
+
     @property
     def needs_cost_curve(self) -> bool:
         """True for a drafter that sizes its drafts by the backend's measured step cost (see

@@ -5,6 +5,8 @@ Per step (see ``graphs/chimera.py`` for the model):
 1. **Catch up.** The base hidden states of the nodes accepted last step (``ctx.hidden``, A rows)
    become A real draft slots, each with the trigram ending at the token after it. Their K/V are
    written into the draft cache for good; the call also returns head 1's top-k from the last slot.
+   A caller may hand over only the latest states (the hybrid's rule caps a catch-up): the slots before
+   them stay empty and are masked out for good, so nothing reads them.
 2. **Chain.** For depth d = 2..K the previous depth's feature and the trigram ending at the previous
    head's argmax go through the same layer as one scratch slot (written after the real slots and
    overwritten next step), giving head d's top-k.
@@ -22,6 +24,7 @@ past), and grows by doubling. numpy and onnxruntime only: this is part of the le
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -67,9 +70,18 @@ class ChimeraDrafter(Drafter):
         if self.policy is not None:
             self.policy.use_cost_curve(cost_curve)
 
+    def spawn(self) -> ChimeraDrafter:
+        """The same draft graph's session (loading it again took about 40 ms a request in a batching engine), the
+        chain policy's learning so far, and a draft cache of its own."""
+        twin = copy.copy(self)
+        twin.policy = copy.deepcopy(self.policy)
+        twin.reset()
+        return twin
+
     def reset(self) -> None:
         self.length = 0  # committed real draft slots
         self._k = self._v = None
+        self._open: np.ndarray | None = None  # per slot: 0.0 where it may be attended, the mask's minimum in a gap
         self._ov: tuple = ()
         self._binding = None  # the session's IOBinding over the current cache buffers
 
@@ -86,9 +98,12 @@ class ChimeraDrafter(Drafter):
     def _grow(self, shape: tuple[int, ...], cap: int) -> None:
         """Replace the draft cache by zeroed buffers of ``shape`` holding its first ``cap`` slots."""
         k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        is_open = np.zeros(shape[2], np.float32)
         if self._k is not None:
             k[:, :, :cap] = self._k
             v[:, :, :cap] = self._v
+            is_open[:cap] = self._open
+        self._open = is_open
         import onnxruntime as ort
 
         self._k, self._v = k, v
@@ -112,7 +127,7 @@ class ChimeraDrafter(Drafter):
         self._ensure(start + t)
         cap = self._k.shape[2]
         mask = np.full((1, 1, t, cap), self._neg, dtype=np.float32)
-        mask[..., :start] = 0.0
+        mask[..., :start] = self._open[:start]
         mask[0, 0, :, start : start + t] = np.where(np.tril(np.ones((t, t), dtype=bool)), 0.0, self._neg)
         b = self._binding
         if b is None:  # made once per cache buffer set: a call then rebinds only its small inputs and outputs
@@ -154,10 +169,13 @@ class ChimeraDrafter(Drafter):
         """
         n_tok, a = len(tokens), hidden.shape[0]
         start = n_tok - 1 - a
-        if start != self.length:
+        if start < self.length:
             raise DraftMismatchError(
                 f"The Chimera drafter lost track of the context ({self.length} draft slots, {start} expected)."
             )
+        if start > self.length:  # the caller kept only the latest states: the slots between stay empty, unseen
+            self._ensure(start)
+            self._open[self.length : start] = self._neg
         # Real slot j's trigram is (x_{j-1}, x_j, x_{j+1}), the earliest token repeated at the start.
         idx = np.arange(start, start + a)
         tokens = np.asarray(tokens, dtype=np.int64)

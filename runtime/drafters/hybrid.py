@@ -23,14 +23,16 @@ Where the model has a gate of its own (Cerberus), the gate is asked only on step
 A model that stopped paying keeps its low estimate and is not called; so that it can recover, it is tried
 again after :data:`RETRY_EVERY` plain steps in a row, and after twice as many each time a retry does not
 pay, up to :data:`MAX_RETRY_EVERY` (a retry is not free: a model with its own cache, as Chimera, catches
-up on every token since its last call, prompt included). :class:`PaidDraft` is the same rule with no
+up on the tokens since its last call, up to :attr:`HybridDrafter.catch_up` of them). :class:`PaidDraft` is the same rule with no
 free source: an explicit trained draft (``--draft chimera`` and the like) drafts only on the steps where
 it is worth more than a plain step, and never drags decoding below plain.
 
 The model does not run on the steps it does not draft, and takes in nothing there: the base states of the
 tokens accepted meanwhile (the prompt's included, until the rule first wants the model) are kept as the
 decode loop handed them over, and given to it, joined, with the next step it drafts, so a model with its
-own cache (Chimera) catches up on all of them in that one call. On a step the model sits out, the hybrid
+own cache (Chimera) catches up in that one call. It takes in the latest :attr:`HybridDrafter.catch_up`
+of them at most: the slots before stay empty and unseen, so a try after a long prompt or a long plain run
+costs a bounded call, not one row per token, and a draft of a few tokens loses next to nothing by it. On a step the model sits out, the hybrid
 prices it, times the step and keeps two references; the rest is the free source's work.
 """
 
@@ -94,6 +96,7 @@ class HybridDrafter(Drafter):
     # True: the model drafts every step, whatever it has earned: for measuring a draft's acceptance (the
     # output stays exact; the speed may fall below plain decoding). ``specdeploy.exporter.train.ondevice`` keep.
     always_model = False
+    catch_up = 64  # the most base states a model call takes in (the latest; the older stay unseen)
 
     def __init__(self, model: Drafter, lookup: PromptLookupDrafter | None = None, chains: bool = False):
         self.model = model
@@ -125,6 +128,7 @@ class HybridDrafter(Drafter):
         self._pending_hidden: list[np.ndarray] = []
         self._pending_layers: list[np.ndarray] = []
         self._merged = False  # the last proposal holds the model's nodes under lookup's
+        self._model_path: list[int] = []  # then, the tokens of the model's own main path
         if not self.keep_estimates:
             self._fresh_estimates()
         self.clock.pause()
@@ -162,9 +166,11 @@ class HybridDrafter(Drafter):
             self._pending_layers.append(ctx.layers)
 
     def _run_model(self, ctx: DraftContext) -> DraftTree:
-        if self._pending_hidden:  # catch up: every state since its last call, then this step's
-            hidden = np.concatenate([*self._pending_hidden, ctx.hidden])  # [sum A_i, H]
-            layers = None if ctx.layers is None else np.concatenate([*self._pending_layers, ctx.layers])
+        if self._pending_hidden or len(ctx.hidden) > self.catch_up:
+            # Catch up: the latest states since its last call (at most catch_up), then this step's.
+            last = -self.catch_up
+            hidden = np.concatenate([*self._pending_hidden, ctx.hidden])[last:]  # [<= catch_up, H]
+            layers = None if ctx.layers is None else np.concatenate([*self._pending_layers, ctx.layers])[last:]
             ctx = DraftContext(ctx.tokens, hidden, ctx.root_logits, ctx.max_nodes, layers)
             self._pending_hidden.clear()
             self._pending_layers.clear()
@@ -214,9 +220,11 @@ class HybridDrafter(Drafter):
             self._merged = False
             self.sources["model" if tree.num_nodes > 1 else "plain"] += 1
             return tree
-        # Merged under the lookup trie: the main path is lookup's, and the model's acceptance is not its own.
+        # Merged under the lookup trie: the main path is lookup's; the model learns what its own chain would have
+        # earned (its tokens along the accepted path), so that merges it does not pay for stop.
         self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
         self._merged = True
+        self._model_path = drafted.main_path().tokens[1:].tolist()
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
 
@@ -242,6 +250,11 @@ class HybridDrafter(Drafter):
         if self._model_nodes:  # the model drafted this step's chain: it and the hybrid learn its acceptance
             self.model.accepted(nodes, tree)
             self.model_acceptance.update(len(nodes) - 1, self._model_nodes)
+        if self._merged:  # the model's chain, had it been drafted alone, was accepted as far as it agrees
+            path = self._model_path
+            agree = next((i for i, tok in enumerate(tree.tokens[nodes[1 : len(path) + 1]].tolist()) if tok != path[i]),
+                         min(len(path), len(nodes) - 1))
+            self.model_acceptance.update(agree, max(len(path), 1))
         if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
             # Unmerged, every node is lookup's. Merged, the model's nodes come after lookup's (their parents
             # first), so a path's own nodes are its prefix up to the first past m.

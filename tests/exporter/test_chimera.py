@@ -344,63 +344,6 @@ def test_adaptive_chains_follow_the_costs_and_stay_lossless(chimera_bundle, monk
             assert seen[0].sum() > 0 and seen[1:].sum() > 0
 
 
-def test_drafter_state_matches_a_fresh_catch_up(chimera_bundle):
-    """After several steps the incremental draft cache gives the same heads as re-encoding everything."""
-    from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.drafters.chimera import make_chimera_drafter
-
-    manifest = read_manifest(chimera_bundle)
-    with load(chimera_bundle, draft=None) as plain:
-        ids = plain.encode("The quick brown fox jumps over the lazy dog and")
-        out = plain.generate_ids(ids, GenerationConfig(12))
-        full = ids + out
-        # base hidden states of every position, from one prefill over the whole text
-        state, _ = plain.decoder.prefill(full[:-1])
-        hidden = state.hidden
-    inc = make_chimera_drafter(chimera_bundle, manifest, tree="chain4")
-    fresh = make_chimera_drafter(chimera_bundle, manifest, tree="chain4")
-    n0 = len(ids)
-    a = inc.head_topk(np.asarray(full[: n0 + 1]), hidden[:n0])
-    for cut in (n0 + 3, n0 + 4, n0 + 8):  # accept 3, 1, then 4 nodes
-        a = inc.head_topk(np.asarray(full[: cut + 1]), hidden[inc.length : cut])
-    b = fresh.head_topk(np.asarray(full[: n0 + 9]), hidden[: n0 + 8])
-    np.testing.assert_array_equal(a[0], b[0])
-    np.testing.assert_allclose(a[1], b[1], atol=1e-4)
-
-
-def test_the_kept_binding_drafts_as_a_fresh_one_across_cache_growth(chimera_bundle):
-    """The drafter keeps one IOBinding per draft-cache buffer set; stepping past a regrowth of the cache
-    (256 -> 512 slots) it proposes exactly what a drafter binding afresh at every call does."""
-    from specdeploy.runtime.bundle import read_manifest
-    from specdeploy.runtime.drafters.chimera import MIN_CAPACITY, make_chimera_drafter
-
-    manifest = read_manifest(chimera_bundle)
-    kept = make_chimera_drafter(chimera_bundle, manifest, tree="chain4")
-    fresh = make_chimera_drafter(chimera_bundle, manifest, tree="chain4")
-    run = fresh._run
-
-    def rebinding(*args, **kwargs):
-        fresh._binding = None
-        return run(*args, **kwargs)
-
-    fresh._run = rebinding
-    rng = np.random.default_rng(5)
-    n = MIN_CAPACITY + 12
-    tokens = rng.integers(0, manifest.model.vocab_size, n + 1)
-    hidden = rng.normal(size=(n, manifest.model.hidden_size)).astype(np.float32)
-    start = MIN_CAPACITY - 10
-    for d in (kept, fresh):
-        d.head_topk(tokens[: start + 1], hidden[:start])
-    grew = False
-    for cut in range(start + 1, n):  # one accepted token per step, through the regrowth
-        a = kept.head_topk(tokens[: cut + 1], hidden[cut - 1 : cut])
-        b = fresh.head_topk(tokens[: cut + 1], hidden[cut - 1 : cut])
-        np.testing.assert_array_equal(a[0], b[0])
-        np.testing.assert_array_equal(a[1], b[1])
-        grew = grew or kept._k.shape[2] > MIN_CAPACITY
-    assert grew
-
-
 def test_wrong_kind_wrong_base_and_corrupt_weights(chimera_bundle, chimera_weights, tmp_path):
     from specdeploy.exporter.export.draft import export_draft
     from specdeploy.runtime.bundle import read_manifest, write_manifest

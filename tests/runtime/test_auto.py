@@ -54,6 +54,29 @@ def test_free_sources_take_the_proposal_worth_more():
     assert dear.propose(_ctx([5, 6, 7, 1, 5, 6])).num_nodes == 1 and dear.sources["plain"] == 1
 
 
+def test_free_sources_draft_whatever_lookup_alone_would():
+    """Where the suffix drafter has nothing, ``auto``'s free sources propose what prompt lookup alone proposes, step
+    for step: a trie of two matches is priced by its main path only, which may read below a plain step's value,
+    and declining it made ``auto`` slower than lookup alone."""
+    curve = {1: 1.0, 2: 1.2, 4: 1.6, 8: 2.6, 16: 4.4}
+    free = FreeSources(PromptLookupDrafter(cost_curve=curve), SuffixDrafter(SuffixCache(), cost_curve=curve, local=False))
+    alone = PromptLookupDrafter(cost_curve=curve)
+    rng = np.random.default_rng(7)
+    text = np.tile(rng.integers(0, 9, size=25), 16)
+    text[rng.random(len(text)) < 0.15] = 9  # repeats, with some breaks in them
+    undervalued = 0
+    for end in range(6, len(text)):
+        got, want = free.propose(_ctx(text[:end].tolist())), alone.propose(_ctx(text[:end].tolist()))
+        assert (got.tokens.tolist(), got.parents.tolist()) == (want.tokens.tolist(), want.parents.tolist())
+        undervalued += want.num_nodes > 1 and want.value <= 1.0
+        main = want.main_path().tokens[1:]  # nodes 1..L of the trie: its first match
+        wrong = np.nonzero(main != text[end : end + len(main)])[0]
+        nodes = np.arange(1 + (wrong[0] if len(wrong) else len(main)))
+        free.accepted(nodes, got)
+        alone.accepted(nodes, want)
+    assert undervalued > 0 and free.sources["suffix"] == 0
+
+
 def test_the_model_runs_only_where_it_pays_and_is_retried_now_and_then():
     model = CountingModel()
     auto = AutoDrafter(model, _free(FLAT), chains=True)
@@ -231,6 +254,26 @@ def test_a_trained_draft_takes_in_nothing_until_the_rule_first_wants_it_and_then
     assert model.calls == 2 and model.took[1] == (new, new)
 
 
+def test_a_catch_up_takes_in_only_the_latest_states(monkeypatch):
+    """However long the model sat out (the prompt included), its catch-up call takes in the latest ``catch_up``
+    states only: a long context costs the draft a bounded call, not one row per token."""
+    monkeypatch.setattr(AutoDrafter, "catch_up", 8)
+    model = RecordingModel()
+    auto = AutoDrafter(model, _free(FLAT), chains=True)
+    auto.model_acceptance.first = [1.0, 1000.0]  # it does not pay
+    tokens = [*range(100, 130), 500]
+    hidden, layers = _states(range(30))  # the prompt's states
+    for _ in range(5):  # plain steps: the model takes in nothing
+        auto.accepted(np.array([0]), auto.propose(DraftContext(np.asarray(tokens, dtype=np.int64), hidden, None, 17,
+                                                               layers)))
+        hidden, layers = _states([len(tokens) - 1])
+        tokens.append(1000 + len(tokens))
+    auto.model_acceptance.first = [1000.0, 1.0]  # now it pays
+    auto.propose(DraftContext(np.asarray(tokens, dtype=np.int64), hidden, None, 17, layers))
+    latest = list(range(len(tokens) - 9, len(tokens) - 1))  # the 8 tokens before the root
+    assert model.calls == 1 and model.took == [(latest, latest)]
+
+
 def test_lookup_learns_only_from_its_own_nodes_of_a_merged_tree():
     """With trees, the model's nodes go under lookup's match; lookup is told the accepted path's nodes that were
     its own (a prefix: the model's nodes come after lookup's), all of them where the model did not run."""
@@ -250,6 +293,30 @@ def test_lookup_learns_only_from_its_own_nodes_of_a_merged_tree():
     alone = auto.propose(ctx)  # lookup's proposal alone
     auto.accepted(np.array([0, 1]), alone)
     assert told == [[0], [0, 1, 2], [0, 1]]
+
+
+def test_the_model_learns_from_a_merged_tree_what_its_own_chain_would_have_earned():
+    """Merged under lookup's match, the model's chain is judged by the accepted path: its tokens count as far as
+    the path agrees with them, so a model whose merged nodes are never taken loses its estimate and stops."""
+    auto = AutoDrafter(CountingModel(), _free(FLAT), chains=False)
+    ctx = _ctx([5, 6, 7, 9, 5, 6])  # lookup: 6 -> 7 9 5 6; the model: 6 -> 1 2
+    auto.always_model = True
+    tree = auto.propose(ctx)
+    own = tree.num_nodes - 2
+    before = [list(auto.model_acceptance.first), list(auto.model_acceptance.later)]
+    auto.accepted(np.array([0, own, own + 1]), tree)  # the model's branch was right, both tokens
+    assert auto.model_acceptance.first == [before[0][0] + 1, before[0][1]]
+    assert auto.model_acceptance.later == [before[1][0] + 1, before[1][1]]
+    auto.accepted(np.array([0, 1, 2]), auto.propose(ctx))  # lookup's was: the model's first token was wrong
+    assert auto.model_acceptance.first == [before[0][0] + 1, before[0][1] + 1]
+    auto.always_model = False
+    auto.model_acceptance.first, auto.model_acceptance.later = [20.0, 1.0], [20.0, 1.0]  # earned well: merged at first
+    auto.model.calls = 0
+    calls = []
+    for _ in range(40):  # the merged model nodes are never taken; lookup's whole match is
+        auto.accepted(np.arange(5), auto.propose(ctx))
+        calls.append(auto.model.calls)
+    assert calls[0] == 1 and calls[-1] == calls[-30]  # then no longer called
 
 
 def test_pricing_the_suffix_before_proposing_changes_no_choice():
