@@ -86,9 +86,7 @@ class FreeSources(_SuffixCacheView, Drafter):
         if by_suffix is not None and value > by_lookup.value:  # the suffix's proposal is worth more (ties: lookup's)
             best, used, drafted = by_suffix, SUFFIX, value > plain
         else:
-            # Lookup drafts what its own rule chose: a chain length worth more than a plain step. A trie of two matches
-            # is priced by its main path alone, so its value may read below a plain step's; declining it lost speed.
-            best, used, drafted = by_lookup, "lookup", by_lookup.num_nodes > 1
+            best, used, drafted = by_lookup, "lookup", by_lookup.num_nodes > 1  # what lookup's own rule chose
         if not drafted:
             self._used = None
             self.sources["plain"] += 1

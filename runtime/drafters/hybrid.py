@@ -23,17 +23,22 @@ Where the model has a gate of its own (Cerberus), the gate is asked only on step
 A model that stopped paying keeps its low estimate and is not called; so that it can recover, it is tried
 again after :data:`RETRY_EVERY` plain steps in a row, and after twice as many each time a retry does not
 pay, up to :data:`MAX_RETRY_EVERY` (a retry is not free: a model with its own cache, as Chimera, catches
-up on the tokens since its last call, up to :attr:`HybridDrafter.catch_up` of them). :class:`PaidDraft` is the same rule with no
-free source: an explicit trained draft (``--draft chimera`` and the like) drafts only on the steps where
-it is worth more than a plain step, and never drags decoding below plain.
+up on the tokens since its last call, up to :attr:`HybridDrafter.catch_up` of them). :class:`PaidDraft`
+is the same rule with no free source: an explicit trained draft (``--draft chimera`` and the like) drafts
+only on the steps where it is worth more than a plain step, and never drags decoding below plain.
+
+With trees, a model called beside a lookup match has its nodes merged under lookup's; it then learns what
+its own chain would have earned (its tokens, as far as the accepted path agrees with them), so that merges
+that do not pay stop as drafts of its own would.
 
 The model does not run on the steps it does not draft, and takes in nothing there: the base states of the
 tokens accepted meanwhile (the prompt's included, until the rule first wants the model) are kept as the
 decode loop handed them over, and given to it, joined, with the next step it drafts, so a model with its
 own cache (Chimera) catches up in that one call. It takes in the latest :attr:`HybridDrafter.catch_up`
-of them at most: the slots before stay empty and unseen, so a try after a long prompt or a long plain run
-costs a bounded call, not one row per token, and a draft of a few tokens loses next to nothing by it. On a step the model sits out, the hybrid
-prices it, times the step and keeps two references; the rest is the free source's work.
+of them at most: the slots before stay empty and unseen, so a try after a long prompt or a long plain
+run costs a bounded call, not one row per token (on MT-bench, a chain's acceptance was the same). On a
+step the model sits out, the hybrid prices it, times the step and keeps two references; the rest is the
+free source's work.
 """
 
 from __future__ import annotations

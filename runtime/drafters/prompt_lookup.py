@@ -171,8 +171,11 @@ class PromptLookupDrafter(Drafter):
         n, conts = self._continuations(tokens) if budget > 0 else (0, [])
         self._last = (n, max(len(c) for c in conts)) if conts else None
         tree = self._trie(int(tokens[-1]), conts, budget)
-        # priced: expected tokens per unit of step cost (a plain step's when it found nothing)
-        return tree.priced(self.worth(n if conts else None, tree.main_path().num_nodes - 1, tree.num_nodes))
+        # Priced as its main path: the chain the length rule chose, its expected tokens per unit of its step cost (a
+        # plain step's when it found nothing). A second match adds rows and chances both; pricing the trie's rows
+        # against the main path's chances alone read it below what it earned, and other sources won its steps.
+        depth = tree.main_path().num_nodes - 1
+        return tree.priced(self.worth(n if conts else None, depth, depth + 1))
 
     @staticmethod
     def _trie(root: int, conts: list[list[int]], budget: int) -> DraftTree:
