@@ -53,8 +53,8 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
                     threads: int | None = None, backend: Backend | None = None, chains: bool = True
                     ) -> Callable[[], Drafter] | None:
     """What makes each batched sequence's own drafter for ``draft``, or None for plain decoding: the same sources
-    ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (each trained draft
-    keeps a model of its own per sequence). ``chains`` False (a plan that verifies trees): trees as ``generate``
+    ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (a trained draft: its
+    loaded graph and what it has earned shared, a draft cache per sequence). ``chains`` False (a plan that verifies trees): trees as ``generate``
     drafts them, for a sequence alone in a step; beside others a step takes each tree's main path. A draft the
     bundle lacks or does not know fails here, in one sentence, before anything is served."""
     from .drafters import make_drafter
@@ -86,16 +86,23 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
         return NgramDrafter(table, **shape)
 
     first: list[Drafter] = []  # the first trained draft made: the later sequences' share its loaded graphs
+    earned: list = []  # what the trained draft has earned, for every sequence: as ``generate``'s auto keeps it
 
-    def own_model() -> Drafter:
+    def with_model(free) -> Drafter:
+        from .drafters.auto import AutoDrafter
+
         twin = first[0].spawn() if first else None
         if twin is None:
             twin = trained(model, req)
             first[:] = first or [twin]
-        return twin
+        drafter = AutoDrafter(twin, free, chains=chains)
+        if earned:  # a new request does not try a draft that has stopped paying on this engine
+            drafter.model_acceptance = earned[0]
+        earned[:] = [drafter.model_acceptance]
+        return drafter
 
     def make() -> Drafter:
-        from .drafters.auto import AutoDrafter, FreeSources
+        from .drafters.auto import FreeSources
         from .drafters.suffix import SuffixDrafter
 
         if draft in (PROMPT_LOOKUP, NGRAM):
@@ -103,7 +110,7 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
         if draft == SUFFIX:
             return SuffixDrafter(cache, chains=chains)
         free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, local=False))
-        return free if model is None else AutoDrafter(own_model(), free, chains=chains)
+        return free if model is None else with_model(free)
 
     return make
 
