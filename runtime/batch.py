@@ -54,9 +54,10 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
                     ) -> Callable[[], Drafter] | None:
     """What makes each batched sequence's own drafter for ``draft``, or None for plain decoding: the same sources
     ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (a trained draft: its
-    loaded graph and what it has earned shared, a draft cache per sequence). ``chains`` False (a plan that verifies trees): trees as ``generate``
-    drafts them, for a sequence alone in a step; beside others a step takes each tree's main path. A draft the
-    bundle lacks or does not know fails here, in one sentence, before anything is served."""
+    loaded graph and what it has earned shared, a draft cache per sequence). ``chains`` False (a plan that verifies
+    trees): trees as ``generate`` drafts them, for a sequence alone in a step; beside others a step takes each
+    tree's main path. A draft the bundle lacks or does not know fails here, in one sentence, before anything is
+    served."""
     from .drafters import make_drafter
     from .drafters.kinds import AUTO_MODELS
     from .drafters.make import DraftRequest, bundle_lookup, suffix_cache, trained
@@ -85,20 +86,17 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
 
         return NgramDrafter(table, **shape)
 
-    first: list[Drafter] = []  # the first trained draft made: the later sequences' share its loaded graphs
-    earned: list = []  # what the trained draft has earned, for every sequence: as ``generate``'s auto keeps it
+    first: list[Drafter] = []  # the first sequence's auto drafter: later ones share its graphs and what it earned
 
     def with_model(free) -> Drafter:
         from .drafters.auto import AutoDrafter
 
-        twin = first[0].spawn() if first else None
-        if twin is None:
-            twin = trained(model, req)
-            first[:] = first or [twin]
-        drafter = AutoDrafter(twin, free, chains=chains)
-        if earned:  # a new request does not try a draft that has stopped paying on this engine
-            drafter.model_acceptance = earned[0]
-        earned[:] = [drafter.model_acceptance]
+        if not first:
+            first.append(AutoDrafter(trained(model, req), free, chains=chains))
+            return first[0]
+        drafter = AutoDrafter(first[0].model.spawn() or trained(model, req), free, chains=chains)
+        # As generate's auto keeps it across requests: a new one does not try a draft that has stopped paying.
+        drafter.model_acceptance = first[0].model_acceptance
         return drafter
 
     def make() -> Drafter:

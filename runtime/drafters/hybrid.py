@@ -256,9 +256,8 @@ class HybridDrafter(Drafter):
             self.model.accepted(nodes, tree)
             self.model_acceptance.update(len(nodes) - 1, self._model_nodes)
         if self._merged:  # the model's chain, had it been drafted alone, was accepted as far as it agrees
-            path = self._model_path
-            agree = next((i for i, tok in enumerate(tree.tokens[nodes[1 : len(path) + 1]].tolist()) if tok != path[i]),
-                         min(len(path), len(nodes) - 1))
+            path, taken = self._model_path, tree.tokens[nodes[1:]].tolist()
+            agree = next((i for i, (a, b) in enumerate(zip(path, taken)) if a != b), min(len(path), len(taken)))
             self.model_acceptance.update(agree, max(len(path), 1))
         if self._lookup_nodes:  # lookup learns from the accepted nodes that were its own (nodes 1..m)
             # Unmerged, every node is lookup's. Merged, the model's nodes come after lookup's (their parents
