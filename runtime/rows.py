@@ -89,17 +89,26 @@ class LoadGate:
     (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one sequence at a time, and a gate that learned
     each size apart would still be exploring when the size changed. Each pool first alternates the two modes, a
     few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the
-    mode with the higher rate per sequence, trying the other one iteration in :attr:`EXPLORE` so that a change of
-    load or text is seen."""
+    mode with the higher rate per sequence, trying the other for a short block (:meth:`block`) every
+    :attr:`EXPLORE` iterations, so that a change of load or text is seen.
+
+    A rate is a ratio of sums (tokens per sequence over seconds) that fades by :attr:`RATE` an iteration, so a mode
+    in use reads the recent steps. The mode changes only as a block ends, and a block starts the other mode's sums
+    afresh: steps slow down as contexts grow and requests come and go, and a rate kept from long ago, compared
+    with the fresh one of the mode in use, would flip the gate to whichever mode it had used least lately."""
 
     MIN = 8  # iterations of a mode in a pool before its rate counts (fewer in large pools: see :meth:`needed`)
     SAMPLES = 64  # sequence-iterations that suffice: a pool of 32 learns a mode in 3 iterations, not 8
-    EXPLORE = 64  # iterations between two tries of the mode not in use
-    RATE = 0.1  # weight of the newest iteration in a mode's running rate
+    EXPLORE = 64  # iterations between two blocks of the mode not in use
+    RATE = 0.1  # how fast a mode's sums fade per iteration it runs (plain sums over its first 1 / RATE)
 
     def __init__(self) -> None:
-        self.rates: dict[tuple[int, bool], list[float]] = {}  # (pool, drafting) -> [tokens/s per sequence, iterations]
+        # (pool, drafting) -> [tokens per sequence, seconds, iterations]: the rate is the first over the second
+        self.sums: dict[tuple[int, bool], list[float]] = {}
         self._since: dict[int, int] = {}
+        self._mode: dict[int, bool] = {}  # pool -> the mode in use, once learned (changed only as a block ends)
+        self._block: dict[int, tuple[bool, int]] = {}  # pool -> (the mode explored, its iterations left)
+        self._fresh: set[tuple[int, bool]] = set()  # modes whose next iteration starts their sums over
 
     @staticmethod
     def pool(batch: int) -> int:
@@ -113,22 +122,48 @@ class LoadGate:
         each)."""
         return max(3, min(cls.MIN, cls.SAMPLES // pool))
 
+    @classmethod
+    def block(cls, pool: int) -> int:
+        """Iterations of a block of the mode not in use: half of :meth:`needed`, at least 2."""
+        return max(2, cls.needed(pool) // 2)
+
+    def rate(self, pool: int, drafting: bool) -> float:
+        """Tokens per second per sequence of a pool's mode (0 before it ran)."""
+        tokens, seconds, _ = self.sums.get((pool, drafting), (0.0, 0.0, 0))
+        return tokens / seconds if seconds > 0 else 0.0
+
     def drafting(self, batch: int) -> bool:
         key = self.pool(batch)
-        draft, plain = self.rates.get((key, True), (0.0, 0)), self.rates.get((key, False), (0.0, 0))
-        if min(draft[1], plain[1]) < self.needed(key):  # learning: the mode measured less next, drafting first
-            return draft[1] <= plain[1]
-        best = draft[0] >= plain[0]
+        if key not in self._mode:  # learning: the mode measured less next, drafting first
+            n_draft, n_plain = (self.sums.get((key, m), (0.0, 0.0, 0))[2] for m in (True, False))
+            if min(n_draft, n_plain) < self.needed(key):
+                return n_draft <= n_plain
+            self._mode[key] = self.rate(key, True) >= self.rate(key, False)
+        explored, left = self._block.get(key, (None, 0))
+        if left > 0:
+            self._block[key] = (explored, left - 1)
+            return explored
+        if explored is not None:  # a block has just ended: its fresh rate against the recent steps' decides
+            del self._block[key]
+            self._mode[key] = self.rate(key, True) >= self.rate(key, False)
         self._since[key] = self._since.get(key, 0) + 1
         if self._since[key] >= self.EXPLORE:
             self._since[key] = 0
-            return not best
-        return best
+            other = not self._mode[key]
+            self._block[key] = (other, self.block(key) - 1)
+            self._fresh.add((key, other))
+            return other
+        return self._mode[key]
 
     def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
         if seconds <= 0 or batch < 1:
             return
-        entry = self.rates.setdefault((self.pool(batch), drafting), [0.0, 0])
-        entry[1] += 1
-        rate = tokens / seconds / batch  # per sequence: a pool's sizes differ
-        entry[0] += max(1.0 / entry[1], self.RATE) * (rate - entry[0])  # a plain mean at first
+        key = (self.pool(batch), drafting)
+        entry = self.sums.setdefault(key, [0.0, 0.0, 0])
+        if key in self._fresh:
+            self._fresh.discard(key)
+            entry[0] = entry[1] = 0.0
+        entry[2] += 1
+        keep = 1.0 if entry[2] * self.RATE <= 1 else 1.0 - self.RATE
+        entry[0] = keep * entry[0] + tokens / batch  # per sequence: a pool's sizes differ
+        entry[1] = keep * entry[1] + seconds

@@ -55,13 +55,16 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 class _Server:
     """``specdeploy serve`` in a child process, on a free loopback port."""
 
-    def __init__(self, bundle: Path, max_batch: int, draft: str, threads: int, log: Path):
+    def __init__(self, bundle: Path, max_batch: int, draft: str, threads: int, log: Path,
+                 suffix_cache_tokens: int | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         argv = [sys.executable, "-c", "from specdeploy.exporter.cli import main; main()", "serve", str(bundle),
                 "--port", str(self.port), "--max-batch", str(max_batch), "--draft", draft, "--threads", str(threads),
                 "--max-queue", "256", "--model-name", "bench"]
+        if suffix_cache_tokens is not None:
+            argv += ["--suffix-cache-tokens", str(suffix_cache_tokens)]
         self._log = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -182,10 +185,12 @@ def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: 
 def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], concurrency: list[int], prompts: list[str],
                     max_new_tokens: int, threads: int, draft: str, json_out: Path,
                     say: Callable[[str], None] = print, categories: dict[str, str] | None = None,
-                    constraints: dict[str, Constraint] | None = None) -> dict[str, Any]:
+                    constraints: dict[str, Constraint] | None = None, suffix_cache_tokens: int | None = None
+                    ) -> dict[str, Any]:
     """``max_batches``: one server each, a max_batch or (max_batch, draft) (else ``draft``); ``categories``: each
     prompt's category (a named prompt set), reported apart in every run; ``constraints``: a prompt's constraint,
-    sent with it and checked in its answers."""
+    sent with it and checked in its answers; ``suffix_cache_tokens``: every server's suffix cache (None: its
+    default; 0: off)."""
     constraints = constraints or {}
     if not prompts:
         raise BenchError("bench-serve needs at least one prompt.")
@@ -197,13 +202,14 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
     report: dict[str, Any] = {
         "command": "bench-serve", "bundle": str(bundle), "draft": draft, "threads": threads,
         "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(uniq),
+        "suffix_cache_tokens": suffix_cache_tokens,
         "machine": machine_info(), "servers": []}
     logs = Path(tempfile.mkdtemp(prefix="specdeploy-bench-serve-"))
     running: list[_Server] = []
     try:
         for i, (mb, srv_draft) in enumerate(servers):
             say(f"starting server --max-batch {mb} --draft {srv_draft} ...")
-            running.append(_Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log"))
+            running.append(_Server(bundle, mb, srv_draft, threads, logs / f"serve-{i}-{mb}.log", suffix_cache_tokens))
             running[-1].chat(uniq[0], 8, constraints.get(uniq[0]))  # warm-up: first allocations, the tokenizer
         # Every server is up before any is timed, and they take turns, so that a drift of the machine's speed
         # (seen on shared VMs: 10-20% within minutes) falls on all of them alike: at concurrency 1 each prompt is

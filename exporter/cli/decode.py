@@ -154,12 +154,13 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
 @click.option("--shutdown-timeout", default=10.0, show_default=True, type=float,
               help="Seconds in-flight requests get to finish on SIGTERM/SIGINT before they are cancelled.")
 @click.option("--suffix-cache-tokens", default=None, type=click.IntRange(min=0),
-              help="With --draft suffix: output tokens its cache shared across requests holds (default 16384; 0: off).")
+              help="With --draft suffix or auto: output tokens the suffix cache shared across requests holds "
+                   "(default 16384; 0: off).")
 @click.option("--cache-per-user", is_flag=True,
-              help="With --draft suffix: keep the shared cache apart per request 'user' field.")
+              help="With --draft suffix or auto: keep the shared suffix cache apart per request 'user' field.")
 @click.option("--max-batch", default=None, type=click.IntRange(min=1),
-              help=f"Requests decoded together in every step (continuous batching on the bundle's exact-tree graph; "
-                   f"draft none, prompt-lookup or ngram). 1: one at a time, on the bundle's fastest graph. Default: "
+              help=f"Requests decoded together in every step (continuous batching on the bundle's exact-tree graph, "
+                   f"with any draft). 1: one at a time, on the bundle's fastest graph. Default: "
                    f"{DEFAULT_SERVE_BATCH} where the bundle, backend and draft allow batching, else 1.")
 @click.option("--ray", "use_ray", is_flag=True,
               help="Serve --replicas engines as one Ray Serve deployment (needs: pip install 'specdeploy[ray]').")
@@ -260,10 +261,14 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
                    "each of them, the clients drawing them from one queue (again in turn where clients outnumber them).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--suffix-cache-tokens", default=None, type=click.IntRange(min=0),
+              help="Every server's --suffix-cache-tokens. Each concurrency asks the same prompts again, so the suffix "
+                   "cache of a drafting server holds their answers from the first; 0 measures text never seen.")
 @click.option("--json", "json_out", default=Path("bench-serve.json"), show_default=True, type=click.Path(path_type=Path),
               help="Results; a PNG of throughput and latency goes beside it.")
 def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, prompts_file: Path | None,
-                prompt_set: str | None, num_prompts: int, max_new_tokens: int, threads: int, json_out: Path) -> None:
+                prompt_set: str | None, num_prompts: int, max_new_tokens: int, threads: int,
+                suffix_cache_tokens: int | None, json_out: Path) -> None:
     """Measure `specdeploy serve` under concurrent clients on loopback: aggregate tok/s, p50/p95 latency.
 
     \b
@@ -308,7 +313,7 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         categories = {text: c for text, c in records if c} if prompts_file is not None else None
     report = run_serve_bench(bundle, servers(max_batches), ints(concurrency, "--concurrency"), prompts,
                              max_new_tokens, threads, draft, json_out, say=click.echo, categories=categories,
-                             constraints=constraints)
+                             constraints=constraints, suffix_cache_tokens=suffix_cache_tokens)
     m = report["machine"]
     click.echo(f"machine: {m['cpu_model']} ({m['cpu_isa']}), {threads} threads")
     for srv in report["servers"]:

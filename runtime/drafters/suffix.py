@@ -8,7 +8,8 @@ and a template that many users fill is learned once). The cache keeps at most ``
 outputs, evicting the oldest whole output (its counts are taken back out of the trie, so memory stays
 flat however many requests pass), and may isolate its contents per namespace (an API key).
 
-At each step the drafter matches the context's longest suffix in each trie and expands the matched
+At each step the drafter matches the context's longest suffix in each trie (of at most half the depth, so
+that the other half holds a continuation) and expands the matched
 node's continuations best first, each node weighted by its path's empirical frequency (the share of
 the occurrences that continued that way, one unseen continuation counted in at the match) times a calibration
 learned online from what its drafts earned, per trie and match length (1, 2, 3, 4-7, 8+ tokens); the
@@ -36,6 +37,10 @@ from .base import DraftContext, Drafter
 from .kinds import SUFFIX
 
 DEPTH = 16  # longest substring a trie holds: the longest match plus its drafted continuation
+# The longest suffix matched, as a share of the depth: a trie holds nothing deeper than ``depth`` tokens below its
+# root, so a match of ``m`` tokens has at most ``depth - m`` after it (a 15-token match in a 16-deep trie: one token,
+# so an answer met before was drafted one token a step). Half leaves 8 tokens of continuation to a match of 8.
+MATCH_SHARE = 0.5
 MAX_DRAFT = 16  # nodes a draft may add to the root
 MIN_SHARE = 0.02  # a branch whose path frequency falls below this is not expanded
 CACHE_TOKENS = 16_384  # the shared cache's default size, in output tokens (about 64 long answers)
@@ -224,6 +229,7 @@ class SuffixDrafter(Drafter):
                  chains: bool = False, cost_curve: Mapping[int, float] = CPU_COST_CURVE, local: bool = True):
         self.cache = cache if cache is not None else SuffixCache(depth=depth)
         self.depth, self.max_draft, self.chains = depth, max_draft, chains
+        self.max_match = max(1, int(depth * MATCH_SHARE))  # the rest of the trie's depth is the continuation's
         self.local = local  # False: the shared cache alone (``auto``, whose prompt lookup covers the context)
         self.namespace = ""  # the cache's namespace for the next generations (an API key, or "" for all)
         # per (trie, match-length bucket): tokens accepted, tokens the frequencies expected (prior 2/3)
@@ -346,7 +352,7 @@ class SuffixDrafter(Drafter):
         self._expected, plain = 0.0, 1.0 / self._cost[0]
         if budget < 1:
             return plain, None
-        context = [*seen[-(self.depth - 1) :], root]
+        context = [*seen[-(self.max_match - 1) :], root] if self.max_match > 1 else [root]
         best, used, matched = (plain, [], [], [], False), None, []
         with self.cache.lock:
             found = []

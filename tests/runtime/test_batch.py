@@ -315,8 +315,10 @@ def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
         modes.append(d)
         gate.record(b, d, (8 if d else 10) * b // 4, 1.0)  # here plain steps give more tokens per second
     assert modes == [True, False] * LoadGate.MIN
-    later = [gate.drafting(4) for _ in range(2 * LoadGate.EXPLORE)]
-    assert later.count(True) == 2  # the slower mode, tried once in EXPLORE steps
+    later = [gate.drafting(4) for _ in range(2 * (LoadGate.EXPLORE + LoadGate.block(4)))]
+    assert later.count(True) == 2 * LoadGate.block(4)  # the slower mode, tried for a block every EXPLORE steps
+    at = later.index(True)
+    assert later[at : at + LoadGate.block(4) + 1] == [True] * LoadGate.block(4) + [False]
     assert not gate.drafting(3)  # 3 and 4 are measured together
     assert gate.drafting(5) and gate.drafting(8)  # 5-8: measured on their own, drafting first
     assert [LoadGate.pool(b) for b in (2, 3, 4, 5, 8, 9, 17, 32, 33)] == [2, 4, 4, 8, 8, 16, 32, 32, 64]
@@ -327,6 +329,26 @@ def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
         assert d == (i % 2 == 0)
         big.record(32, d, 32 if d else 40, 1.0)
     assert not big.drafting(30)
+
+
+def test_the_load_gate_compares_a_fresh_block_of_the_other_mode_with_the_recent_steps():
+    """Steps slow down as contexts grow: both modes at half their speed. A rate of the mode not in use kept from
+    long ago would beat the fresh one of the mode in use, and the gate would flip to the slower mode until its own
+    rate had faded; a block starts its sums afresh, so the slower mode runs its blocks and no more."""
+    from specdeploy.runtime.rows import LoadGate
+
+    gate = LoadGate()
+    speed = {True: 8.0, False: 10.0}  # tokens per second of 4 sequences: plain is faster
+    for _ in range(2 * LoadGate.MIN):
+        d = gate.drafting(4)
+        gate.record(4, d, speed[d], 1.0)
+    slow = []
+    for _ in range(4 * (LoadGate.EXPLORE + LoadGate.block(4))):
+        d = gate.drafting(4)
+        slow.append(d)
+        gate.record(4, d, speed[d] / 2, 1.0)
+    assert slow.count(True) == 4 * LoadGate.block(4)
+    assert gate.rate(4, True) == pytest.approx(1.0) and gate.rate(4, False) == pytest.approx(1.25, rel=0.01)
 
 
 def test_the_load_gate_compares_rates_per_sequence():

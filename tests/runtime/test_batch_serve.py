@@ -131,9 +131,19 @@ def test_sigterm_under_batched_load_loses_nothing(tiny_bundle, tmp_path):
     assert "Traceback" not in srv.log() and "Finished server process" in srv.log()
 
 
-def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path):
+def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path, monkeypatch):
     from click.testing import CliRunner
+    from specdeploy.exporter.bench import serve
     from specdeploy.exporter.cli import main
+
+    started = []
+    popen = serve.subprocess.Popen
+
+    def spy(argv, *args, **kwargs):
+        started.append(argv)
+        return popen(argv, *args, **kwargs)
+
+    monkeypatch.setattr(serve.subprocess, "Popen", spy)
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "category": "odd" if i % 2 else "even"}) + "\n"
@@ -141,9 +151,12 @@ def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path):
     out = tmp_path / "serve.json"
     res = CliRunner().invoke(main, ["bench-serve", str(tiny_bundle), "--max-batch", "1:none,4", "--concurrency", "1,3,6",
                                     "--max-new-tokens", "8", "--prompts", str(prompts), "--json", str(out),
-                                    "--draft", "prompt-lookup"])
+                                    "--draft", "prompt-lookup", "--suffix-cache-tokens", "0"])
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
+    servers = [argv for argv in started if "serve" in argv]
+    assert len(servers) == 2 and all(argv[-2:] == ["--suffix-cache-tokens", "0"] for argv in servers)
+    assert report["suffix_cache_tokens"] == 0
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert [(s["max_batch"], s["draft"]) for s in report["servers"]] == [(1, "none"), (4, "prompt-lookup")]
     for srv in report["servers"]:

@@ -153,6 +153,18 @@ def test_the_drafter_drafts_from_the_cache_and_its_own_context():
     assert dear.propose(_ctx([1, 2, 3, 1, 2, 4, 9, 1, 2])).num_nodes == 1
 
 
+def test_an_answer_met_before_is_drafted_half_the_tries_depth_ahead_deep_into_it():
+    """Deep into an answer the cache holds, the match is cut to half the trie's depth so that the other half is
+    left to draft: the longest match a 16-deep trie holds (15 tokens) has one token after it."""
+    answer = list(range(100, 160))
+    drafter = SuffixDrafter(SuffixCache(), chains=True, cost_curve={1: 1.0, 16: 1.05}, local=False)
+    drafter.finished([1, 2, *answer], prompt_len=2)
+    for at in (3, 20, 40):  # tokens of the answer already decoded
+        tree = drafter.propose(_ctx([1, 2, *answer[:at]], budget=17))
+        assert tree.tokens[1:].tolist() == answer[at : at + drafter.depth - min(at, drafter.max_match)]
+        assert tree.num_nodes - 1 >= drafter.depth // 2
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=40), min_size=1, max_size=6),
        st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=12), min_size=1, max_size=12),
