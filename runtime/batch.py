@@ -53,15 +53,16 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
                     threads: int | None = None, backend: Backend | None = None, chains: bool = True
                     ) -> Callable[[], Drafter] | None:
     """What makes each batched sequence's own drafter for ``draft``, or None for plain decoding: the same sources
-    ``generate`` uses, with the n-gram table and the suffix cache shared by every sequence (a trained draft: its
-    loaded graph and what it has earned shared, a draft cache per sequence). ``chains`` False (a plan that verifies
-    trees): trees as ``generate`` drafts them, for a sequence alone in a step; beside others a step takes each
-    tree's main path. A draft the bundle lacks or does not know fails here, in one sentence, before anything is
-    served."""
+    ``generate`` uses, with the n-gram table, the suffix cache and what the suffix drafts earned shared by every
+    sequence (a trained draft: its loaded graph and what it has earned shared, a draft cache per sequence).
+    ``chains`` False (a plan that verifies trees): trees as ``generate`` drafts them, for a sequence alone in a
+    step; beside others a step takes each tree's main path. A draft the bundle lacks or does not know fails here,
+    in one sentence, before anything is served."""
     from .drafters import make_drafter
     from .drafters.kinds import AUTO_MODELS
     from .drafters.make import DraftRequest, bundle_lookup, suffix_cache, trained
     from .drafters.prompt_lookup import PromptLookupDrafter
+    from .drafters.suffix import SuffixDrafter
 
     if draft in (None, "", NONE):
         return None
@@ -75,6 +76,7 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
 
         load_ngram_drafter(bundle_dir, manifest)  # the bundle has no table: its one sentence
     cache = suffix_cache(req) if draft in (SUFFIX, AUTO) else None
+    calibration = SuffixDrafter.calibration()  # the suffix drafters' record, shared as their cache is
     has = {d.kind for d in manifest.drafts}
     model = next((k for k in AUTO_MODELS if k in has), None) if draft == AUTO else None
     shape = {"branches": 1, "num_tokens": MAX_DRAFT} if chains else {}  # trees: lookup's own default shape
@@ -101,13 +103,12 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
 
     def make() -> Drafter:
         from .drafters.auto import FreeSources
-        from .drafters.suffix import SuffixDrafter
 
         if draft in (PROMPT_LOOKUP, NGRAM):
             return lookup()
         if draft == SUFFIX:
-            return SuffixDrafter(cache, chains=chains)
-        free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, local=False))
+            return SuffixDrafter(cache, chains=chains, calibration=calibration)
+        free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, local=False, calibration=calibration))
         return free if model is None else with_model(free)
 
     return make

@@ -146,7 +146,10 @@ class Generation:
         self.hidden: np.ndarray | None = None  # [A, H] of the nodes accepted last step
         self.root_logits: np.ndarray | None = None  # [V] that produced the root
         self.layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (trained drafts)
-        self.acceptance = ChainAcceptance()  # its drafts' acceptance, as the rows rule of a batch weighs them
+        # Its drafts' acceptance per source (``Drafter.source``), as the rows rule of a batch weighs them: an answer
+        # the suffix cache has met before is drafted near-certainly, an n-gram's guess at its odds.
+        self.acceptances: dict[str, ChainAcceptance] = {}
+        self.source = ""  # the source of this step's draft
         self.tree = DraftTree.root(0)  # this step's rows
         self.whole = True  # this step verifies its drafter's whole proposal (a batch may trim it)
         self.emitted: list[int] = []  # what its last step (or its prefill) emitted
@@ -155,10 +158,24 @@ class Generation:
         self.unseen: list[tuple[np.ndarray, np.ndarray | None]] = []  # states of steps its drafter was not asked
 
     def expected(self, drafted: int) -> float:
-        """Expected tokens of a step verifying ``drafted`` of its draft tokens (the forced ones certain)."""
+        """Expected tokens of a step verifying ``drafted`` of its draft tokens (the forced ones certain): by the
+        chances its drafter gave its chain's nodes where it gave them, else by its source's earned acceptance."""
         sure = min(drafted, self.certain)
         rest = drafted - sure
-        return sure + (self.acceptance.expected_up_to(rest)[rest] if rest else 1.0)
+        if not rest:
+            return sure + 1.0
+        chances = self.tree.chances
+        if chances is not None and self.whole:
+            return sure + 1.0 + float(chances[1 + sure : 1 + drafted].sum())
+        return sure + self.acceptance.expected_up_to(rest)[rest]
+
+    @property
+    def acceptance(self) -> ChainAcceptance:
+        """The earned acceptance of this step's draft source."""
+        found = self.acceptances.get(self.source)
+        if found is None:
+            found = self.acceptances[self.source] = ChainAcceptance()
+        return found
 
 
 class Decoder:
@@ -345,6 +362,7 @@ class Decoder:
                     gen.layers = np.concatenate([lay for _, lay in gen.unseen] + [gen.layers])
                 gen.unseen.clear()
             tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
+            gen.source = gen.drafter.source if gen.asked and tree.num_nodes > 1 else ""
             gen.stats.gate_ar += not gen.asked and gen.drafter is not None  # a plain step of a drafting generation
             gen.tree, gen.whole = (tree if b == 1 else tree.main_path()), True
             gen.certain = 0

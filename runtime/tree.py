@@ -121,6 +121,9 @@ class DraftTree:
     # What its drafter priced this proposal at: expected tokens per unit of step cost (a plain step's is 1.0);
     # None where the drafter does not price its proposals (a trained draft's raw proposal)
     value: float | None = None
+    # Each node's chance of being accepted as its drafter priced it ([N], the root's 1.0): the suffix drafter's
+    # calibrated path shares. A batch's rows rule weighs such a draft by them; None: by the source's earned record.
+    chances: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -148,6 +151,7 @@ class DraftTree:
         object.__setattr__(tree, "parents", _ROOT_PARENTS)
         object.__setattr__(tree, "scores", None)
         object.__setattr__(tree, "value", None)
+        object.__setattr__(tree, "chances", None)
         return tree
 
     @classmethod
@@ -162,12 +166,13 @@ class DraftTree:
         object.__setattr__(tree, "parents", _chain_parents(len(tokens)))
         object.__setattr__(tree, "scores", None)
         object.__setattr__(tree, "value", None)
+        object.__setattr__(tree, "chances", None)
         return tree
 
     def priced(self, value: float) -> DraftTree:
         """This proposal with the value its drafter priced it at (the same arrays, no checks again)."""
         tree = object.__new__(type(self))
-        for name in ("tokens", "parents", "scores"):
+        for name in ("tokens", "parents", "scores", "chances"):
             object.__setattr__(tree, name, getattr(self, name))
         object.__setattr__(tree, "value", float(value))
         return tree
@@ -199,7 +204,8 @@ class DraftTree:
             path.append(first_child[path[-1]])
         idx = np.asarray(path)
         scores = None if self.scores is None else self.scores[idx]
-        return DraftTree(self.tokens[idx], np.arange(-1, idx.size - 1, dtype=np.int64), scores)
+        chances = None if self.chances is None else self.chances[idx]
+        return DraftTree(self.tokens[idx], np.arange(-1, idx.size - 1, dtype=np.int64), scores, chances=chances)
 
     @classmethod
     def from_static(cls, spec: TreeSpec, root_token: int, topk: np.ndarray) -> DraftTree:

@@ -97,6 +97,10 @@ class FreeSources(_SuffixCacheView, Drafter):
         self.sources[used] += 1
         return best
 
+    @property
+    def source(self) -> str:
+        return SUFFIX if self._used is self.suffix else "lookup"
+
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._used is not None:  # only the source that drafted learns from this step
             self._used.accepted(nodes, tree)

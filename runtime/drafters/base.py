@@ -41,6 +41,12 @@ class Drafter(ABC):
         return None
 
     @property
+    def source(self) -> str:
+        """Which of its sources drafted its last proposal (a drafter of several: ``auto``'s lookup, suffix or
+        model); the decode loop keeps each source's earned acceptance apart."""
+        return self.kind
+
+    @property
     def needs_cost_curve(self) -> bool:
         """True for a drafter that sizes its drafts by the backend's measured step cost (see
         :meth:`use_cost_curve`); the engine then measures the curve once at load."""

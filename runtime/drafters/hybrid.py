@@ -233,6 +233,10 @@ class HybridDrafter(Drafter):
         self.sources["lookup"] += 1
         return _merge(found, drafted, ctx.max_nodes)
 
+    @property
+    def source(self) -> str:
+        return "model" if self._model_chose else self.lookup.source
+
     def finished(self, tokens, prompt_len: int) -> None:
         self.lookup.finished(tokens, prompt_len)
         self.model.finished(tokens, prompt_len)

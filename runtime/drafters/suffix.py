@@ -9,11 +9,12 @@ outputs, evicting the oldest whole output (its counts are taken back out of the 
 flat however many requests pass), and may isolate its contents per namespace (an API key).
 
 At each step the drafter matches the context's longest suffix in each trie (of at most half the depth, so
-that the other half holds a continuation) and expands the matched
-node's continuations best first, each node weighted by its path's empirical frequency (the share of
-the occurrences that continued that way, one unseen continuation counted in at the match) times a calibration
-learned online from what its drafts earned, per trie and match length (1, 2, 3, 4-7, 8+ tokens); the
-evidence of a bucket that is not drafting fades towards its prior, so it is tried again later. It keeps the number of nodes (0 included: a plain step) with the most expected tokens per
+that the other half holds a continuation) and expands the matched node's continuations best first, each node
+weighted by its path's empirical frequency (the share of the occurrences that continued that way, one unseen
+continuation counted in at the match) times a calibration learned online from what its drafts earned, per trie
+and match length (1, 2, 3, 4-7, 8+ tokens), the product at most 1; the evidence of a bucket that is not drafting
+fades towards its prior, so it is tried again later. It keeps the number of nodes (0 included: a plain step)
+with the most expected tokens per
 unit of step cost on the backend's cost curve, so the draft's size follows the curve. A match is priced
 before it is expanded (shares only shrink along the expansion, so its best continuation's share bounds what
 every draft from it is worth): one that cannot pay, or cannot beat what ``auto``'s lookup proposes, is not
@@ -226,17 +227,25 @@ class SuffixDrafter(Drafter):
     kind = SUFFIX
 
     def __init__(self, cache: SuffixCache | None = None, depth: int = DEPTH, max_draft: int = MAX_DRAFT,
-                 chains: bool = False, cost_curve: Mapping[int, float] = CPU_COST_CURVE, local: bool = True):
+                 chains: bool = False, cost_curve: Mapping[int, float] = CPU_COST_CURVE, local: bool = True,
+                 calibration: dict[tuple[int, int], list[float]] | None = None):
         self.cache = cache if cache is not None else SuffixCache(depth=depth)
         self.depth, self.max_draft, self.chains = depth, max_draft, chains
         self.max_match = max(1, int(depth * MATCH_SHARE))  # the rest of the trie's depth is the continuation's
         self.local = local  # False: the shared cache alone (``auto``, whose prompt lookup covers the context)
         self.namespace = ""  # the cache's namespace for the next generations (an API key, or "" for all)
-        # per (trie, match-length bucket): tokens accepted, tokens the frequencies expected (prior 2/3)
-        self._calib = {(t, b): [*PRIOR] for t in range(2) for b in range(len(BUCKETS))}
+        # per (trie, match-length bucket): tokens accepted, tokens the frequencies expected (prior 2/3); a batch's
+        # sequences pass one dict, so that what one's drafts earned prices the others' (as one drafter's, across
+        # the requests of ``generate``)
+        self._calib = calibration if calibration is not None else self.calibration()
         self._drafted: tuple[int, int] | None = None  # the (trie, bucket) the last draft came from
         self.use_cost_curve(cost_curve)
         self.reset()
+
+    @staticmethod
+    def calibration() -> dict[tuple[int, int], list[float]]:
+        """A calibration at its prior, per (trie, match-length bucket)."""
+        return {(t, b): [*PRIOR] for t in range(2) for b in range(len(BUCKETS))}
 
     @property
     def needs_cost_curve(self) -> bool:
@@ -309,15 +318,19 @@ class SuffixDrafter(Drafter):
         step, nothing is expanded (the same answer: it drafts nothing); where no prefix can beat ``bar`` (another
         source's proposal) though the first node beats a plain step, it drafts, at a value <= ``bar``, with no tokens."""
         acc, exp = self._calib[key]
-        rate = min(1.0, acc / exp)
+        # A node's chance: its share times what the bucket's drafts earned against their shares, at most 1. The
+        # unseen continuation counted at a match halves a path seen once, and a bucket whose drafts all land (an
+        # answer met before) earns about twice its shares.
+        rate = acc / exp
         plain, cost = 1.0 / self._cost[0], self._cost
         first: list[float] = []
 
-        def priced(top: float) -> bool:  # every prefix of N nodes is worth at most (1 + rate N top) / cost[N]
-            most = max((1.0 + rate * n * top) / cost[n] for n in range(1, budget + 1)) * (1 + 1e-9)  # (rounding)
+        def priced(top: float) -> bool:  # every prefix of N nodes is worth at most (1 + N min(1, rate top)) / cost[N]
+            sure = min(1.0, rate * top)
+            most = max((1.0 + n * sure) / cost[n] for n in range(1, budget + 1)) * (1 + 1e-9)  # (rounding)
             if most <= plain:
                 return True
-            value = (1.0 + rate * top) / cost[1]
+            value = (1.0 + sure) / cost[1]
             if bar is not None and most <= bar and value > plain:
                 first.append(value)
                 return True
@@ -328,7 +341,7 @@ class SuffixDrafter(Drafter):
             return first[0], [], [], [], True
         best_n, best_v, expected = 0, plain, 1.0
         for n, s in enumerate(shares, start=1):
-            expected += rate * s
+            expected += min(1.0, rate * s)
             value = expected / cost[n]
             if value > best_v:
                 best_n, best_v = n, value
@@ -376,8 +389,10 @@ class SuffixDrafter(Drafter):
         if not toks:
             return value, None
         self._expected = float(sum(shares))
+        rate = self._calib[used][0] / self._calib[used][1]
+        chances = np.concatenate([[1.0], np.minimum(1.0, rate * np.asarray(shares))])  # the root's 1.0
         return value, DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]),
-                                value=value)
+                                value=value, chances=chances)
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._drafted is not None:  # what the frequencies promised against what verification kept

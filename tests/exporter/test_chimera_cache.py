@@ -61,7 +61,8 @@ def test_slots_left_out_of_a_catch_up_are_never_attended(chimera_bundle):
 
 def test_a_batching_engines_drafters_share_the_draft_graph_and_keep_their_own_caches(chimera_bundle):
     """A batching engine makes a drafter per request: after the first, each is spawned from it, sharing its loaded
-    draft graph and what it earned, with a draft cache of its own, and proposes what a drafter made anew does."""
+    draft graph and what it earned (and the suffix drafts' record), with a draft cache of its own, and proposes what
+    a drafter made anew does."""
     from specdeploy.runtime.batch import drafter_factory
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters.chimera import make_chimera_drafter
@@ -75,6 +76,9 @@ def test_a_batching_engines_drafters_share_the_draft_graph_and_keep_their_own_ca
     # try, on an optimistic prior, a draft that has stopped paying.
     one.model_acceptance.update(0, 3)
     assert two.model_acceptance is one.model_acceptance and make().model_acceptance.first == one.model_acceptance.first
+    # so is what the suffix drafts earned, with the cache they draft from
+    assert one.lookup.suffix._calib is two.lookup.suffix._calib and one.lookup.suffix.cache is two.lookup.suffix.cache
+    assert one.lookup.suffix._calib is not drafter_factory("auto", chimera_bundle, manifest)().lookup.suffix._calib
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, manifest.model.vocab_size, 12)
     hidden = rng.normal(size=(11, manifest.model.hidden_size)).astype(np.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from decode_checks import concurrently
 from scipy.stats import chisquare
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import Decoder, DecodeStats, GenerationConfig, SamplingParams
@@ -85,6 +86,45 @@ def test_free_sources_draft_whatever_lookup_alone_would():
         free.accepted(nodes, got)
         alone.accepted(nodes, want)
     assert tries > 0 and free.sources["suffix"] == 0
+
+
+def test_each_source_of_a_batched_sequence_is_weighed_by_what_it_earned(tiny_bundle, monkeypatch):
+    """A batch's rows rule weighs a draft by its source's earned acceptance (an answer the suffix cache met before is
+    near-certain, an n-gram's guess is not), and the decode loop keeps each source's apart."""
+    from specdeploy.runtime.decode import Generation
+
+    free = FreeSources(PromptLookupDrafter(cost_curve=FLAT), SuffixDrafter(SuffixCache(), cost_curve=FLAT, local=False))
+    answer = list(range(100, 140))
+    free.finished([1, 2, *answer], 2)
+    assert free.propose(_ctx([5, *answer[:10]])).num_nodes > 1 and free.source == "suffix"
+    assert free.propose(_ctx([7, 8, 9, 7, 8])).num_nodes > 1 and free.source == "lookup"
+    auto = AutoDrafter(CountingModel(), _free(FLAT), chains=True)
+    auto.propose(_ctx([100, 200]))  # nothing matches: the model drafts
+    assert auto.source == "model"
+    gen = Generation([1, 2, 3], GenerationConfig(), DecodeStats(), free)
+    for source, accepted in (("suffix", 8), ("lookup", 0)):
+        gen.source = source
+        for _ in range(10):
+            gen.acceptance.update(accepted, 8)
+    gen.source = "suffix"
+    assert gen.expected(8) > 7
+    gen.source = "lookup"
+    assert gen.expected(8) < 1.5
+
+    steps = []  # (the source the loop credited, the drafter's own word) for each drafted step of a batch
+    advance = Decoder._advance
+
+    def spy(self, r, gen, *args):
+        if gen.tree.num_nodes > 1 and gen.whole:
+            steps.append((gen.source, gen.drafter.source))
+        return advance(self, r, gen, *args)
+
+    monkeypatch.setattr(Decoder, "_advance", spy)
+    with load(tiny_bundle, draft="auto", max_batch=4) as eng:
+        if eng.max_batch == 1:
+            pytest.skip(f"no batching on this machine: {eng.batch_reason}")
+        concurrently(eng, ["one two three four one two three four one two"] * 3 + ["a b c a b c a b"], max_new_tokens=24)
+    assert steps and all(credited == said and said in ("lookup", "suffix", "model") for credited, said in steps)
 
 
 def test_the_model_runs_only_where_it_pays_and_is_retried_now_and_then():

@@ -163,6 +163,12 @@ def test_an_answer_met_before_is_drafted_half_the_tries_depth_ahead_deep_into_it
         tree = drafter.propose(_ctx([1, 2, *answer[:at]], budget=17))
         assert tree.tokens[1:].tolist() == answer[at : at + drafter.depth - min(at, drafter.max_match)]
         assert tree.num_nodes - 1 >= drafter.depth // 2
+    ctx = _ctx([1, 2, *answer[:30]])
+    for _ in range(10):  # every draft lands: the bucket earns twice the shares of a path seen once (0.5 each)
+        tree = drafter.propose(ctx)
+        drafter.accepted(np.arange(tree.num_nodes), tree)
+    value, tree = drafter.draft(ctx)  # so it is priced near-certain, not at half its tokens
+    assert value * 1.05 >= 0.95 * tree.num_nodes
 
 
 @settings(max_examples=150, deadline=None)
