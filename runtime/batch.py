@@ -159,7 +159,8 @@ class BatchScheduler:
         top = self.limit + max(self.max_rows, self.min_rows)
         self.buckets = (*range(64, top, 64), top)
         self._full = backend.new_cache(max_batch, self.buckets[0])
-        self._view: KVCache | None = None  # the first rows of the cache that the next step runs
+        self._view: KVCache | None = None  # the rows of the cache that the next step runs
+        self._view_rows = (0, 0)  # which: [first, last + 1)
         self.rows: list[_Seq] = []
         self._waiting: deque[_Seq] = deque()
         self._joining: list[_Seq] = []  # taken from the queue, not yet rows
@@ -324,13 +325,16 @@ class BatchScheduler:
         for seq, reason in done:
             self._leave(seq, reason)
 
-    def _cache_for(self, columns: int) -> KVCache:
-        """The first rows of the shared cache, one per active sequence, with at least ``columns`` columns."""
+    def _cache_for(self, columns: int, row: int | None = None) -> KVCache:
+        """The first rows of the shared cache, one per active sequence (or ``row`` alone), with at least ``columns``
+        columns."""
         self._fit(columns)
-        b = len(self.rows)
-        if self._view is None or self._view.keys[0].shape[0] != b:
-            self._view = KVCache([k[:b] for k in self._full.keys], [v[:b] for v in self._full.values], 0,
+        rows = (0, len(self.rows)) if row is None else (row, row + 1)
+        if self._view is None or self._view_rows != rows:
+            part = slice(*rows)
+            self._view = KVCache([k[part] for k in self._full.keys], [v[part] for v in self._full.values], 0,
                                  self._full.allocate)
+            self._view_rows = rows
             self.backend.forget_buffers()  # a view of other rows: nothing may alias the last one
         return self._view
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import partial
 
 import numpy as np
 
@@ -24,159 +23,19 @@ from .backends.base import Backend, StepInputs, StepOutputs
 from .bundle import BundleManifest
 from .cost_meter import StepCostMeter
 from .drafters.base import DraftContext, Drafter
-from .drafters.prompt_lookup import ChainAcceptance
 from .errors import DraftMismatchError, PromptError, TreeSpecError
+from .generation import DecodeState, DecodeStats, Generation, GenerationConfig, SamplingParams
 from .kvcache import KVCache, bucket_for, capacity_buckets
-from .logprobs import MAX_TOP, TokenLogprob, token_logprobs
+from .logprobs import token_logprobs
 from .plan import StepPlan
-from .rows import LoadGate, SeqRows, rows_per_sequence, step_inputs
+from .rows import LoadGate, SeqRows, lone_step, rows_per_sequence, step_inputs
 from .tree import DraftTree, TreeBuffers
 from .tree_cost import step_cost
+from .verify import Acceptance, greedy_accept, sample_accept, seeded_accept, typical_accept
 
-if TYPE_CHECKING:
-    from .grammar import CompiledGrammar
-from .verify import Acceptance, TypicalRule, greedy_accept, sample_accept, seeded_accept, typical_accept
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy. ``typical`` switches to Medusa's typical acceptance: LOSSY, opt-in."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    typical: bool = False
-    typical_rule: TypicalRule = field(default_factory=TypicalRule)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not np.isfinite(self.temperature):
-            raise PromptError("temperature must be a finite number >= 0.")
-        if not (0.0 < self.top_p <= 1.0):
-            raise PromptError("top_p must be in (0, 1].")
-        if self.top_k < 0:
-            raise PromptError("top_k must be >= 0.")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    max_new_tokens: int = 128
-    sampling: SamplingParams = SamplingParams()
-    logprobs: int | None = None  # None: none; k: each emitted token's log-probability and its row's k best
-    grammar: CompiledGrammar | None = None  # what the output must match (runtime/grammar.py)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise PromptError("max_new_tokens must be at least 1.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP:
-            raise PromptError(f"top_logprobs must be between 0 and {MAX_TOP}.")
-        if self.grammar is not None and self.sampling.typical and not self.sampling.greedy:
-            raise PromptError("Typical acceptance (lossy) does not run under a constraint; sample exactly instead.")
-
-
-@dataclass
-class DecodeStats:
-    """Filled in while a generation runs; read it after the iterator is exhausted."""
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0  # target forward passes after prefill
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    backend_s: float = 0.0  # time inside backend.step during decode
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per decode step
-    tree_sizes: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    lossy: bool = False
-    gate_parallel: int = 0  # steps the drafter's gate sent to draft + tree verify
-    gate_ar: int = 0  # steps the gate ran as plain T=1 decoding (no draft cost)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per emitted token, where the config asks
-
-    @property
-    def mean_accepted(self) -> float:
-        """tau: tokens emitted per target forward pass (the prefill's first token counts for the prefill)."""
-        return float(np.mean(self.accepted)) if self.accepted else 1.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        total = self.prefill_s + self.decode_s
-        return self.new_tokens / total if total > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = self.new_tokens - 1  # the first token comes from the prefill
-        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
-
-    @property
-    def loop_overhead(self) -> float:
-        """Fraction of decode time spent in the Python loop outside the backend."""
-        return 1.0 - self.backend_s / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass
-class DecodeState:
-    """A prefilled sequence, passed explicitly between the stages (:meth:`Decoder.prefill`, ``verify``)."""
-
-    cache: KVCache
-    tokens: list[int]  # prompt + emitted; tokens[-1] is the root, whose K/V is not in the cache yet
-    hidden: np.ndarray  # [A, H] base hidden states of the last accepted nodes
-    root_logits: np.ndarray  # [V] logits that produced the root
-    layers: np.ndarray | None = None  # [A, taps*H] their tapped layer states (graphs with feature_layers)
-
-
-class Generation:
-    """One sequence in the decode loop: its tokens, where its K/V lie, its sampling, its drafter and its stats.
-
-    ``generate`` runs one; the batch scheduler runs many through the same :meth:`Decoder.step`."""
-
-    def __init__(self, ids: list[int], config: GenerationConfig, stats: DecodeStats, drafter: Drafter | None):
-        self.tokens = list(ids)  # prompt + emitted
-        self.prompt_len = len(ids)
-        self.committed = 0  # tokens whose K/V is in columns 0.. of its cache row; tokens[-1] is the root, fed next
-        self.sampling, self.stats, self.drafter = config.sampling, stats, drafter
-        self.top_logprobs = config.logprobs  # None: no log-probabilities
-        self.constraint = None if config.grammar is None else config.grammar.start()  # its place in its grammar
-        self.rng = np.random.default_rng(config.sampling.seed)
-        self.remaining = config.max_new_tokens  # tokens it may still emit
-        self.t_decode = 0.0  # when its decoding started (its decode_s counts from here)
-        self.hidden: np.ndarray | None = None  # [A, H] of the nodes accepted last step
-        self.root_logits: np.ndarray | None = None  # [V] that produced the root
-        self.layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (trained drafts)
-        # Its drafts' acceptance per source (``Drafter.source``), as the rows rule of a batch weighs them: an answer
-        # the suffix cache has met before is drafted near-certainly, an n-gram's guess at its odds.
-        self.acceptances: dict[str, ChainAcceptance] = {}
-        self.source = ""  # the source of this step's draft
-        self.tree = DraftTree.root(0)  # this step's rows
-        self.whole = True  # this step verifies its drafter's whole proposal (a batch may trim it)
-        self.emitted: list[int] = []  # what its last step (or its prefill) emitted
-        self.asked = True  # its drafter was asked for this step's draft
-        self.certain = 0  # this step's leading draft tokens that its grammar forces (certain to be accepted)
-        self.unseen: list[tuple[np.ndarray, np.ndarray | None]] = []  # states of steps its drafter was not asked
-
-    def expected(self, drafted: int) -> float:
-        """Expected tokens of a step verifying ``drafted`` of its draft tokens (the forced ones certain): by the
-        chances its drafter gave its chain's nodes where it gave them, else by its source's earned acceptance."""
-        sure = min(drafted, self.certain)
-        rest = drafted - sure
-        if not rest:
-            return sure + 1.0
-        chances = self.tree.chances
-        if chances is not None and self.whole:
-            return sure + 1.0 + float(chances[1 + sure : 1 + drafted].sum())
-        return sure + self.acceptance.expected_up_to(rest)[rest]
-
-    @property
-    def acceptance(self) -> ChainAcceptance:
-        """The earned acceptance of this step's draft source."""
-        found = self.acceptances.get(self.source)
-        if found is None:
-            found = self.acceptances[self.source] = ChainAcceptance()
-        return found
-
+# a generation's config, stats and state live in .generation; the runtime imports them from here too
+__all__ = ["DecodeState", "DecodeStats", "Decoder", "Generation", "GenerationConfig", "SamplingParams", "accept_step",
+           "cut_at_stop"]
 
 class Decoder:
     """Runs generations against one backend, optionally with a drafter (the one ``generate`` uses).
@@ -212,6 +71,7 @@ class Decoder:
         # Re-estimates the drafters' cost curve from the loop's step times (see track_costs).
         self.cost_meter: StepCostMeter | None = None
         self.load_gate = LoadGate()  # whether several sequences draft at all, by measured rates
+        self.lone_steps = 0  # steps of several sequences where one ran alone (:func:`~.rows.lone_step`)
 
     def check_drafter(self, drafter: Drafter) -> None:
         """One sentence if ``drafter`` does not fit the bundle or reads base layers this backend does not return."""
@@ -338,22 +198,29 @@ class Decoder:
         return None
 
     # --- the step -------------------------------------------------------------------------------
-    def step(self, gens: list[Generation], cache_for: Callable[[int], KVCache]) -> list[str | None]:
+    def step(self, gens: list[Generation], cache_for: Callable[..., KVCache]) -> list[str | None]:
         """One decode step of ``gens``: each proposes, one ``backend.step`` verifies every row, each accepts,
         commits and emits (its ``emitted`` tokens). Returns each one's finish reason or None.
 
         ``cache_for(columns)``: the cache whose first ``len(gens)`` rows are ``gens``' (row ``b``: its tokens at
-        columns ``0..committed``), grown to hold ``columns``. Each sequence brings at most ``max_tree`` nodes: a
-        tree where the plan verifies trees and it is alone, else a chain.
+        columns ``0..committed``), grown to hold ``columns``; ``cache_for(columns, b)``: row ``b`` alone. Each
+        sequence brings at most ``max_tree`` nodes: a tree where the plan verifies trees and it is alone, else a chain.
 
         Alone, a generation's draft is sized by its drafter on the cost curve. With others, each one's draft is cut
         to its main path (a chain), and the rows per sequence ``T`` are the ones with the most expected tokens of the
         whole step per unit of the measured cost of ``B x T`` rows (:func:`~.rows.rows_per_sequence`): a draft row is
-        spent only where it returns more than it costs the others."""
+        spent only where it returns more than it costs the others. Where one sequence's draft verified alone returns
+        more per unit of cost than that, it runs alone and the others keep their drafts for the next step
+        (:func:`~.rows.lone_step`; emitting nothing this one)."""
         b = len(gens)
         t0 = time.perf_counter()
         drafting = b == 1 or self.load_gate.drafting(b)  # several: whether drafting pays at this load
         for gen in gens:
+            if gen.held:  # it sat the last step out: its draft stands (dropped in a plain step; its drafter was asked)
+                gen.held = False
+                if not drafting:
+                    gen.tree, gen.whole, gen.certain = DraftTree.root(gen.tokens[-1]), False, 0
+                continue
             budget = min(self.max_tree, self.limit - len(gen.tokens), gen.remaining)
             gen.asked = drafting and gen.drafter is not None and budget > 1
             if gen.asked and gen.unseen:  # the states of the steps it sat out, then the last one's
@@ -364,35 +231,52 @@ class Decoder:
             tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
             gen.source = gen.drafter.source if gen.asked and tree.num_nodes > 1 else ""
             gen.stats.gate_ar += not gen.asked and gen.drafter is not None  # a plain step of a drafting generation
-            gen.tree, gen.whole = (tree if b == 1 else tree.main_path()), True
+            gen.tree, gen.whole, gen.cut = (tree if b == 1 else tree.main_path()), True, False
             gen.certain = 0
             if gen.constraint is not None and gen.drafter is not None:  # plain decoding drafts nothing, forced or not
                 draft, gen.certain = gen.constraint.draft(gen.tree, budget)
                 if draft is not gen.tree:  # its drafter hears nothing of this step
                     gen.tree, gen.whole = draft, False
+        lone = None  # (the sequence that runs alone, its rows)
         if b > 1 and any(g.tree.num_nodes > 1 for g in gens):
             curve = self.cost_curve or {1: 1.0}
-            best = rows_per_sequence([[g.expected(j) for j in range(g.tree.num_nodes)] for g in gens],
-                                     lambda rows: step_cost(curve, rows), self.min_rows)
-            for gen in gens:
-                if gen.tree.num_nodes > best:  # its drafter hears of the verdict only on a draft verified whole
-                    gen.tree, gen.whole = DraftTree.chain(gen.tree.tokens[:best].tolist()), False
-        t = max(g.tree.num_nodes for g in gens)
+            expected = [[g.expected(j) for j in range(g.tree.num_nodes)] for g in gens]
+            cost = partial(step_cost, curve)  # a step of that many rows in all
+            best = rows_per_sequence(expected, cost, self.min_rows)
+            lone = lone_step(expected, cost, self.min_rows, best, [g.waited for g in gens])
+            for i, gen in enumerate(gens):
+                keep = best if lone is None else lone[1] if i == lone[0] else gen.tree.num_nodes
+                if gen.tree.num_nodes > keep:  # its drafter hears of the verdict only on a draft verified whole
+                    gen.cut = gen.whole  # its own proposal, cut: it may judge it by what the step emits
+                    gen.tree, gen.whole = DraftTree.chain(gen.tree.tokens[:keep].tolist()), False
+        stepped = gens if lone is None else [gens[lone[0]]]
+        for gen in gens:
+            gen.held = lone is not None and gen is not stepped[0]
+            gen.waited = gen.waited + 1 if gen.held else 0
+            if gen.held:
+                gen.emitted = []
+        t = max(g.tree.num_nodes for g in stepped)
         rows = max(t, self.min_rows)
         # >= 2 columns: a graph that pads a 1-row step's attention writes a dummy K/V to the next column.
-        cache = cache_for(max(g.committed for g in gens) + max(rows, 2))
-        inputs = step_inputs([SeqRows(g.committed, g.tree) for g in gens], rows, cache.capacity,
+        columns = max(g.committed for g in stepped) + max(rows, 2)
+        cache = cache_for(columns) if lone is None else cache_for(columns, lone[0])
+        inputs = step_inputs([SeqRows(g.committed, g.tree) for g in stepped], rows, cache.capacity,
                              self.backend.mask_dtype)
         tb = time.perf_counter()
         out = self.backend.step(inputs, cache)
         took = time.perf_counter() - tb
         # A lone step by its nodes (the curve its drafter sizes on, measured with its padding), several by
         # their rows in all.
-        if self.cost_meter is not None and self.cost_meter.add(t if b == 1 else b * rows, took):
+        if self.cost_meter is not None and self.cost_meter.add(t if len(stepped) == 1 else b * rows, took):
             for gen in gens:
                 if gen.drafter is not None:
                     gen.drafter.use_cost_curve(self.cost_meter.curve)  # the loop's own step costs (cost_meter.py)
-        reasons = [self._advance(r, gen, cache, out, took) for r, gen in enumerate(gens)]
+        if lone is not None:
+            reasons: list[str | None] = [None] * b
+            reasons[lone[0]] = self._advance(0, stepped[0], cache, out, took)
+            self.lone_steps += 1
+        else:
+            reasons = [self._advance(r, gen, cache, out, took) for r, gen in enumerate(gens)]
         if b > 1:
             self.load_gate.record(b, drafting, sum(len(g.emitted) for g in gens), time.perf_counter() - t0)
         return reasons
@@ -435,6 +319,8 @@ class Decoder:
         st.backend_s += took
         st.tree_sizes.append(n)
         reason = self.emit(gen, acc.tokens.tolist())
+        if gen.cut and gen.drafter is not None:
+            gen.drafter.observed(gen.emitted)
         st.accepted.append(len(gen.emitted))
         if gen.constraint is not None:
             gen.constraint.advance(gen.emitted)

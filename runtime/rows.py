@@ -80,6 +80,30 @@ def rows_per_sequence(expected: list[list[float]], cost: Callable[[int], float],
     return best_t
 
 
+MAX_WAIT = 4  # steps in a row a sequence may sit out while another runs alone
+
+
+def lone_step(expected: list[list[float]], cost: Callable[[int], float], min_rows: int, rows: int,
+              waited: Sequence[int]) -> tuple[int, int] | None:
+    """The sequence that should run alone this step, and its rows: where one sequence's draft returns more tokens
+    per unit of cost verified alone than the whole batch's step at ``rows`` rows each (:func:`rows_per_sequence`'s
+    choice; ``expected`` and ``cost`` as there), the others sit it out, their drafts kept for the next step. A
+    batch's step pads every sequence to the longest one's rows, so a long near-certain draft (an answer the suffix
+    cache has met before) pays alone where beside three short ones it would not. None: the whole batch steps, as it
+    does where a sequence has sat out :data:`MAX_WAIT` steps in a row."""
+    if any(w >= MAX_WAIT for w in waited):
+        return None
+    b = len(expected)
+    best = sum(e[min(len(e), rows) - 1] for e in expected) / cost(b * max(rows, min_rows))
+    found = None
+    for i, e in enumerate(expected):
+        for t in range(2, len(e) + 1):
+            value = e[t - 1] / cost(max(t, min_rows))
+            if value > best:
+                best, found = value, (i, t)
+    return found
+
+
 class LoadGate:
     """Whether the sequences of a step of several draft at all: by measured tokens per second of whole iterations
     in each mode (their proposals, trained drafts' calls and draft rows all included).

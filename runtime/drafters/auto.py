@@ -101,6 +101,10 @@ class FreeSources(_SuffixCacheView, Drafter):
     def source(self) -> str:
         return SUFFIX if self._used is self.suffix else "lookup"
 
+    def observed(self, emitted) -> None:
+        if self._used is self.suffix:  # lookup learns from whole verdicts only
+            self.suffix.observed(emitted)
+
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._used is not None:  # only the source that drafted learns from this step
             self._used.accepted(nodes, tree)

@@ -40,6 +40,11 @@ class Drafter(ABC):
         with a fresh state of its own; None where it cannot, and the caller makes one anew."""
         return None
 
+    def observed(self, emitted: Sequence[int]) -> None:
+        """Its last proposal was cut before verification (a batch's rows rule verified a prefix of it, or none):
+        ``emitted``, the tokens the step emitted, judge its main path as far as they reach. :meth:`accepted` is
+        not called for such a step."""
+
     @property
     def source(self) -> str:
         """Which of its sources drafted its last proposal (a drafter of several: ``auto``'s lookup, suffix or

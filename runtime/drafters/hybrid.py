@@ -237,6 +237,10 @@ class HybridDrafter(Drafter):
     def source(self) -> str:
         return "model" if self._model_chose else self.lookup.source
 
+    def observed(self, emitted) -> None:
+        if self._lookup_nodes and not self._merged:  # its free sources' own proposal
+            self.lookup.observed(emitted)
+
     def finished(self, tokens, prompt_len: int) -> None:
         self.lookup.finished(tokens, prompt_len)
         self.model.finished(tokens, prompt_len)

@@ -239,6 +239,7 @@ class SuffixDrafter(Drafter):
         # the requests of ``generate``)
         self._calib = calibration if calibration is not None else self.calibration()
         self._drafted: tuple[int, int] | None = None  # the (trie, bucket) the last draft came from
+        self._last: tuple[list[int], list[int], list[float]] | None = None  # its tokens, parents and shares
         self.use_cost_curve(cost_curve)
         self.reset()
 
@@ -363,6 +364,7 @@ class SuffixDrafter(Drafter):
         seen = self._follow(tokens) if self.local else tokens[-self.depth : -1].tolist()
         budget = min(ctx.max_nodes - 1, self.max_draft)
         self._expected, plain = 0.0, 1.0 / self._cost[0]
+        self._last = None
         if budget < 1:
             return plain, None
         context = [*seen[-(self.max_match - 1) :], root] if self.max_match > 1 else [root]
@@ -389,6 +391,7 @@ class SuffixDrafter(Drafter):
         if not toks:
             return value, None
         self._expected = float(sum(shares))
+        self._last = (toks, parents, shares)
         rate = self._calib[used][0] / self._calib[used][1]
         chances = np.concatenate([[1.0], np.minimum(1.0, rate * np.asarray(shares))])  # the root's 1.0
         return value, DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]),
@@ -399,6 +402,29 @@ class SuffixDrafter(Drafter):
             calib = self._calib[self._drafted]
             calib[0] += len(nodes) - 1
             calib[1] += self._expected
+        self._last = None
+
+    def observed(self, emitted: Sequence[int]) -> None:
+        """A cut draft's main path against the tokens the step emitted, as far as they reach: a batch that cuts
+        every draft to a row or two would else never learn that a long one (an answer met before) lands. A path's
+        share is the chance that it lands whole, so over the first ``seen`` tokens its agreement is expected to be
+        the sum of their shares."""
+        if self._drafted is None or self._last is None:
+            return
+        toks, parents, shares = self._last
+        self._last = None
+        first: dict[int, int] = {}
+        for j in range(len(toks) - 1, -1, -1):  # each node's first child: the smallest index
+            first[parents[j]] = j
+        path, at = [], -1
+        while at in first:
+            at = first[at]
+            path.append(at)
+        seen = min(len(emitted), len(path))
+        agree = next((i for i in range(seen) if toks[path[i]] != emitted[i]), seen)
+        calib = self._calib[self._drafted]
+        calib[0] += agree
+        calib[1] += sum(shares[j] for j in path[:seen])
 
     def profile(self) -> dict:
         rates = {f"{'local' if t == 0 else 'cache'}:{BUCKETS[b]}": round(a / e, 3)

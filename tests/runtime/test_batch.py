@@ -37,12 +37,25 @@ def alone(tiny_bundle):
         return [eng.generate(p, max_new_tokens=300) for p in PROMPTS]
 
 
-@pytest.mark.parametrize(("draft", "max_batch"), [(None, 4), ("prompt-lookup", 4), ("auto", 8)])
-def test_a_batched_answer_is_the_one_generate_gives(tiny_bundle, alone, draft, max_batch, monkeypatch):
+@pytest.mark.parametrize(("draft", "max_batch", "lone"),
+                         [(None, 4, False), ("prompt-lookup", 4, False), ("auto", 8, False), ("prompt-lookup", 4, True)])
+def test_a_batched_answer_is_the_one_generate_gives(tiny_bundle, alone, draft, max_batch, lone, monkeypatch):
     # The tiny model's step costs measured at load are mostly the machine's noise (on a busy machine 8 rows once
     # measured 6x one row), which may rightly stop every draft: rows cost what a small model's rows cost here.
     monkeypatch.setattr("specdeploy.runtime.batch.measure_cost_curve",
                         lambda decoder, largest=None: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.25, 16: 1.5, 32: 2.0, 64: 3.0})
+    waits = []
+    if lone:  # the first sequence with a draft runs alone whenever the rule lets one: the others hold theirs
+        from specdeploy.runtime.rows import MAX_WAIT, LoadGate
+
+        monkeypatch.setattr(LoadGate, "drafting", lambda self, batch: True)
+
+        def first(expected, cost, min_rows, rows, waited):
+            waits.extend(waited)
+            drafted = [i for i, e in enumerate(expected) if len(e) > 1]
+            return (drafted[0], len(expected[drafted[0]])) if drafted and max(waited) < MAX_WAIT else None
+
+        monkeypatch.setattr("specdeploy.runtime.decode.lone_step", first)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         eng = load(tiny_bundle, draft=draft, max_batch=max_batch)
@@ -66,6 +79,8 @@ def test_a_batched_answer_is_the_one_generate_gives(tiny_bundle, alone, draft, m
         assert eng.scheduler.steps - steps_before < 0.6 * tokens  # shared steps, far fewer than tokens
         if draft is not None:  # sequences drafted (lookup chains) inside the batch, not only when alone
             assert max(max(b.stats.tree_sizes) for b in batched) > 1
+        if lone:  # many ran alone, and none sat out more than MAX_WAIT steps in a row
+            assert eng.decoder.lone_steps > 20 and max(waits) == MAX_WAIT
 
 
 def test_the_rows_rule_drafts_where_rows_pay_and_fades_with_load():
@@ -84,6 +99,26 @@ def test_the_rows_rule_drafts_where_rows_pay_and_fades_with_load():
     assert rows_per_sequence([sure] + [[1.0]] * 7, linear(0.15)) == 1
     # a plan that pads every step to 2 rows makes a 1-token draft free
     assert rows_per_sequence([[1.0, 1.3]] * 4, linear(0.5), min_rows=2) == 2
+
+
+def test_one_sequence_runs_alone_where_its_draft_alone_returns_more_than_the_batchs_step():
+    from specdeploy.runtime.rows import MAX_WAIT, lone_step
+
+    curve = {1: 1.0, 2: 1.13, 4: 1.54, 8: 2.42, 16: 4.08, 32: 8.0, 64: 16.0}
+
+    def cost(rows):
+        lo = max(k for k in curve if k <= rows)
+        hi = min((k for k in curve if k >= rows), default=lo)
+        return curve[lo] if hi == lo else curve[lo] + (curve[hi] - curve[lo]) * (rows - lo) / (hi - lo)
+
+    replay = [1.0 + 0.95 * j for j in range(9)]  # an answer met before: 8 tokens, each near-certain
+    guess = [1.0, 1.4, 1.6]  # n-gram guesses
+    batch = [replay, guess, guess, guess]
+    rows = rows_per_sequence(batch, cost)
+    assert rows < 9 and lone_step(batch, cost, 1, rows, [0, 0, 0, 0]) == (0, 9)  # padded to 9 rows it does not pay
+    assert lone_step(batch, cost, 1, rows, [0, MAX_WAIT, 0, 0]) is None  # one has waited long enough: all step
+    assert lone_step([replay] * 4, cost, 1, rows_per_sequence([replay] * 4, cost), [0] * 4) is None  # all sure
+    assert lone_step([guess] * 4, cost, 1, rows_per_sequence([guess] * 4, cost), [0] * 4) is None
 
 
 def test_seeded_sampling_in_a_batch_is_the_same_as_alone(tiny_bundle):

@@ -171,6 +171,25 @@ def test_an_answer_met_before_is_drafted_half_the_tries_depth_ahead_deep_into_it
     assert value * 1.05 >= 0.95 * tree.num_nodes
 
 
+def test_a_cut_draft_learns_from_the_tokens_its_step_emitted():
+    """A batch that cuts a draft to its root verifies none of it; the tokens its step emitted still judge the first
+    ones, so a long draft that lands is learned as near-certain, and one that misses as unlikely."""
+    answer = list(range(100, 160))
+    for emitted, lands in ((answer[30:31], True), ([7], False)):
+        drafter = SuffixDrafter(SuffixCache(), chains=True, cost_curve={1: 1.0, 16: 1.05}, local=False)
+        drafter.finished([1, 2, *answer], prompt_len=2)
+        ctx = _ctx([1, 2, *answer[:30]])
+        for _ in range(20):
+            drafter.propose(ctx)
+            drafter.observed(emitted)
+        value, tree = drafter.draft(ctx)
+        assert (value * 1.05 >= 0.8 * tree.num_nodes) if lands else (value * 1.05 < 0.3 * tree.num_nodes), value
+        drafter.accepted(np.arange(2), tree)
+        rates = drafter.profile()["suffix_calibration"]
+        drafter.observed(answer[30:31])  # judged already: nothing more is learned
+        assert drafter.profile()["suffix_calibration"] == rates
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=40), min_size=1, max_size=6),
        st.lists(st.lists(st.integers(0, 5), min_size=2, max_size=12), min_size=1, max_size=12),
