@@ -125,9 +125,11 @@ class LoadGate:
     SAMPLES = 64  # sequence-iterations that suffice: a pool of 32 learns a mode in 3 iterations, not 8
     EXPLORE = 64  # iterations between two blocks of the mode not in use
     RATE = 0.1  # how fast a mode's sums fade per iteration it runs (plain sums over its first 1 / RATE)
+    CHEAP = 0.05  # proposals under this share of a drafting iteration: drafting stays on (see :meth:`cheap`)
 
     def __init__(self) -> None:
-        # (pool, drafting) -> [tokens per sequence, seconds, iterations]: the rate is the first over the second
+        # (pool, drafting) -> [tokens per sequence, seconds, iterations, seconds proposing]: the rate is the first
+        # over the second
         self.sums: dict[tuple[int, bool], list[float]] = {}
         self._since: dict[int, int] = {}
         self._mode: dict[int, bool] = {}  # pool -> the mode in use, once learned (changed only as a block ends)
@@ -153,16 +155,26 @@ class LoadGate:
 
     def rate(self, pool: int, drafting: bool) -> float:
         """Tokens per second per sequence of a pool's mode (0 before it ran)."""
-        tokens, seconds, _ = self.sums.get((pool, drafting), (0.0, 0.0, 0))
+        tokens, seconds = self.sums.get((pool, drafting), (0.0, 0.0, 0, 0.0))[:2]
         return tokens / seconds if seconds > 0 else 0.0
+
+    def cheap(self, pool: int) -> bool:
+        """Whether a pool's drafting iterations spend under :attr:`CHEAP` of their time proposing (free sources:
+        lookup, n-grams, the suffix cache). Its draft rows are then all that drafting costs, and the rows rule
+        already prices them, one step at a time (a step whose rows do not pay runs as a plain one): the gate's
+        rates, measured over whole iterations of changing text, only add noise to that choice."""
+        entry = self.sums.get((pool, True))
+        return entry is not None and entry[1] > 0 and entry[3] < self.CHEAP * entry[1]
 
     def drafting(self, batch: int) -> bool:
         key = self.pool(batch)
         if key not in self._mode:  # learning: the mode measured less next, drafting first
-            n_draft, n_plain = (self.sums.get((key, m), (0.0, 0.0, 0))[2] for m in (True, False))
+            n_draft, n_plain = (self.sums.get((key, m), (0.0, 0.0, 0, 0.0))[2] for m in (True, False))
             if min(n_draft, n_plain) < self.needed(key):
                 return n_draft <= n_plain
             self._mode[key] = self.rate(key, True) >= self.rate(key, False)
+        if self.cheap(key):
+            return True
         explored, left = self._block.get(key, (None, 0))
         if left > 0:
             self._block[key] = (explored, left - 1)
@@ -179,15 +191,18 @@ class LoadGate:
             return other
         return self._mode[key]
 
-    def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+    def record(self, batch: int, drafting: bool, tokens: int, seconds: float, proposing: float | None = None) -> None:
+        """An iteration of ``batch`` sequences: ``tokens`` emitted in ``seconds``, ``proposing`` of them spent on
+        the drafters' proposals (None: not measured, counted as all of it)."""
         if seconds <= 0 or batch < 1:
             return
         key = (self.pool(batch), drafting)
-        entry = self.sums.setdefault(key, [0.0, 0.0, 0])
+        entry = self.sums.setdefault(key, [0.0, 0.0, 0, 0.0])
         if key in self._fresh:
             self._fresh.discard(key)
-            entry[0] = entry[1] = 0.0
+            entry[0] = entry[1] = entry[3] = 0.0
         entry[2] += 1
         keep = 1.0 if entry[2] * self.RATE <= 1 else 1.0 - self.RATE
         entry[0] = keep * entry[0] + tokens / batch  # per sequence: a pool's sizes differ
         entry[1] = keep * entry[1] + seconds
+        entry[3] = keep * entry[3] + (seconds if proposing is None else proposing)
