@@ -189,6 +189,18 @@ class DraftTree:
         return self.parents is _chain_parents(self.num_nodes) or bool(
             np.array_equal(self.parents, np.arange(-1, self.num_nodes - 1)))
 
+    def main_nodes(self) -> np.ndarray:
+        """The node indices of :meth:`main_path`, root first."""
+        if self.is_chain:
+            return np.arange(self.num_nodes)
+        path = [0]
+        first_child: dict[int, int] = {}
+        for i in range(self.num_nodes - 1, 0, -1):  # the smallest index wins
+            first_child[int(self.parents[i])] = i
+        while path[-1] in first_child:
+            path.append(first_child[path[-1]])
+        return np.asarray(path)
+
     def main_path(self) -> DraftTree:
         """The chain from the root through each node's first child (the drafter's best candidate).
 
@@ -196,13 +208,7 @@ class DraftTree:
         """
         if self.is_chain:
             return self
-        path = [0]
-        first_child: dict[int, int] = {}
-        for i in range(self.num_nodes - 1, 0, -1):  # the smallest index wins
-            first_child[int(self.parents[i])] = i
-        while path[-1] in first_child:
-            path.append(first_child[path[-1]])
-        idx = np.asarray(path)
+        idx = self.main_nodes()
         scores = None if self.scores is None else self.scores[idx]
         chances = None if self.chances is None else self.chances[idx]
         return DraftTree(self.tokens[idx], np.arange(-1, idx.size - 1, dtype=np.int64), scores, chances=chances)

@@ -239,7 +239,7 @@ class SuffixDrafter(Drafter):
         # the requests of ``generate``)
         self._calib = calibration if calibration is not None else self.calibration()
         self._drafted: tuple[int, int] | None = None  # the (trie, bucket) the last draft came from
-        self._last: tuple[list[int], list[int], list[float]] | None = None  # its tokens, parents and shares
+        self._last: tuple[DraftTree, list[float]] | None = None  # its last tree, and its nodes' shares (root's not)
         self.use_cost_curve(cost_curve)
         self.reset()
 
@@ -391,11 +391,12 @@ class SuffixDrafter(Drafter):
         if not toks:
             return value, None
         self._expected = float(sum(shares))
-        self._last = (toks, parents, shares)
         rate = self._calib[used][0] / self._calib[used][1]
         chances = np.concatenate([[1.0], np.minimum(1.0, rate * np.asarray(shares))])  # the root's 1.0
-        return value, DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]),
-                                value=value, chances=chances)
+        tree = DraftTree(np.array([root, *toks], dtype=np.int64), np.array([-1, *(p + 1 for p in parents)]),
+                         value=value, chances=chances)
+        self._last = (tree, shares)
+        return value, tree
 
     def accepted(self, nodes: np.ndarray, tree: DraftTree) -> None:
         if self._drafted is not None:  # what the frequencies promised against what verification kept
@@ -411,20 +412,14 @@ class SuffixDrafter(Drafter):
         the sum of their shares."""
         if self._drafted is None or self._last is None:
             return
-        toks, parents, shares = self._last
+        tree, shares = self._last
         self._last = None
-        first: dict[int, int] = {}
-        for j in range(len(toks) - 1, -1, -1):  # each node's first child: the smallest index
-            first[parents[j]] = j
-        path, at = [], -1
-        while at in first:
-            at = first[at]
-            path.append(at)
+        path = tree.main_nodes()[1:]  # its drafted nodes along the main path
         seen = min(len(emitted), len(path))
-        agree = next((i for i in range(seen) if toks[path[i]] != emitted[i]), seen)
+        agree = next((i for i in range(seen) if tree.tokens[path[i]] != emitted[i]), seen)
         calib = self._calib[self._drafted]
         calib[0] += agree
-        calib[1] += sum(shares[j] for j in path[:seen])
+        calib[1] += sum(shares[j - 1] for j in path[:seen])
 
     def profile(self) -> dict:
         rates = {f"{'local' if t == 0 else 'cache'}:{BUCKETS[b]}": round(a / e, 3)
