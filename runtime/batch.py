@@ -155,10 +155,10 @@ class BatchScheduler:
             first = new_drafter()
             self.decoder.check_drafter(first)
             self._spare.append(first)
-        # Capacities in steps of 64 columns, not doublings: the cache holds max_batch rows of fp32 K/V.
+        # Capacities in steps of 64 columns, not doublings: the cache holds up to max_batch rows of fp32 K/V.
         top = self.limit + max(self.max_rows, self.min_rows)
         self.buckets = (*range(64, top, 64), top)
-        self._full = backend.new_cache(max_batch, self.buckets[0])
+        self._full = backend.new_cache(1, self.buckets[0])  # rows grow by doublings as sequences join
         self._view: KVCache | None = None  # the rows of the cache that the next step runs
         self._view_rows = (0, 0)  # which: [first, last + 1)
         self.rows: list[_Seq] = []
@@ -180,6 +180,11 @@ class BatchScheduler:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows the shared cache holds now: doublings up to ``max_batch``, as many as the sequences need."""
+        return self._full.batch
 
     @property
     def active(self) -> int:
@@ -284,7 +289,8 @@ class BatchScheduler:
                 self._joining.append(self._waiting.popleft())
         joining = self._joining
         if joining:  # room for the longest prompt and the steps ahead: at most one resize for all of them
-            self._fit(max(len(s.tokens) for s in joining) + max(self.max_rows, self.min_rows))
+            self._fit(max(len(s.tokens) for s in joining) + max(self.max_rows, self.min_rows),
+                      len(self.rows) + len(joining))
         while joining:
             self._join(joining[0])
             joining.pop(0)
@@ -351,16 +357,25 @@ class BatchScheduler:
         self.backend.forget_buffers()
         self._finish(seq, reason)
 
-    def _fit(self, need: int) -> None:
-        """A cache of at least ``need`` columns: grown (rows copied) when it has fewer, and re-sized to fit the
-        coming prompts when the batch is empty (a capacity that earlier requests needed would hold memory and
-        widen every step's mask)."""
-        if self.rows and need <= self._full.capacity:
-            return
-        cap = bucket_for(min(need + (_HEADROOM if self.rows else 0), self.buckets[-1]), self.buckets)
-        if not self.rows and cap == self._full.capacity:
-            return
-        new = self.backend.new_cache(self.max_batch, cap)
+    def _fit(self, need: int, sequences: int = 0) -> None:
+        """A cache of at least ``need`` columns and ``sequences`` rows: grown (rows copied) when it has fewer, and
+        re-sized to fit the coming prompts when the batch is empty (a capacity that earlier requests needed would
+        hold memory and widen every step's mask). Rows come in doublings up to ``max_batch``, as sequences need
+        them: each resize allocates every row zeroed (about 45 ms for 32 rows of 256 columns of this model), a few
+        times a request."""
+        wanted = min(self.max_batch, 1 << (max(sequences, 1) - 1).bit_length())
+        if self.rows:  # never fewer rows or columns while sequences are in it
+            rows = max(self._full.batch, wanted)
+            if need <= self._full.capacity and rows == self._full.batch:
+                return
+            cap = max(self._full.capacity, bucket_for(min(need + _HEADROOM, self.buckets[-1]), self.buckets)
+                      if need > self._full.capacity else 0)
+        else:
+            rows = wanted if sequences else self._full.batch
+            cap = bucket_for(min(need, self.buckets[-1]), self.buckets)
+            if cap == self._full.capacity and rows == self._full.batch:
+                return
+        new = self.backend.new_cache(rows, cap)
         for r, seq in enumerate(self.rows):
             for dst, src in zip(new.buffers(), self._full.buffers()):
                 dst[r, :, : seq.committed] = src[r, :, : seq.committed]

@@ -121,6 +121,25 @@ def test_one_sequence_runs_alone_where_its_draft_alone_returns_more_than_the_bat
     assert lone_step([guess] * 4, cost, 1, rows_per_sequence([guess] * 4, cost), [0] * 4) is None
 
 
+def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone):
+    """One request at a time on a max_batch 8 engine runs on a cache of one row; three at once on rows in doublings
+    (never 8); the cache shrinks back when the batch empties. Every answer is still generate's."""
+    with load(tiny_bundle, draft="prompt-lookup", max_batch=8) as eng:
+        if not isinstance(eng.scheduler, BatchScheduler):
+            pytest.skip(f"no batching on this machine: {eng.batch_reason}")
+        made = []
+        new_cache = eng.backend.new_cache
+        eng.backend.new_cache = lambda batch, capacity: made.append(batch) or new_cache(batch, capacity)
+        one = eng.generate(PROMPTS[0], max_new_tokens=300)
+        assert made and set(made) == {1} and eng.scheduler.cache_rows == 1
+        made.clear()
+        three = concurrently(eng, PROMPTS[1:4], max_new_tokens=300)
+        assert 2 <= max(made) <= 4 and eng.scheduler.cache_rows <= 4
+        assert eng.generate(PROMPTS[4], max_new_tokens=8) and eng.scheduler.cache_rows == 1
+    for a, b in zip(alone[:4], [one, *three]):
+        assert a.token_ids == b.token_ids
+
+
 def test_seeded_sampling_in_a_batch_is_the_same_as_alone(tiny_bundle):
     kw = {"max_new_tokens": 40, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
     with load(tiny_bundle, max_batch=3, draft=None) as eng:
