@@ -222,15 +222,18 @@ class Decoder:
                     gen.tree, gen.whole, gen.certain = DraftTree.root(gen.tokens[-1]), False, 0
                 continue
             budget = min(self.max_tree, self.limit - len(gen.tokens), gen.remaining)
-            gen.asked = drafting and gen.drafter is not None and budget > 1
+            # A step the gate runs plain asks only the free part of a drafter (its lookup and suffix sources).
+            asker = None if gen.drafter is None or budget <= 1 else gen.drafter if drafting else gen.drafter.free()
+            gen.asked = asker is not None and asker is gen.drafter
+            gen.proposer = asker or gen.drafter  # who hears the verdict
             if gen.asked and gen.unseen:  # the states of the steps it sat out, then the last one's
                 gen.hidden = np.concatenate([h for h, _ in gen.unseen] + [gen.hidden])
                 if gen.layers is not None:
                     gen.layers = np.concatenate([lay for _, lay in gen.unseen] + [gen.layers])
                 gen.unseen.clear()
-            tree = self.propose(gen, budget, gen.stats, gen.drafter) if gen.asked else DraftTree.root(gen.tokens[-1])
-            gen.source = gen.drafter.source if gen.asked and tree.num_nodes > 1 else ""
-            gen.stats.gate_ar += not gen.asked and gen.drafter is not None  # a plain step of a drafting generation
+            tree = self.propose(gen, budget, gen.stats, asker) if asker else DraftTree.root(gen.tokens[-1])
+            gen.source = asker.source if asker and tree.num_nodes > 1 else ""
+            gen.stats.gate_ar += asker is None and gen.drafter is not None  # a plain step of a drafting generation
             gen.tree, gen.whole, gen.cut = (tree if b == 1 else tree.main_path()), True, False
             gen.certain = 0
             if gen.constraint is not None and gen.drafter is not None:  # plain decoding drafts nothing, forced or not
@@ -303,8 +306,8 @@ class Decoder:
         cache.commit_row(r, gen.committed, nodes)
         if n - 1 > gen.certain:  # the draft's own tokens, past the forced ones
             gen.acceptance.update(max(0, len(nodes) - 1 - gen.certain), n - 1 - gen.certain)
-        if gen.drafter is not None and gen.whole:  # a trimmed draft's cut tokens were never tried
-            gen.drafter.accepted(nodes, tree)
+        if gen.proposer is not None and gen.whole:  # a trimmed draft's cut tokens were never tried
+            gen.proposer.accepted(nodes, tree)
         # Nodes 0..last (a chain's accepted prefix, always) as a slice: one small numpy call fewer than
         # fancy indexing (see verify._chain_accept); copied either way (the backend reuses its outputs).
         keep = slice(0, last + 1) if last == len(nodes) - 1 else nodes
@@ -320,8 +323,8 @@ class Decoder:
         st.backend_s += took
         st.tree_sizes.append(n)
         reason = self.emit(gen, acc.tokens.tolist())
-        if gen.cut and gen.drafter is not None:
-            gen.drafter.observed(gen.emitted)
+        if gen.cut and gen.proposer is not None:
+            gen.proposer.observed(gen.emitted)
         st.accepted.append(len(gen.emitted))
         if gen.constraint is not None:
             gen.constraint.advance(gen.emitted)

@@ -79,6 +79,9 @@ class FreeSources(_SuffixCacheView, Drafter):
     def step_cost(self, rows: int) -> float:
         return self.lookup.step_cost(rows)
 
+    def free(self) -> Drafter:
+        return self
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         by_lookup = self.lookup.propose(ctx)
         value, by_suffix = self.suffix.draft(ctx, by_lookup.value)  # a tree only where it may beat lookup's

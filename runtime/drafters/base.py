@@ -40,6 +40,13 @@ class Drafter(ABC):
         with a fresh state of its own; None where it cannot, and the caller makes one anew."""
         return None
 
+    def free(self) -> Drafter | None:
+        """The part of it that costs next to nothing to ask (lookup, n-grams, the suffix cache), which a batch asks
+        in the steps where its load gate finds that whole drafting iterations lose (a trained draft's calls): its
+        rows are still priced one step at a time by the rows rule, and it goes on learning. None where it has no
+        such part (a trained draft alone)."""
+        return None
+
     def observed(self, emitted: Sequence[int]) -> None:
         """Its last proposal was cut before verification (a batch's rows rule verified a prefix of it, or none):
         ``emitted``, the tokens the step emitted, judge its main path as far as they reach. :meth:`accepted` is

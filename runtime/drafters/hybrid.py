@@ -121,6 +121,12 @@ class HybridDrafter(Drafter):
         self._retried = False  # the last step was a retry: the next one tells whether it paid
         self._retry_now = False
 
+    def free(self) -> Drafter:
+        """Its free sources, without the model; the step they draft alone is not one of its iterations, so its clock
+        does not time it."""
+        self.clock.pause()
+        return self.lookup
+
     def reset(self) -> None:
         self.model.reset()
         self.lookup.reset()

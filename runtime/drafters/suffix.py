@@ -243,6 +243,9 @@ class SuffixDrafter(Drafter):
         self.use_cost_curve(cost_curve)
         self.reset()
 
+    def free(self) -> Drafter:
+        return self
+
     @staticmethod
     def calibration() -> dict[tuple[int, int], list[float]]:
         """A calibration at its prior, per (trie, match-length bucket)."""
