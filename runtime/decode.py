@@ -222,8 +222,8 @@ class Decoder:
                     gen.tree, gen.whole, gen.certain = DraftTree.root(gen.tokens[-1]), False, 0
                 continue
             budget = min(self.max_tree, self.limit - len(gen.tokens), gen.remaining)
-            # A step the gate runs plain asks only the free part of a drafter (its lookup and suffix sources).
-            asker = None if gen.drafter is None or budget <= 1 else gen.drafter if drafting else gen.drafter.free()
+            # A step the gate runs plain asks only a drafter's recall of text met before (the suffix cache).
+            asker = None if gen.drafter is None or budget <= 1 else gen.drafter if drafting else gen.drafter.recall()
             gen.asked = asker is not None and asker is gen.drafter
             gen.proposer = asker or gen.drafter  # who hears the verdict
             if gen.asked and gen.unseen:  # the states of the steps it sat out, then the last one's

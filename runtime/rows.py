@@ -105,16 +105,23 @@ def lone_step(expected: list[list[float]], cost: Callable[[int], float], min_row
 
 
 class LoadGate:
-    """Whether the sequences of a step of several draft at all: by measured tokens per second of whole iterations
-    in each mode (their proposals, trained drafts' calls and draft rows all included).
+    """Whether the sequences of a step of several ask their whole drafters or only their free parts
+    (:meth:`~.drafters.base.Drafter.free`: lookup, n-grams, the suffix cache; a trained draft alone: nothing): by
+    measured tokens per second of whole iterations in each mode (their proposals, trained drafts' calls and draft
+    rows all included).
 
     The rows rule (:func:`rows_per_sequence`) prices draft rows, but by the time it runs every drafter has drafted;
-    at high load those calls alone can cost more than the rows return. Batch sizes are pooled by powers of two
+    at high load a trained draft's calls alone can cost more than the rows return. The free sources are asked in
+    either mode: their calls cost next to nothing, the rows rule prices their rows one step at a time, and they
+    go on learning (an answer met before, drafted by the suffix cache, lands whatever the gate says). Batch sizes are pooled by powers of two
     (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one sequence at a time, and a gate that learned
     each size apart would still be exploring when the size changed. Each pool first alternates the two modes, a
     few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the
-    mode with the higher rate per sequence, trying the other for a short block (:meth:`block`) every
-    :attr:`EXPLORE` iterations, so that a change of load or text is seen.
+    mode with the higher rate per sequence, trying the other for a short block (:meth:`block`) after
+    :attr:`EXPLORE` iterations, so that a change of load or text is seen. A block changes the mode only where it
+    beats the mode in use by :attr:`MARGIN` (a block of a few iterations is noisy, and each change that noise
+    makes runs the slower mode until the next block); where it does not, the next block comes twice as late (up
+    to :attr:`EXPLORE_MAX`): at high load a drafting block calls every sequence's trained draft.
 
     A rate is a ratio of sums (tokens per sequence over seconds) that fades by :attr:`RATE` an iteration, so a mode
     in use reads the recent steps. The mode changes only as a block ends, and a block starts the other mode's sums
@@ -123,7 +130,9 @@ class LoadGate:
 
     MIN = 8  # iterations of a mode in a pool before its rate counts (fewer in large pools: see :meth:`needed`)
     SAMPLES = 64  # sequence-iterations that suffice: a pool of 32 learns a mode in 3 iterations, not 8
-    EXPLORE = 64  # iterations between two blocks of the mode not in use
+    EXPLORE = 64  # iterations between two blocks of the mode not in use, at first
+    EXPLORE_MAX = 1024  # ... doubling each time a block leaves the mode as it was, up to this
+    MARGIN = 0.05  # a block changes the mode only where its rate beats the mode in use by this share
     RATE = 0.1  # how fast a mode's sums fade per iteration it runs (plain sums over its first 1 / RATE)
     CHEAP = 0.05  # proposals under this share of a drafting iteration: drafting stays on (see :meth:`cheap`)
 
@@ -135,6 +144,7 @@ class LoadGate:
         self._mode: dict[int, bool] = {}  # pool -> the mode in use, once learned (changed only as a block ends)
         self._block: dict[int, tuple[bool, int]] = {}  # pool -> (the mode explored, its iterations left)
         self._fresh: set[tuple[int, bool]] = set()  # modes whose next iteration starts their sums over
+        self._every: dict[int, int] = {}  # pool -> iterations between its blocks now
 
     @staticmethod
     def pool(batch: int) -> int:
@@ -181,9 +191,12 @@ class LoadGate:
             return explored
         if explored is not None:  # a block has just ended: its fresh rate against the recent steps' decides
             del self._block[key]
-            self._mode[key] = self.rate(key, True) >= self.rate(key, False)
+            if self.rate(key, explored) > (1 + self.MARGIN) * self.rate(key, not explored):
+                self._mode[key], self._every[key] = explored, self.EXPLORE
+            else:  # the mode stands: the next block comes twice as late
+                self._every[key] = min(2 * self._every.get(key, self.EXPLORE), self.EXPLORE_MAX)
         self._since[key] = self._since.get(key, 0) + 1
-        if self._since[key] >= self.EXPLORE:
+        if self._since[key] >= self._every.get(key, self.EXPLORE):
             self._since[key] = 0
             other = not self._mode[key]
             self._block[key] = (other, self.block(key) - 1)

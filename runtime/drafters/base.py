@@ -40,11 +40,11 @@ class Drafter(ABC):
         with a fresh state of its own; None where it cannot, and the caller makes one anew."""
         return None
 
-    def free(self) -> Drafter | None:
-        """The part of it that costs next to nothing to ask (lookup, n-grams, the suffix cache), which a batch asks
-        in the steps where its load gate finds that whole drafting iterations lose (a trained draft's calls): its
-        rows are still priced one step at a time by the rows rule, and it goes on learning. None where it has no
-        such part (a trained draft alone)."""
+    def recall(self) -> Drafter | None:
+        """Its source of text met before (the suffix cache), which a batch still asks in the steps its load gate
+        runs plain: about 15 us a call, so it keeps learning at any load, and an answer met before, drafted
+        near-certainly, gets rows by the rows rule where they pay. None where it has none (lookup, n-grams, a
+        trained draft: their calls cost more than a step of many sequences can spare)."""
         return None
 
     def observed(self, emitted: Sequence[int]) -> None:

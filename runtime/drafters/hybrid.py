@@ -121,11 +121,11 @@ class HybridDrafter(Drafter):
         self._retried = False  # the last step was a retry: the next one tells whether it paid
         self._retry_now = False
 
-    def free(self) -> Drafter:
-        """Its free sources, without the model; the step they draft alone is not one of its iterations, so its clock
-        does not time it."""
+    def recall(self) -> Drafter | None:
+        """Its free sources' recall; the step that drafts alone is not one of its iterations, so its clock does not
+        time it."""
         self.clock.pause()
-        return self.lookup
+        return self.lookup.recall()
 
     def reset(self) -> None:
         self.model.reset()

@@ -243,7 +243,7 @@ class SuffixDrafter(Drafter):
         self.use_cost_curve(cost_curve)
         self.reset()
 
-    def free(self) -> Drafter:
+    def recall(self) -> Drafter:
         return self
 
     @staticmethod
