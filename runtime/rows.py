@@ -105,19 +105,21 @@ def lone_step(expected: list[list[float]], cost: Callable[[int], float], min_row
 
 
 class LoadGate:
-    """Whether the sequences of a step of several ask their whole drafters or only their free parts
-    (:meth:`~.drafters.base.Drafter.free`: lookup, n-grams, the suffix cache; a trained draft alone: nothing): by
+    """Whether the sequences of a step of several ask their whole drafters or only their recall of text met before
+    (:meth:`~.drafters.base.Drafter.recall`: the suffix cache; lookup, n-grams and trained drafts have none): by
     measured tokens per second of whole iterations in each mode (their proposals, trained drafts' calls and draft
     rows all included).
 
     The rows rule (:func:`rows_per_sequence`) prices draft rows, but by the time it runs every drafter has drafted;
-    at high load a trained draft's calls alone can cost more than the rows return. The free sources are asked in
-    either mode: their calls cost next to nothing, the rows rule prices their rows one step at a time, and they
-    go on learning (an answer met before, drafted by the suffix cache, lands whatever the gate says). Batch sizes are pooled by powers of two
-    (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one sequence at a time, and a gate that learned
-    each size apart would still be exploring when the size changed. Each pool first alternates the two modes, a
+    at high load the calls alone (a trained draft's, and lookup's at many sequences) can cost more than the rows
+    return. The recall is asked in either mode: its calls cost next to nothing, the rows rule prices its rows one
+    step at a time, and it goes on learning, so an answer met before lands whatever the gate says.
+
+    Batch sizes are pooled by powers of two (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one
+    sequence at a time, and a gate that learned each size apart would still be exploring when the size changed. Each pool first alternates the two modes, a
     few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the
-    mode with the higher rate per sequence, trying the other for a short block (:meth:`block`) after
+    mode with the higher rate per sequence (a pool larger than one that runs plain starts plain, unlearned:
+    :meth:`_inherits_plain`), trying the other for a short block (:meth:`block`) after
     :attr:`EXPLORE` iterations, so that a change of load or text is seen. A block changes the mode only where it
     beats the mode in use by :attr:`MARGIN` (a block of a few iterations is noisy, and each change that noise
     makes runs the slower mode until the next block); where it does not, the next block comes twice as late (up
@@ -178,6 +180,8 @@ class LoadGate:
 
     def drafting(self, batch: int) -> bool:
         key = self.pool(batch)
+        if key not in self._mode and self._inherits_plain(key):
+            self._mode[key] = False  # a smaller pool found plain faster: from there on rows only cost more
         if key not in self._mode:  # learning: the mode measured less next, drafting first
             n_draft, n_plain = (self.sums.get((key, m), (0.0, 0.0, 0, 0.0))[2] for m in (True, False))
             if min(n_draft, n_plain) < self.needed(key):
@@ -203,6 +207,14 @@ class LoadGate:
             self._fresh.add((key, other))
             return other
         return self._mode[key]
+
+    def _inherits_plain(self, pool: int) -> bool:
+        """Whether the largest smaller pool learned runs plain. A draft row competes with more sequences' rows the
+        fuller the step, and each sequence's drafter call costs the same, so drafting that lost at a smaller batch
+        loses at a larger one: such a pool starts plain without learning drafting (a drafting iteration of 32
+        sequences calls 32 trained drafts), and its blocks still try drafting now and then."""
+        smaller = [p for p in self._mode if p < pool]
+        return bool(smaller) and not self._mode[max(smaller)]
 
     def record(self, batch: int, drafting: bool, tokens: int, seconds: float, proposing: float | None = None) -> None:
         """An iteration of ``batch`` sequences: ``tokens`` emitted in ``seconds``, ``proposing`` of them spent on

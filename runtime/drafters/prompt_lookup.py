@@ -63,7 +63,6 @@ class ChainAcceptance:
 class PromptLookupDrafter(Drafter):
     kind = PROMPT_LOOKUP
 
-
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, num_tokens: int = 10, branches: int = 2,
                  max_nodes: int | None = None, cost_curve: Mapping[int, float] = CPU_COST_CURVE,
                  adaptive: bool = True):

@@ -34,7 +34,14 @@ def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
     assert [b - a - n + 1 for a, b in itertools.pairwise(starts)] == [2 * LoadGate.EXPLORE, 4 * LoadGate.EXPLORE,
                                                                     8 * LoadGate.EXPLORE]
     assert not gate.drafting(3)  # 3 and 4 are measured together
-    assert gate.drafting(5) and gate.drafting(8)  # 5-8: measured on their own, drafting first
+    assert not gate.drafting(5) and not gate.drafting(8)  # 5-8: larger than a pool that runs plain, plain unlearned
+    fast = LoadGate()
+    for i in range(2 * LoadGate.MIN):  # drafting faster at 4
+        d = fast.drafting(4)
+        fast.record(4, d, 10 if d else 8, 1.0)
+    assert fast.drafting(4) and fast.drafting(5)  # 5-8 learn on their own, drafting first
+    fast.record(5, True, 10, 1.0)
+    assert not fast.drafting(6)  # then plain
     assert [LoadGate.pool(b) for b in (2, 3, 4, 5, 8, 9, 17, 32, 33)] == [2, 4, 4, 8, 8, 16, 32, 32, 64]
     assert [LoadGate.needed(p) for p in (2, 4, 8, 16, 32, 64)] == [8, 8, 8, 4, 3, 3]  # sequence-iterations suffice
     big = LoadGate()
