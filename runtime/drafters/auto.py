@@ -79,8 +79,8 @@ class FreeSources(_SuffixCacheView, Drafter):
     def step_cost(self, rows: int) -> float:
         return self.lookup.step_cost(rows)
 
-    def recall(self) -> Drafter:
-        return self.suffix
+    def recall(self) -> Drafter | None:
+        return self.suffix.recall()
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         by_lookup = self.lookup.propose(ctx)

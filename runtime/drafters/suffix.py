@@ -243,8 +243,9 @@ class SuffixDrafter(Drafter):
         self.use_cost_curve(cost_curve)
         self.reset()
 
-    def recall(self) -> Drafter:
-        return self
+    def recall(self) -> Drafter | None:
+        """Itself, unless it drafts from the shared cache alone and that cache is off (nothing to recall)."""
+        return self if self.local or self.cache.max_tokens else None
 
     @staticmethod
     def calibration() -> dict[tuple[int, int], list[float]]:

@@ -131,6 +131,9 @@ def test_namespaces_keep_requests_apart_and_zero_turns_the_cache_off():
     assert off.tokens == 0 and off.trie() is None
     with pytest.raises(ValueError, match="0 \\(off\\) or more"):
         SuffixCache(max_tokens=-1)
+    # what a batch asks in the steps its load gate runs plain: nothing where the cache is off and it reads only it
+    assert SuffixDrafter(off, local=False).recall() is None
+    assert SuffixDrafter(off).recall() is not None and SuffixDrafter(cache, local=False).recall() is not None
 
 
 def _ctx(tokens: list[int], budget: int = 17) -> DraftContext:
