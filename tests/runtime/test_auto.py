@@ -116,7 +116,7 @@ def test_each_source_of_a_batched_sequence_is_weighed_by_what_it_earned(tiny_bun
 
     def spy(self, r, gen, *args):
         if gen.tree.num_nodes > 1 and gen.whole:
-            steps.append((gen.source, gen.drafter.source))
+            steps.append((gen.source, gen.proposer.source))  # its drafter, or its recall where the gate ran plain
         return advance(self, r, gen, *args)
 
     monkeypatch.setattr(Decoder, "_advance", spy)
