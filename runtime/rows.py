@@ -116,11 +116,11 @@ class LoadGate:
     step at a time, and it goes on learning, so an answer met before lands whatever the gate says.
 
     Batch sizes are pooled by powers of two (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one
-    sequence at a time, and a gate that learned each size apart would still be exploring when the size changed. Each pool first alternates the two modes, a
-    few iterations each (:meth:`needed`: so both see the same sizes and the same text), and from then on runs the
-    mode with the higher rate per sequence (a pool larger than one that runs plain starts plain, unlearned:
-    :meth:`_inherits_plain`), trying the other for a short block (:meth:`block`) after
-    :attr:`EXPLORE` iterations, so that a change of load or text is seen. A block changes the mode only where it
+    sequence at a time, and a gate that learned each size apart would still be exploring when the size changed.
+    Each pool first alternates the two modes, a few iterations each (:meth:`needed`: so both see the same sizes
+    and the same text), and from then on runs the mode with the higher rate per sequence (a pool larger than one
+    that runs plain starts plain, unlearned: :meth:`_inherits_plain`), trying the other for a short block
+    (:meth:`block`) after :attr:`EXPLORE` iterations, so that a change of load or text is seen. A block changes the mode only where it
     beats the mode in use by :attr:`MARGIN` (a block of a few iterations is noisy, and each change that noise
     makes runs the slower mode until the next block); where it does not, the next block comes twice as late (up
     to :attr:`EXPLORE_MAX`): at high load a drafting block calls every sequence's trained draft.
