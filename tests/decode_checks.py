@@ -85,3 +85,23 @@ class OracleDrafter(Drafter):
             if done + depth < len(self.reference):
                 tokens[node] = self.reference[done + depth]
         return DraftTree(tokens=tokens, parents=parents)
+
+
+def pairs_fit(draw, expected: dict[tuple[int, int], float], n: int = 5000) -> float:
+    """The chi-square p-value of ``draw(n)``'s token pairs against ``expected`` (pair -> probability), and of a
+    second, independent ``draw(n)`` where the first falls at or under 0.05: a correct sampler falls there one
+    draw in twenty, two draws in a row one in four hundred, while a sampler off by what 5,000 draws can see
+    falls there each time. A pair outside ``expected`` fails at once."""
+    from scipy.stats import chisquare
+
+    cells = sorted(expected)
+    want = np.array([expected[c] for c in cells])
+    p = 0.0
+    for _ in range(2):
+        pairs = draw(n)
+        assert len(pairs) == n and set(pairs) <= set(expected), set(pairs) - set(expected)
+        observed = np.array([pairs.count(c) for c in cells], dtype=float)
+        p = chisquare(observed, want / want.sum() * n).pvalue
+        if p > 0.05:
+            break
+    return p

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-from decode_checks import concurrently
+from decode_checks import concurrently, pairs_fit
 from specdeploy.runtime import load
 from specdeploy.runtime.batch import BatchScheduler
 from specdeploy.runtime.errors import DraftMismatchError, ExactnessWarning, SpecDeployError
@@ -261,8 +261,8 @@ def test_batching_refusals_are_one_sentence(tiny_bundle):
 
 def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle, monkeypatch):
     """5,000 two-token samples, each beside three other requests in the same steps and with drafts for its second
-    token verified by tree rejection sampling: their joint distribution is the base's (chi-square, p > 0.05)."""
-    from scipy.stats import chisquare
+    token verified by tree rejection sampling: their joint distribution is the base's (chi-square, p > 0.05;
+    :func:`~decode_checks.pairs_fit`)."""
     from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
     from specdeploy.runtime.rows import LoadGate
     from specdeploy.runtime.tree import DraftTree
@@ -307,33 +307,35 @@ def test_sampling_in_a_batch_with_three_requests_in_flight_is_exact(tiny_bundle,
         busy = [threading.Thread(target=others, args=(i,), daemon=True) for i in range(3)]
         for t in busy:
             t.start()
-        pairs: list[tuple[int, ...]] = []
         drafted: list[bool] = []
+        shared: list[int] = []
 
-        def sample(n: int) -> None:  # four samplers at once: steps shared with the others and with each other
-            # three tokens, so that the step after the prefill can verify a lookup draft for the second
-            runs = [eng.generate(prompt, max_new_tokens=3, **warp) for _ in range(n)]
-            pairs.extend(tuple(r.token_ids[:2]) for r in runs)
-            drafted.extend(max(r.stats.tree_sizes, default=1) > 1 for r in runs)
+        def draw(n: int) -> list[tuple[int, ...]]:
+            pairs: list[tuple[int, ...]] = []
 
-        try:
-            samplers = [threading.Thread(target=sample, args=(1250,)) for _ in range(4)]
+            def sample(k: int) -> None:  # four samplers at once: steps shared with the others and with each other
+                # three tokens, so that the step after the prefill can verify a lookup draft for the second
+                runs = [eng.generate(prompt, max_new_tokens=3, **warp) for _ in range(k)]
+                pairs.extend(tuple(r.token_ids[:2]) for r in runs)
+                drafted.extend(max(r.stats.tree_sizes, default=1) > 1 for r in runs)
+
+            samplers = [threading.Thread(target=sample, args=(n // 4,)) for _ in range(4)]
             for t in samplers:
                 t.start()
             for t in samplers:
                 t.join(600)
-            shared = eng.stats().running  # the others were still decoding beside the last ones
+            shared.append(eng.stats().running)  # the others were still decoding beside the last ones
+            return pairs
+
+        try:
+            p = pairs_fit(draw, expected)
         finally:
             stop.set()
             for t in busy:
                 t.join(60)
-    counts = {c: pairs.count(c) for c in set(pairs)}
-    assert len(pairs) == 5000 and shared >= 3 and set(counts) <= set(expected)
-    assert sum(drafted) > 2500, sum(drafted)  # drafts were verified in the batch (rejection sampling)
-    cells = sorted(expected)
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    want = np.array([expected[c] for c in cells]) * observed.sum()
-    assert chisquare(observed, want / want.sum() * observed.sum()).pvalue > 0.05
+    assert min(shared) >= 3
+    assert sum(drafted) > len(drafted) // 2, sum(drafted)  # drafts were verified in the batch (rejection sampling)
+    assert p > 0.05, p
 
 
 def test_the_gathered_graph_takes_rows_apart_and_an_older_bundle_serves_one_at_a_time(tiny_bundle, tmp_path):
