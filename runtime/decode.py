@@ -240,7 +240,6 @@ class Decoder:
                 draft, gen.certain = gen.constraint.draft(gen.tree, budget)
                 if draft is not gen.tree:  # its drafter hears nothing of this step
                     gen.tree, gen.whole = draft, False
-        proposing = time.perf_counter() - t0
         lone = None  # (the sequence that runs alone, its rows)
         if b > 1 and any(g.tree.num_nodes > 1 for g in gens):
             curve = self.cost_curve or {1: 1.0}
@@ -282,7 +281,7 @@ class Decoder:
         else:
             reasons = [self._advance(r, gen, cache, out, took) for r, gen in enumerate(gens)]
         if b > 1:
-            self.load_gate.record(b, drafting, sum(len(g.emitted) for g in gens), time.perf_counter() - t0, proposing)
+            self.load_gate.record(b, drafting, sum(len(g.emitted) for g in gens), time.perf_counter() - t0)
         return reasons
 
     @staticmethod

@@ -15,7 +15,7 @@ padding) is the machine's business: the step plan's probe checks it bit for bit 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -104,6 +104,32 @@ def lone_step(expected: list[list[float]], cost: Callable[[int], float], min_row
     return found
 
 
+@dataclass
+class _ModeSums:
+    """One mode's iterations in a pool: tokens per sequence and seconds, fading by :attr:`LoadGate.RATE` an
+    iteration (the rate is the one over the other)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    iterations: int = 0
+    fresh: bool = False  # its next iteration starts the sums over (a block of the mode not in use)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Pool:
+    """A pool's state in the load gate: both modes' sums, the mode in use once learned, and its blocks."""
+
+    every: int  # iterations between two blocks of the mode not in use, now
+    sums: dict[bool, _ModeSums] = field(default_factory=lambda: {True: _ModeSums(), False: _ModeSums()})
+    mode: bool | None = None  # the mode in use, once learned (changed only as a block ends)
+    block: tuple[bool, int] | None = None  # (the mode explored, its iterations left)
+    since: int = 0  # iterations since the last block
+
+
 class LoadGate:
     """Whether the sequences of a step of several ask their whole drafters or only their recall of text met before
     (:meth:`~.drafters.base.Drafter.recall`: the suffix cache; lookup, n-grams and trained drafts have none): by
@@ -112,18 +138,20 @@ class LoadGate:
 
     The rows rule (:func:`rows_per_sequence`) prices draft rows, but by the time it runs every drafter has drafted;
     at high load the calls alone (a trained draft's, and lookup's at many sequences) can cost more than the rows
-    return. The recall is asked in either mode: its calls cost next to nothing, the rows rule prices its rows one
-    step at a time, and it goes on learning, so an answer met before lands whatever the gate says.
+    return, and rows it lets in on estimated chances can return less than they cost. The recall is asked in
+    either mode: its calls cost next to nothing, the rows rule prices its rows one step at a time, and it goes on
+    learning, so an answer met before lands whatever the gate says.
 
     Batch sizes are pooled by powers of two (2, 3-4, 5-8, 9-16, ...): a server's batch drains and refills one
     sequence at a time, and a gate that learned each size apart would still be exploring when the size changed.
     Each pool first alternates the two modes, a few iterations each (:meth:`needed`: so both see the same sizes
     and the same text), and from then on runs the mode with the higher rate per sequence (a pool larger than one
     that runs plain starts plain, unlearned: :meth:`_inherits_plain`), trying the other for a short block
-    (:meth:`block`) after :attr:`EXPLORE` iterations, so that a change of load or text is seen. A block changes the mode only where it
-    beats the mode in use by :attr:`MARGIN` (a block of a few iterations is noisy, and each change that noise
-    makes runs the slower mode until the next block); where it does not, the next block comes twice as late (up
-    to :attr:`EXPLORE_MAX`): at high load a drafting block calls every sequence's trained draft.
+    (:meth:`block`) after :attr:`EXPLORE` iterations, so that a change of load or text is seen. A block changes
+    the mode only where it beats the mode in use by :attr:`MARGIN` (a block of a few iterations is noisy, and
+    each change that noise makes runs the slower mode until the next block); where it does not, the next block
+    comes twice as late (up to :attr:`EXPLORE_MAX`): at high load a drafting block calls every sequence's trained
+    draft.
 
     A rate is a ratio of sums (tokens per sequence over seconds) that fades by :attr:`RATE` an iteration, so a mode
     in use reads the recent steps. The mode changes only as a block ends, and a block starts the other mode's sums
@@ -136,17 +164,9 @@ class LoadGate:
     EXPLORE_MAX = 1024  # ... doubling each time a block leaves the mode as it was, up to this
     MARGIN = 0.05  # a block changes the mode only where its rate beats the mode in use by this share
     RATE = 0.1  # how fast a mode's sums fade per iteration it runs (plain sums over its first 1 / RATE)
-    CHEAP = 0.05  # proposals under this share of a drafting iteration: drafting stays on (see :meth:`cheap`)
 
     def __init__(self) -> None:
-        # (pool, drafting) -> [tokens per sequence, seconds, iterations, seconds proposing]: the rate is the first
-        # over the second
-        self.sums: dict[tuple[int, bool], list[float]] = {}
-        self._since: dict[int, int] = {}
-        self._mode: dict[int, bool] = {}  # pool -> the mode in use, once learned (changed only as a block ends)
-        self._block: dict[int, tuple[bool, int]] = {}  # pool -> (the mode explored, its iterations left)
-        self._fresh: set[tuple[int, bool]] = set()  # modes whose next iteration starts their sums over
-        self._every: dict[int, int] = {}  # pool -> iterations between its blocks now
+        self._pools: dict[int, _Pool] = {}
 
     @staticmethod
     def pool(batch: int) -> int:
@@ -167,67 +187,59 @@ class LoadGate:
 
     def rate(self, pool: int, drafting: bool) -> float:
         """Tokens per second per sequence of a pool's mode (0 before it ran)."""
-        tokens, seconds = self.sums.get((pool, drafting), (0.0, 0.0, 0, 0.0))[:2]
-        return tokens / seconds if seconds > 0 else 0.0
+        state = self._pools.get(pool)
+        return 0.0 if state is None else state.sums[drafting].rate
 
-    def cheap(self, pool: int) -> bool:
-        """Whether a pool's drafting iterations spend under :attr:`CHEAP` of their time proposing (free sources:
-        lookup, n-grams, the suffix cache). Its draft rows are then all that drafting costs, and the rows rule
-        already prices them, one step at a time (a step whose rows do not pay runs as a plain one): the gate's
-        rates, measured over whole iterations of changing text, only add noise to that choice."""
-        entry = self.sums.get((pool, True))
-        return entry is not None and entry[1] > 0 and entry[3] < self.CHEAP * entry[1]
+    def _state(self, pool: int) -> _Pool:
+        if pool not in self._pools:
+            self._pools[pool] = _Pool(every=self.EXPLORE)
+        return self._pools[pool]
 
     def drafting(self, batch: int) -> bool:
         key = self.pool(batch)
-        if key not in self._mode and self._inherits_plain(key):
-            self._mode[key] = False  # a smaller pool found plain faster: from there on rows only cost more
-        if key not in self._mode:  # learning: the mode measured less next, drafting first
-            n_draft, n_plain = (self.sums.get((key, m), (0.0, 0.0, 0, 0.0))[2] for m in (True, False))
+        pool = self._state(key)
+        if pool.mode is None and self._inherits_plain(key):
+            pool.mode = False  # a smaller pool found plain faster: from there on rows only cost more
+        if pool.mode is None:  # learning: the mode measured less next, drafting first
+            n_draft, n_plain = pool.sums[True].iterations, pool.sums[False].iterations
             if min(n_draft, n_plain) < self.needed(key):
                 return n_draft <= n_plain
-            self._mode[key] = self.rate(key, True) >= self.rate(key, False)
-        if self.cheap(key):
-            return True
-        explored, left = self._block.get(key, (None, 0))
-        if left > 0:
-            self._block[key] = (explored, left - 1)
-            return explored
-        if explored is not None:  # a block has just ended: its fresh rate against the recent steps' decides
-            del self._block[key]
-            if self.rate(key, explored) > (1 + self.MARGIN) * self.rate(key, not explored):
-                self._mode[key], self._every[key] = explored, self.EXPLORE
+            pool.mode = pool.sums[True].rate >= pool.sums[False].rate
+        if pool.block is not None:
+            explored, left = pool.block
+            if left > 0:
+                pool.block = (explored, left - 1)
+                return explored
+            pool.block = None  # it has just ended: its fresh rate against the recent steps' decides
+            if pool.sums[explored].rate > (1 + self.MARGIN) * pool.sums[not explored].rate:
+                pool.mode, pool.every = explored, self.EXPLORE
             else:  # the mode stands: the next block comes twice as late
-                self._every[key] = min(2 * self._every.get(key, self.EXPLORE), self.EXPLORE_MAX)
-        self._since[key] = self._since.get(key, 0) + 1
-        if self._since[key] >= self._every.get(key, self.EXPLORE):
-            self._since[key] = 0
-            other = not self._mode[key]
-            self._block[key] = (other, self.block(key) - 1)
-            self._fresh.add((key, other))
+                pool.every = min(2 * pool.every, self.EXPLORE_MAX)
+        pool.since += 1
+        if pool.since >= pool.every:
+            pool.since = 0
+            other = not pool.mode
+            pool.block = (other, self.block(key) - 1)
+            pool.sums[other].fresh = True
             return other
-        return self._mode[key]
+        return pool.mode
 
     def _inherits_plain(self, pool: int) -> bool:
         """Whether the largest smaller pool learned runs plain. A draft row competes with more sequences' rows the
         fuller the step, and each sequence's drafter call costs the same, so drafting that lost at a smaller batch
         loses at a larger one: such a pool starts plain without learning drafting (a drafting iteration of 32
         sequences calls 32 trained drafts), and its blocks still try drafting now and then."""
-        smaller = [p for p in self._mode if p < pool]
-        return bool(smaller) and not self._mode[max(smaller)]
+        smaller = [p for p, state in self._pools.items() if p < pool and state.mode is not None]
+        return bool(smaller) and not self._pools[max(smaller)].mode
 
-    def record(self, batch: int, drafting: bool, tokens: int, seconds: float, proposing: float | None = None) -> None:
-        """An iteration of ``batch`` sequences: ``tokens`` emitted in ``seconds``, ``proposing`` of them spent on
-        the drafters' proposals (None: not measured, counted as all of it)."""
+    def record(self, batch: int, drafting: bool, tokens: int, seconds: float) -> None:
+        """An iteration of ``batch`` sequences: ``tokens`` emitted in ``seconds``."""
         if seconds <= 0 or batch < 1:
             return
-        key = (self.pool(batch), drafting)
-        entry = self.sums.setdefault(key, [0.0, 0.0, 0, 0.0])
-        if key in self._fresh:
-            self._fresh.discard(key)
-            entry[0] = entry[1] = entry[3] = 0.0
-        entry[2] += 1
-        keep = 1.0 if entry[2] * self.RATE <= 1 else 1.0 - self.RATE
-        entry[0] = keep * entry[0] + tokens / batch  # per sequence: a pool's sizes differ
-        entry[1] = keep * entry[1] + seconds
-        entry[3] = keep * entry[3] + (seconds if proposing is None else proposing)
+        sums = self._state(self.pool(batch)).sums[drafting]
+        if sums.fresh:
+            sums.fresh, sums.tokens, sums.seconds = False, 0.0, 0.0
+        sums.iterations += 1
+        keep = 1.0 if sums.iterations * self.RATE <= 1 else 1.0 - self.RATE
+        sums.tokens = keep * sums.tokens + tokens / batch  # per sequence: a pool's sizes differ
+        sums.seconds = keep * sums.seconds + seconds

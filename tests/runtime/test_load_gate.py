@@ -102,24 +102,6 @@ def test_a_block_changes_the_mode_only_by_a_margin():
     assert plain and plain[0] - first == LoadGate.EXPLORE + LoadGate.block(4) - 1  # the other mode's blocks, anew
 
 
-def test_the_load_gate_keeps_drafting_where_proposals_cost_next_to_nothing():
-    """Free sources' proposals cost next to nothing: the rows rule, step by step, is then the better judge (a step
-    whose rows do not pay runs plain), so the gate stays out of it even where its rates read plain faster. A
-    trained draft's calls are another matter."""
-    from specdeploy.runtime.rows import LoadGate
-
-    cheap, dear = LoadGate(), LoadGate()
-    for gate, call in ((cheap, 0.01), (dear, 0.2)):
-        for _ in range(2 * LoadGate.MIN):
-            d = gate.drafting(4)
-            gate.record(4, d, 8 if d else 10, 1.0, call if d else 0.0)  # plain reads faster
-    assert cheap.cheap(4) and all(cheap.drafting(4) for _ in range(3 * LoadGate.EXPLORE))
-    assert not dear.cheap(4) and not dear.drafting(4)
-    unmeasured = LoadGate()
-    unmeasured.record(4, True, 8, 1.0)
-    assert not unmeasured.cheap(4)  # proposals not timed: counted as the whole iteration
-
-
 def test_the_load_gate_compares_rates_per_sequence():
     from specdeploy.runtime.rows import LoadGate
 
