@@ -1,6 +1,7 @@
 """What this machine is, as the kernels ONNX Runtime picks see it: the CPU's model and instruction sets.
 
-:func:`machine_id` keys the step plan's verdicts (:mod:`.verdicts`); :func:`cpu_isa` is printed beside figures.
+:func:`machine_id` keys the step plan's verdicts (:mod:`.verdicts`); :func:`cpu_name` and :func:`cpu_isa`
+are printed beside figures.
 """
 
 from __future__ import annotations
@@ -57,17 +58,38 @@ def cpu_isa() -> str:
     return (" ".join(keep) or "unknown") + note
 
 
-def machine_id() -> str:
-    """The CPU model and instruction-set flags, which decide the kernels ONNX Runtime picks."""
-    model = platform.processor() or platform.machine()
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty where it is not readable)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as fh:
-            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
+            for line in fh:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
+    return fields
+
+
+def cpu_name() -> str:
+    """The CPU's model name with its family and model numbers, to print beside figures: a hypervisor often names
+    different CPUs alike (``Intel(R) Xeon(R) Processor, family 6 model 167``)."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    if "cpu family" in info and "model" in info:
+        name += f", family {info['cpu family']} model {info['model']}"
+    return name
+
+
+def machine_id() -> str:
+    """The CPU model (its family and model numbers too) and instruction-set flags, which decide the kernels ONNX
+    Runtime picks."""
+    model = cpu_name()
     seen = process_features()
     flags = " ".join(sorted(cpu_flags())) + " | cpuid: " + (" ".join(sorted(seen)) if seen is not None else "?")
     return f"{model} | {platform.machine()} | {cpu_isa()} | {hashlib.sha1(flags.encode()).hexdigest()[:12]}"
 
 
-__all__ = ["ISA_FLAGS", "cpu_flags", "cpu_isa", "machine_id", "process_features"]
+__all__ = ["ISA_FLAGS", "cpu_flags", "cpu_isa", "cpu_name", "machine_id", "process_features"]

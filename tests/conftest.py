@@ -64,15 +64,9 @@ def machine_line(bundles: dict[str, Path]) -> str:
     """``machine: MODEL, ISA; plain step of the real q4_1 bundle: X ms``: the plain step of the plan the probe
     chose, read from this run's verdict cache (no step is run) where a test loaded the bundle; else timed
     now on a few 1-row steps, where this run built it (a second or two)."""
-    from specdeploy.runtime.machine import cpu_isa
+    from specdeploy.runtime.machine import cpu_isa, cpu_name
 
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    head = f"machine: {model}, {cpu_isa()}"
+    head = f"machine: {cpu_name()}; {cpu_isa()}"
     precision = next((p for p in ("q4_1", "fp32") if p in bundles), None)
     if precision is None:
         return f"{head}; no real bundle was built in this run, so no plain step of one was measured"

@@ -10,6 +10,17 @@ from specdeploy.runtime.decode import DecodeStats, GenerationConfig
 from specdeploy.runtime.drafters.base import DraftContext, Drafter
 from specdeploy.runtime.tree import DraftTree
 
+# Batch tests' prompts: repetitive ones give prompt lookup something to find; the varied lengths make rows of other
+# lengths.
+BATCH_PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
+                 "one two three four one two three four one two three",
+                 "Story: once upon a time in Paris",
+                 "a b c d e f g a b c d e f g a b c d",
+                 "Write a poem about rivers.",
+                 "x y z x y z x y z x y z x y z x y z x y z x y z",
+                 "Hello",
+                 "red green blue red green blue red"]
+
 
 def concurrently(eng, prompts, messages_list=None, **kw):
     """``eng.generate`` of each prompt (or message list) in a thread of its own, all at once; the results in order."""

@@ -239,16 +239,10 @@ def _skipped_entry(spec: VariantSpec, note: str) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            cpu_model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), None)
-    except OSError:
-        pass
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    from specdeploy.runtime.machine import cpu_isa
+    from specdeploy.runtime.machine import cpu_isa, cpu_name
 
-    return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_model or platform.processor(),
+    return {"cpu_count": os.cpu_count(), "usable_cpus": usable, "cpu_model": cpu_name(),
             "cpu_isa": cpu_isa(), "platform": platform.platform(), "python": sys.version.split()[0]}
 
 

@@ -72,6 +72,21 @@ def test_cpu_isa_and_verdict_key_follow_cpuid_not_proc_cpuinfo(monkeypatch):
     assert machine.cpu_isa() == "avx2 avx512f avx512_vnni avx_vnni"
 
 
+def test_cpus_a_hypervisor_names_alike_are_told_apart_by_family_and_model(monkeypatch):
+    """Two Xeons both named "Intel(R) Xeon(R) Processor", with the same flags: figures name each, and a verdict
+    probed on one is not reused on the other."""
+    def cpuinfo(model: str):
+        return lambda: {"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": model}
+
+    monkeypatch.setattr(machine, "_cpuinfo", cpuinfo("207"))
+    assert machine.cpu_name() == "Intel(R) Xeon(R) Processor, family 6 model 207"
+    one = machine.machine_id()
+    monkeypatch.setattr(machine, "_cpuinfo", cpuinfo("167"))
+    assert machine.cpu_name() == "Intel(R) Xeon(R) Processor, family 6 model 167" and machine.machine_id() != one
+    monkeypatch.setattr(machine, "_cpuinfo", dict)  # /proc/cpuinfo unreadable: what platform says
+    assert machine.cpu_name() == (platform.processor() or platform.machine() or "unknown CPU")
+
+
 def test_this_process_sees_what_numpy_detected():
     seen = machine.process_features()
     if seen is None:

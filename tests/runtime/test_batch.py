@@ -11,30 +11,13 @@ import warnings
 
 import numpy as np
 import pytest
+from decode_checks import BATCH_PROMPTS as PROMPTS
 from decode_checks import concurrently, pairs_fit
 from specdeploy.runtime import load
 from specdeploy.runtime.batch import BatchScheduler
 from specdeploy.runtime.errors import DraftMismatchError, ExactnessWarning, SpecDeployError
 from specdeploy.runtime.plan import ROWS_CHECK
 from specdeploy.runtime.rows import rows_per_sequence
-
-# Repetitive prompts give prompt lookup something to find; the varied lengths make rows of other lengths.
-PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
-           "one two three four one two three four one two three",
-           "Story: once upon a time in Paris",
-           "a b c d e f g a b c d e f g a b c d",
-           "Write a poem about rivers.",
-           "x y z x y z x y z x y z x y z x y z x y z x y z",
-           "Hello",
-           "red green blue red green blue red"]
-
-
-@pytest.fixture(scope="module")
-def alone(tiny_bundle):
-    """Each prompt's greedy answer from ``generate`` on a max_batch 1 engine, plainly (300 tokens: past 256
-    columns, so a batch's shared cache grows under load, rows copied)."""
-    with load(tiny_bundle, draft=None) as eng:
-        return [eng.generate(p, max_new_tokens=300) for p in PROMPTS]
 
 
 @pytest.mark.parametrize(("draft", "max_batch", "lone"),

@@ -8,10 +8,10 @@ import itertools
 
 import numpy as np
 import pytest
+from decode_checks import BATCH_PROMPTS as PROMPTS
 from decode_checks import concurrently
 from specdeploy.runtime import load
 from specdeploy.runtime.batch import BatchScheduler
-from test_batch import PROMPTS, alone  # noqa: F401 - the fixture, shared
 
 
 def test_the_load_gate_measures_both_modes_and_keeps_the_faster():
@@ -138,7 +138,7 @@ def test_a_drafter_that_sat_steps_out_gets_every_state_it_missed(tiny_bundle, mo
         assert list(given) == [tokens - 1 for _, tokens in seen]  # every accepted token's state, once
 
 
-def test_a_step_the_gate_runs_plain_asks_only_each_drafters_recall(tiny_bundle, alone, monkeypatch):  # noqa: F811
+def test_a_step_the_gate_runs_plain_asks_only_each_drafters_recall(tiny_bundle, alone, monkeypatch):
     """In steps of several sequences the load gate runs plain, ``auto``'s suffix drafter (its recall of answers met
     before) is still asked, its drafts get rows where the rows rule finds they pay, and it hears their verdicts;
     lookup and the trained model are asked only in steps of one sequence (where the gate does not judge). The
