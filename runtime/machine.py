@@ -6,6 +6,7 @@ are printed beside figures.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 
@@ -15,17 +16,26 @@ _NUMPY_NAMES = {"avx2": "AVX2", "avx512f": "AVX512F", "avx512_vnni": "AVX512VNNI
                 "asimddp": "ASIMDDP", "sve": "SVE"}
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's instruction-set flags (``/proc/cpuinfo``; empty where it is not readable)."""
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of ``/proc/cpuinfo`` (empty where it is not readable), read once."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
+                if not line.strip():
+                    break
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (``/proc/cpuinfo``; empty where it is not readable)."""
+    info = _cpuinfo()
+    return frozenset(info.get("flags", info.get("Features", "")).split())
 
 
 def process_features() -> frozenset[str] | None:
@@ -56,21 +66,6 @@ def cpu_isa() -> str:
     keep = [f for f in ISA_FLAGS if f in flags and f not in masked and (f in _NUMPY_NAMES or not masked)]
     note = f" (CPUID lacks {' '.join(sorted(masked))} of /proc/cpuinfo: emulated or masked)" if masked else ""
     return (" ".join(keep) or "unknown") + note
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of ``/proc/cpuinfo`` (empty where it is not readable)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if not line.strip():
-                    break
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
 
 
 def cpu_name() -> str:
