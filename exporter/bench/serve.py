@@ -185,24 +185,25 @@ def _summary(answers: list[dict], wall: float, alone: dict[str, dict], prompts: 
 def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], concurrency: list[int], prompts: list[str],
                     max_new_tokens: int, threads: int, draft: str, json_out: Path,
                     say: Callable[[str], None] = print, categories: dict[str, str] | None = None,
-                    constraints: dict[str, Constraint] | None = None, suffix_cache_tokens: int | None = None
-                    ) -> dict[str, Any]:
+                    constraints: dict[str, Constraint] | None = None, suffix_cache_tokens: int | None = None,
+                    repeats: int = 1) -> dict[str, Any]:
     """``max_batches``: one server each, a max_batch or (max_batch, draft) (else ``draft``); ``categories``: each
     prompt's category (a named prompt set), reported apart in every run; ``constraints``: a prompt's constraint,
     sent with it and checked in its answers; ``suffix_cache_tokens``: every server's suffix cache (None: its
-    default; 0: off)."""
+    default; 0: off); ``repeats``: how many times each server runs each concurrency above 1, the servers taking
+    turns (A B B A ...), pooled, each repeat's tok/s kept (``repeat_tokens_per_s``)."""
     constraints = constraints or {}
     if not prompts:
         raise BenchError("bench-serve needs at least one prompt.")
     servers = [mb if isinstance(mb, tuple) else (mb, draft) for mb in max_batches]
     levels = sorted(set(concurrency))
-    if not levels or levels[0] < 1 or not servers or min(mb for mb, _ in servers) < 1:
-        raise BenchError("--concurrency and --max-batch take whole numbers of at least 1.")
+    if not levels or levels[0] < 1 or not servers or min(mb for mb, _ in servers) < 1 or repeats < 1:
+        raise BenchError("--concurrency, --max-batch and --repeats take whole numbers of at least 1.")
     uniq = list(dict.fromkeys(prompts))
     report: dict[str, Any] = {
         "command": "bench-serve", "bundle": str(bundle), "draft": draft, "threads": threads,
         "max_new_tokens": max_new_tokens, "concurrency": levels, "prompts": len(uniq),
-        "suffix_cache_tokens": suffix_cache_tokens,
+        "suffix_cache_tokens": suffix_cache_tokens, "repeats": repeats,
         "machine": machine_info(), "servers": []}
     logs = Path(tempfile.mkdtemp(prefix="specdeploy-bench-serve-"))
     running: list[_Server] = []
@@ -214,7 +215,8 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
         # Every server is up before any is timed, and they take turns, so that a drift of the machine's speed
         # (seen on shared VMs: 10-20% within minutes) falls on all of them alike: at concurrency 1 each prompt is
         # asked of every server in turn, the order reversed every other prompt; at each higher concurrency the
-        # servers run one after another, the order reversed every other level.
+        # servers run one after another, the order reversed every other level and every other repeat, so that a
+        # steady drift cancels out of the ratios over an even number of repeats.
         say(f"  concurrency 1: {len(uniq)} prompts one after another, each asked of every server in turn "
             "(each prompt's answer alone) ...")
         alone: list[dict[str, dict]] = [{} for _ in servers]
@@ -226,19 +228,30 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
                 walls[k] += time.perf_counter() - t0
         runs = [[{**_summary([alone[k][p] for p in uniq], walls[k], alone[k], uniq, max_new_tokens, 1, categories),
                   "_texts": [(p, alone[k][p]["answer"]) for p in uniq]}] for k in range(len(servers))]
+        for run in runs:
+            run[0]["repeat_tokens_per_s"] = [run[0]["tokens_per_s"]]
         for li, c in enumerate(c for c in levels if c > 1):
             asked = [uniq[i % len(uniq)] for i in range(max(c, len(uniq)))]
-            for k in _turns(len(servers), li):
-                (mb, srv_draft), server = servers[k], running[k]
-                say(f"  concurrency {c}: {len(asked)} requests to --max-batch {mb} --draft {srv_draft} ...")
-                answers, wall = _concurrent(server, asked, c, max_new_tokens, constraints)
-                runs[k].append({**_summary(answers, wall, alone[k], asked, max_new_tokens, c, categories),
-                                "_texts": [(p, a["answer"]) for p, a in zip(asked, answers)]})
-                r = runs[k][-1]
-                n = r["requests"]
-                say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
-                    f"identical {r['identical_to_alone']}/{n}, complete {r['complete']}/{n}"
-                    + (f", valid {r['valid']}/{r['constrained']}" if "valid" in r else ""))
+            pooled: list[list[tuple[list[dict], float]]] = [[] for _ in servers]  # (answers, wall) per repeat
+            for rep in range(repeats):
+                for k in _turns(len(servers), li * repeats + rep):
+                    (mb, srv_draft), server = servers[k], running[k]
+                    say(f"  concurrency {c}: {len(asked)} requests to --max-batch {mb} --draft {srv_draft}"
+                        + (f" (repeat {rep + 1} of {repeats})" if repeats > 1 else "") + " ...")
+                    answers, wall = _concurrent(server, asked, c, max_new_tokens, constraints)
+                    pooled[k].append((answers, wall))
+                    r = _summary(answers, wall, alone[k], asked, max_new_tokens, c, categories)
+                    n = r["requests"]
+                    say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
+                        f"identical {r['identical_to_alone']}/{n}, complete {r['complete']}/{n}"
+                        + (f", valid {r['valid']}/{r['constrained']}" if "valid" in r else ""))
+            for k in range(len(servers)):
+                answers = [a for got, _ in pooled[k] for a in got]
+                wall = sum(w for _, w in pooled[k])
+                runs[k].append({**_summary(answers, wall, alone[k], asked * repeats, max_new_tokens, c, categories),
+                                "repeat_tokens_per_s": [round(sum(a["tokens"] for a in got) / w, 2)
+                                                        for got, w in pooled[k]],
+                                "_texts": [(p, a["answer"]) for p, a in zip(asked * repeats, answers)]})
         for k, (mb, srv_draft) in enumerate(servers):
             report["servers"].append({"max_batch": mb, "draft": srv_draft,
                                       "runs": sorted(runs[k], key=lambda r: r["clients"]),
@@ -273,7 +286,10 @@ def _compare(report: dict) -> None:
             ref = by_c.get(r["clients"])
             if ref:
                 r["vs_first"] = {"tokens_per_s": round(r["tokens_per_s"] / ref["tokens_per_s"], 3),
-                                 "p95_latency": round(r["p95_latency_s"] / ref["p95_latency_s"], 3)}
+                                 "p95_latency": round(r["p95_latency_s"] / ref["p95_latency_s"], 3),
+                                 # repeat i against the first server's repeat i, run next to it
+                                 "repeat_tokens_per_s": [round(a / b, 3) for a, b in zip(r["repeat_tokens_per_s"],
+                                                                                          ref["repeat_tokens_per_s"])]}
         srv["alone_identical_to_first"] = sum(a == first["answers_alone"].get(p)
                                               for p, a in srv["answers_alone"].items())
 

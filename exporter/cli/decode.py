@@ -264,11 +264,14 @@ def _serve_ray(bundle: Path, config, load: dict, replicas: int, max_replicas: in
 @click.option("--suffix-cache-tokens", default=None, type=click.IntRange(min=0),
               help="Every server's --suffix-cache-tokens. Each concurrency asks the same prompts again, so the suffix "
                    "cache of a drafting server holds their answers from the first; 0 measures text never seen.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Runs of each concurrency above 1 per server, the servers taking turns (A B B A ...); pooled, "
+                   "with each repeat's ratio to the first server shown, so that a drift of the machine's speed shows.")
 @click.option("--json", "json_out", default=Path("bench-serve.json"), show_default=True, type=click.Path(path_type=Path),
               help="Results; a PNG of throughput and latency goes beside it.")
 def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, prompts_file: Path | None,
                 prompt_set: str | None, num_prompts: int, max_new_tokens: int, threads: int,
-                suffix_cache_tokens: int | None, json_out: Path) -> None:
+                suffix_cache_tokens: int | None, repeats: int, json_out: Path) -> None:
     """Measure `specdeploy serve` under concurrent clients on loopback: aggregate tok/s, p50/p95 latency.
 
     \b
@@ -313,13 +316,15 @@ def bench_serve(bundle: Path, max_batches: str, concurrency: str, draft: str, pr
         categories = {text: c for text, c in records if c} if prompts_file is not None else None
     report = run_serve_bench(bundle, servers(max_batches), ints(concurrency, "--concurrency"), prompts,
                              max_new_tokens, threads, draft, json_out, say=click.echo, categories=categories,
-                             constraints=constraints, suffix_cache_tokens=suffix_cache_tokens)
+                             constraints=constraints, suffix_cache_tokens=suffix_cache_tokens, repeats=repeats)
     m = report["machine"]
     click.echo(f"machine: {m['cpu_model']} ({m['cpu_isa']}), {threads} threads")
     for srv in report["servers"]:
         for r in srv["runs"]:
             vs = r.get("vs_first")
-            extra = f"  ({vs['tokens_per_s']:.2f}x tok/s, {vs['p95_latency']:.2f}x p95 of the first)" if vs else ""
+            spread = vs["repeat_tokens_per_s"] if vs else []
+            extra = (f"  ({vs['tokens_per_s']:.2f}x tok/s" + (f" [{min(spread):.2f}-{max(spread):.2f}x over {len(spread)} "
+                     "repeats]" if len(spread) > 1 else "") + f", {vs['p95_latency']:.2f}x p95 of the first)") if vs else ""
             click.echo(f"--max-batch {srv['max_batch']:>3} --draft {srv['draft']:<13} clients {r['clients']:>3}: "
                        f"{r['tokens_per_s']:7.1f} tok/s  p50 {r['p50_latency_s']:6.2f} s  p95 {r['p95_latency_s']:6.2f} s"
                        f"  identical {r['identical_to_alone']}/{r['requests']} (to the first server: "

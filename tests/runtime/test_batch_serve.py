@@ -144,6 +144,14 @@ def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path, monkeypatch):
         return popen(argv, *args, **kwargs)
 
     monkeypatch.setattr(serve.subprocess, "Popen", spy)
+    turns = []  # (max_batch, clients) of each timed run above one client, in the order they ran
+    concurrent = serve._concurrent
+
+    def spy_runs(server, prompts, clients, *args):
+        turns.append((server.port, clients))
+        return concurrent(server, prompts, clients, *args)
+
+    monkeypatch.setattr(serve, "_concurrent", spy_runs)
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "category": "odd" if i % 2 else "even"}) + "\n"
@@ -151,12 +159,15 @@ def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path, monkeypatch):
     out = tmp_path / "serve.json"
     res = CliRunner().invoke(main, ["bench-serve", str(tiny_bundle), "--max-batch", "1:none,4", "--concurrency", "1,3,6",
                                     "--max-new-tokens", "8", "--prompts", str(prompts), "--json", str(out),
-                                    "--draft", "prompt-lookup", "--suffix-cache-tokens", "0"])
+                                    "--draft", "prompt-lookup", "--suffix-cache-tokens", "0", "--repeats", "2"])
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     servers = [argv for argv in started if "serve" in argv]
     assert len(servers) == 2 and all(argv[-2:] == ["--suffix-cache-tokens", "0"] for argv in servers)
-    assert report["suffix_cache_tokens"] == 0
+    assert report["suffix_cache_tokens"] == 0 and report["repeats"] == 2
+    # each level twice per server, taking turns A B B A (a steady drift falls on both alike)
+    batch_of = {int(argv[argv.index("--port") + 1]): int(argv[argv.index("--max-batch") + 1]) for argv in servers}
+    assert [(batch_of[port], c) for port, c in turns] == [(1, 3), (4, 3), (4, 3), (1, 3), (1, 6), (4, 6), (4, 6), (1, 6)]
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert [(s["max_batch"], s["draft"]) for s in report["servers"]] == [(1, "none"), (4, "prompt-lookup")]
     for srv in report["servers"]:
@@ -164,13 +175,20 @@ def test_bench_serve_writes_json_and_plot(tiny_bundle, tmp_path, monkeypatch):
         for r in srv["runs"]:  # every answer the plain server's: drafts and batching change none
             assert r["identical_to_alone"] == r["identical_to_first"] == r["complete"] == r["requests"]
             assert r["tokens_per_s"] > 0
-            # every prompt at every concurrency, asked again in turn where the clients outnumber them
-            assert r["requests"] == max(4, r["clients"])
+            # every prompt at every concurrency, asked again in turn where the clients outnumber them, per repeat
+            repeats = 1 if r["clients"] == 1 else 2
+            assert r["requests"] == max(4, r["clients"]) * repeats and len(r["repeat_tokens_per_s"]) == repeats
+            reps = r["repeat_tokens_per_s"]  # the pooled rate lies within its repeats' rates
+            assert min(reps) - 0.01 <= r["tokens_per_s"] <= max(reps) + 0.01
             assert r["p50_latency_s"] <= r["p95_latency_s"]
             cats = r["categories"]  # each category apart: the file's records name theirs
             assert set(cats) == {"even", "odd"} and sum(c["requests"] for c in cats.values()) == r["requests"]
             assert all(c["tokens_per_s_per_request"] > 0 for c in cats.values())
     assert "vs_first" in report["servers"][1]["runs"][1] and report["machine"]["cpu_model"]
+    first, second = ([r["repeat_tokens_per_s"] for r in srv["runs"]] for srv in report["servers"])
+    assert [v["vs_first"]["repeat_tokens_per_s"] for v in report["servers"][1]["runs"]] == \
+        [[round(a / b, 3) for a, b in zip(x, y)] for x, y in zip(second, first)]
+    assert "over 2 repeats]" in res.output
     assert " even " in res.output
     assert "machine:" in res.output
 
