@@ -226,32 +226,33 @@ def run_serve_bench(bundle: Path, max_batches: list[int | tuple[int, str]], conc
                 t0 = time.perf_counter()
                 alone[k][p] = running[k].chat(p, max_new_tokens, constraints.get(p))
                 walls[k] += time.perf_counter() - t0
-        runs = [[{**_summary([alone[k][p] for p in uniq], walls[k], alone[k], uniq, max_new_tokens, 1, categories),
-                  "_texts": [(p, alone[k][p]["answer"]) for p in uniq]}] for k in range(len(servers))]
-        for run in runs:
-            run[0]["repeat_tokens_per_s"] = [run[0]["tokens_per_s"]]
+        runs = []
+        for k in range(len(servers)):
+            first = _summary([alone[k][p] for p in uniq], walls[k], alone[k], uniq, max_new_tokens, 1, categories)
+            runs.append([{**first, "repeat_tokens_per_s": [first["tokens_per_s"]],
+                          "_texts": [(p, alone[k][p]["answer"]) for p in uniq]}])
         for li, c in enumerate(c for c in levels if c > 1):
             asked = [uniq[i % len(uniq)] for i in range(max(c, len(uniq)))]
-            pooled: list[list[tuple[list[dict], float]]] = [[] for _ in servers]  # (answers, wall) per repeat
+            answered: list[list[dict]] = [[] for _ in servers]  # every repeat's answers, in turn
+            seconds, rates = [0.0] * len(servers), [[] for _ in servers]  # wall time in all; each repeat's tok/s
             for rep in range(repeats):
                 for k in _turns(len(servers), li * repeats + rep):
                     (mb, srv_draft), server = servers[k], running[k]
                     say(f"  concurrency {c}: {len(asked)} requests to --max-batch {mb} --draft {srv_draft}"
                         + (f" (repeat {rep + 1} of {repeats})" if repeats > 1 else "") + " ...")
                     answers, wall = _concurrent(server, asked, c, max_new_tokens, constraints)
-                    pooled[k].append((answers, wall))
+                    answered[k] += answers
+                    seconds[k] += wall
                     r = _summary(answers, wall, alone[k], asked, max_new_tokens, c, categories)
+                    rates[k].append(r["tokens_per_s"])
                     n = r["requests"]
                     say(f"    {r['tokens_per_s']:.1f} tok/s, p50 {r['p50_latency_s']:.2f} s, p95 {r['p95_latency_s']:.2f} s, "
                         f"identical {r['identical_to_alone']}/{n}, complete {r['complete']}/{n}"
                         + (f", valid {r['valid']}/{r['constrained']}" if "valid" in r else ""))
             for k in range(len(servers)):
-                answers = [a for got, _ in pooled[k] for a in got]
-                wall = sum(w for _, w in pooled[k])
-                runs[k].append({**_summary(answers, wall, alone[k], asked * repeats, max_new_tokens, c, categories),
-                                "repeat_tokens_per_s": [round(sum(a["tokens"] for a in got) / w, 2)
-                                                        for got, w in pooled[k]],
-                                "_texts": [(p, a["answer"]) for p, a in zip(asked * repeats, answers)]})
+                runs[k].append({**_summary(answered[k], seconds[k], alone[k], asked * repeats, max_new_tokens, c,
+                                           categories), "repeat_tokens_per_s": rates[k],
+                                "_texts": [(p, a["answer"]) for p, a in zip(asked * repeats, answered[k])]})
         for k, (mb, srv_draft) in enumerate(servers):
             report["servers"].append({"max_batch": mb, "draft": srv_draft,
                                       "runs": sorted(runs[k], key=lambda r: r["clients"]),
