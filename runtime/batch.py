@@ -108,7 +108,7 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
             return lookup()
         if draft == SUFFIX:
             return SuffixDrafter(cache, chains=chains, calibration=calibration)
-        free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, local=False, calibration=calibration))
+        free = FreeSources(lookup(), SuffixDrafter(cache, chains=chains, calibration=calibration))
         return free if model is None else with_model(free)
 
     return make

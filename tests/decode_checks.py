@@ -7,7 +7,10 @@ import threading
 import numpy as np
 from specdeploy.runtime import load
 from specdeploy.runtime.decode import DecodeStats, GenerationConfig
+from specdeploy.runtime.drafters.auto import FreeSources
 from specdeploy.runtime.drafters.base import DraftContext, Drafter
+from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from specdeploy.runtime.drafters.suffix import SuffixCache, SuffixDrafter
 from specdeploy.runtime.tree import DraftTree
 
 # Batch tests' prompts: repetitive ones give prompt lookup something to find; the varied lengths make rows of other
@@ -20,6 +23,16 @@ BATCH_PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat"
                  "x y z x y z x y z x y z x y z x y z x y z x y z",
                  "Hello",
                  "red green blue red green blue red"]
+
+
+def draft_context(tokens: list[int], max_nodes: int = 17) -> DraftContext:
+    """A drafter's context over ``tokens``, with placeholder base states (for drafters that read tokens only)."""
+    return DraftContext(np.asarray(tokens, dtype=np.int64), np.zeros((1, 4), np.float32), None, max_nodes)
+
+
+def free_sources(curve) -> FreeSources:
+    """``auto``'s free sources, prompt lookup and the suffix drafter (an empty cache), on the cost curve ``curve``."""
+    return FreeSources(PromptLookupDrafter(cost_curve=curve), SuffixDrafter(SuffixCache(), cost_curve=curve))
 
 
 def concurrently(eng, prompts, messages_list=None, **kw):

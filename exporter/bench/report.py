@@ -61,6 +61,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 
+from specdeploy.exporter.bench.best_source import against_best_table, auto_vs_best_source
+from specdeploy.exporter.bench.plots import fmt as _fmt
+from specdeploy.exporter.bench.plots import plot_acceptance, plot_speed
 from specdeploy.exporter.bench.spec import BASELINE, RunResult, Score, StructuredPrompt, VariantSpec
 from specdeploy.exporter.bench.structured import check_answer
 
@@ -134,13 +137,15 @@ def _prompt_entry(i: int, r: RunResult, base: RunResult, prompt: _Prompt, codec:
         "loop_overhead": (1.0 - r.backend_seconds / r.decode_seconds
                           if r.backend_seconds is not None and r.decode_seconds > 0 else None),
         "finish_reason": r.finish_reason or None,
-        "identical_to_ar": r.tokens == base.tokens,
+        # every repeat of both gave these tokens (a run whose repeats disagree is not deterministic: not identical)
+        "identical_to_ar": r.tokens == base.tokens and r.repeats_agree and base.repeats_agree,
         "first_difference": _first_difference(r.tokens, base.tokens),
         "token_ids": r.tokens,
         "category": prompt.category,
         "valid": None,
         "invalid_reason": None,
         "tool_calls": r.tool_calls,
+        "repeat_seconds": r.repeat_seconds,
     }
     structured = getattr(prompt, "structured", None)
     if structured is not None:
@@ -173,6 +178,8 @@ def _variant_entry(spec: VariantSpec, runs: list[RunResult], base: list[RunResul
                     f"reference" if asked
                else "greedy speculative decoding must match it exactly, so this is a bug")
         note = f"differs from ar on {len(per) - same}/{len(per)} prompts ({why})"
+    if unsteady := sum(not r.repeats_agree for r in runs):
+        note = f"its repeats gave different tokens on {unsteady}/{len(runs)} prompts" + (f"; {note}" if note else "")
     if any(r.refused for r in runs):
         note = f"draft refused, ran plain: {runs[0].plan}" + (f"; {note}" if note else "")
     elif lossy and note is None:
@@ -292,15 +299,13 @@ def build_report(specs: list[VariantSpec], skipped: dict[str, str], results: dic
     for v in variants:
         v["categories"] = _categories(v, ar_entry)
     config = {**config, "machine": {**machine_info(), **(machine or {})}, "versions": package_versions()}
-    return {"variants": variants, "config": config,
-            "created": datetime.now(UTC).isoformat(timespec="seconds")}
+    out = {"variants": variants, "config": config, "created": datetime.now(UTC).isoformat(timespec="seconds")}
+    if against := auto_vs_best_source(specs, variants):
+        out["auto_vs_best_source"] = against
+    return out
 
 
 # --- outputs ---------------------------------------------------------------------------------
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
 def _subject(c: dict[str, Any]) -> str:
     """The model and, where the report has it, the bundle's base-graph precisions ("fp32/gguf-q4_1")."""
     name = Path(c["model"]).name
@@ -325,6 +330,9 @@ def markdown_table(report: dict[str, Any]) -> str:
          f"{c['machine'].get('cpu_isa', '?')})"),
         *(["", f"**{_emulated(c)}**"] if c.get("emulated_cpu") else []),
         *(["", f"Step plan ({BASELINE}): {plan}"] if (plan := _baseline_plan(report)) else []),
+        *(["", (f"Each prompt ran {n} times per variant, each time in a worker of its own that saw the same requests "
+                f"before it, interleaved; a prompt's figures are those of its median run.")]
+          if (n := c.get("repeats", 1)) > 1 else []),
         *(["", (f"Quality class: top-1 agreement and perplexity ratio against fp32 torch (transformers), "
                 f"teacher-forced on {q['positions']} positions of held-in text; perplexity fp32 "
                 f"{q['perplexity_fp32']:.2f}.")] if (q := _any_quality(report)) else []),
@@ -351,7 +359,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"{gate_cell} | {ident} | {_own_plain_cell(v)} | {_quality_cell(v)} | "
             f"{_fmt(overhead, '.0f', '%')} | {(v['note'] or '').replace('|', '/')} |"
         )
-    return "\n".join(lines + _category_table(report) + _structured_table(report)) + "\n"
+    return "\n".join(lines + _category_table(report) + against_best_table(report) + _structured_table(report)) + "\n"
 
 
 def _category_table(report: dict[str, Any]) -> list[str]:
@@ -429,49 +437,6 @@ def _quality_cell(v: dict[str, Any]) -> str:
     return "–" if not q else f"{q['top1_agreement']:.3f} / {q['perplexity_ratio']:.3f}"
 
 
-def _plot_speed(report: dict[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    ran = [v for v in report["variants"] if not v["skipped"]]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(ran) + 2), 4))
-    bars = ax.bar([v["name"] for v in ran], [v["tokens_per_s"] for v in ran], color="tab:blue")
-    for bar, v in zip(bars, ran):
-        label = _fmt(v["speedup_vs_ar"], ".2f", "×")
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    xytext=(0, 2), textcoords="offset points")
-    c = report["config"]
-    ax.set_ylabel("tokens/s (end to end, mean over prompts)")
-    emulated = f"\nEMULATED {c['emulated_cpu']} (QEMU): not a CPU's speed" if c.get("emulated_cpu") else ""
-    ax.set_title(f"{_subject(c)}: {c['num_prompts']} prompts x {c['max_new_tokens']} tokens, "
-                 f"{c['threads']} threads{emulated}", fontsize=9)
-    ax.margins(y=0.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def _plot_acceptance(report: dict[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    ran = [v for v in report["variants"] if not v["skipped"]]
-    fig, axes = plt.subplots(1, max(1, len(ran)), figsize=(3.2 * max(1, len(ran)), 3), squeeze=False)
-    for ax, v in zip(axes[0], ran):
-        hist = v["acceptance_histogram"]
-        if hist:
-            total = sum(hist.values())
-            ax.bar([int(k) for k in hist], [n / total for n in hist.values()], color="tab:green")
-            ax.set_xticks([int(k) for k in hist])
-        else:
-            ax.text(0.5, 0.5, "no per-step data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(f"{v['name']} (τ {_fmt(v['mean_accepted_tokens'], '.2f')})", fontsize=9)
-        ax.set_xlabel("tokens per step")
-        ax.set_ylim(0, 1)
-    axes[0][0].set_ylabel("fraction of steps")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def write_outputs(report: dict[str, Any], json_out: Path) -> str:
     """Write ``json_out``, ``<stem>.md``, ``<stem>.png`` and ``<stem>_acceptance.png``; returns the table."""
     import matplotlib
@@ -483,6 +448,6 @@ def write_outputs(report: dict[str, Any], json_out: Path) -> str:
     os.replace(tmp, json_out)
     table = markdown_table(report)
     json_out.with_suffix(".md").write_text(table)
-    _plot_speed(report, json_out.with_suffix(".png"))
-    _plot_acceptance(report, json_out.with_name(json_out.stem + "_acceptance.png"))
+    plot_speed(report, json_out.with_suffix(".png"), _subject(report["config"]))
+    plot_acceptance(report, json_out.with_name(json_out.stem + "_acceptance.png"))
     return table

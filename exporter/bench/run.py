@@ -7,6 +7,11 @@ chat=True)``) and sends the same ids to every worker, so every variant decodes t
 For prompt i it asks each worker in turn and waits for the answer, so only one variant computes
 at any moment (after a short pause, so that the last one's spinning threads are idle); the order of
 variants rotates with i so none is always first after another's run.
+With ``repeats`` N > 1 each variant runs in N workers of its own, each given the same prompts in the same
+order (so a draft that learns across requests, as the suffix cache, has the same history in each); prompt i
+runs in every worker, repeat after repeat, the order rotating on, and the run of median end-to-end time
+stands for the prompt (:func:`~specdeploy.exporter.bench.spec.pooled`). The VM's pauses then sway a
+category's ratio less.
 ``ar`` (our plain autoregressive decoding) is the baseline of ``speedup_vs_ar`` and
 ``identical_to_ar``; it is added to the run when not asked for.
 
@@ -38,6 +43,7 @@ from specdeploy.exporter.bench.spec import (
     Score,
     StructuredPrompt,
     VariantSpec,
+    pooled,
 )
 from specdeploy.exporter.bench.variants import UNCONSTRAINED_AR
 from specdeploy.exporter.bench.worker import THREAD_ENV
@@ -130,9 +136,9 @@ def resolve_variants(names: list[str]) -> list[VariantSpec]:
 class Worker:
     """One variant's worker process; JSON lines over its stdin/stdout, stderr into a log file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path):
-        self.name = name
-        self.log_path = log_dir / f"{name}.stderr.log"
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, repeat: int = 0):
+        self.name = name if not repeat else f"{name} (repeat {repeat + 1})"
+        self.log_path = log_dir / (f"{name}.stderr.log" if not repeat else f"{name}.{repeat + 1}.stderr.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the worker; see close()
         # A new session keeps a terminal Ctrl-C away from the workers: the parent kills them.
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
@@ -345,13 +351,13 @@ def _echo(message: str) -> None:
 def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_prompts: int,
               max_new_tokens: int, threads: int, tree: str | None, json_out: Path,
               progress: Callable[[str], None] = _echo, emulate_cpu: str | None = None,
-              prompt_set: str | None = None) -> dict:
+              prompt_set: str | None = None, repeats: int = 1) -> dict:
     """Run the benchmark, write JSON + Markdown + PNGs, print the table; returns the report dict.
 
     ``emulate_cpu``: a QEMU CPU model (``EPYC-Rome``) our variants' workers run on, for the step plan and
     identity on a CPU kind this machine is not (:mod:`.emulate`); peers are skipped then."""
-    if num_prompts < 1 or max_new_tokens < 1 or threads < 1:
-        raise BenchError("--num-prompts, --max-new-tokens and --threads must be at least 1.")
+    if num_prompts < 1 or max_new_tokens < 1 or threads < 1 or repeats < 1:
+        raise BenchError("--num-prompts, --max-new-tokens, --threads and --repeats must be at least 1.")
     bundle = Path(bundle)
     manifest = read_manifest(bundle)
     items, prompts_source = prompt_items(prompts_file, prompt_set, num_prompts, progress)
@@ -400,18 +406,23 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
     running = [s for s in specs if s.name not in skipped]
     results: dict[str, list[RunResult]] = {s.name: [] for s in running}
     with tempfile.TemporaryDirectory(prefix="specdeploy-bench-") as log_dir:
-        workers: dict[str, Worker] = {}
+        workers: dict[str, Worker] = {}  # each variant's first worker (it also answers earlier turns and scores)
+        replicas: dict[str, list[Worker]] = {s.name: [] for s in running}  # each variant's workers, one a repeat
         try:
             env = worker_env(threads)
             # One at a time: a loading engine times its own steps (prompt lookup measures the backend's
             # cost curve), which other workers loading at once would distort. (They once did: the
             # curve came out flat, and prompt lookup drafted long chains that lost against plain.)
-            for s in running:
-                workers[s.name] = Worker(s.name, worker_argv(s, bundle, threads, tree, prefix), env, Path(log_dir))
-                workers[s.name].receive()  # "ready"
-            for name, w in workers.items():
-                w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens), prompts[0].structured)  # not timed
-                progress(f"[bench] {name}: loaded and warmed up")
+            for r in range(repeats):
+                for s in running:
+                    w = Worker(s.name, worker_argv(s, bundle, threads, tree, prefix), env, Path(log_dir), r)
+                    replicas[s.name].append(w)
+                    workers.setdefault(s.name, w)
+                    w.receive()  # "ready"
+            for name, ws in replicas.items():
+                for w in ws:
+                    w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens), prompts[0].structured)  # not timed
+                progress(f"[bench] {name}: loaded and warmed up" + (f" ({repeats} workers)" if repeats > 1 else ""))
             if any(it.earlier_turns for it in items):
                 progress(f"[bench] {BASELINE} answers the earlier turns of {sum(bool(it.earlier_turns) for it in items)} "
                          "conversations (untimed) ...")
@@ -419,25 +430,30 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                 check_lengths(prompts)
             order = [s.name for s in running]
             for i, prompt in enumerate(prompts):
-                k = i % len(order)
-                for name in order[k:] + order[:k]:
-                    time.sleep(SETTLE_S)  # the previous variant's threads stop spinning (see SETTLE_S)
-                    r = workers[name].generate(prompt.ids, max_new_tokens, prompt.structured)
-                    results[name].append(r)
-                    tps = len(r.tokens) / r.seconds if r.seconds > 0 else 0.0
-                    progress(f"[bench] prompt {i + 1}/{len(prompts)}  {name:<18} {len(r.tokens):4d} tokens "
-                             f"{tps:8.1f} tok/s")
+                runs: dict[str, list[RunResult]] = {name: [] for name in order}
+                for rep in range(repeats):
+                    k = (i * repeats + rep) % len(order)
+                    for name in order[k:] + order[:k]:
+                        time.sleep(SETTLE_S)  # the previous variant's threads stop spinning (see SETTLE_S)
+                        r = replicas[name][rep].generate(prompt.ids, max_new_tokens, prompt.structured)
+                        runs[name].append(r)
+                        tps = len(r.tokens) / r.seconds if r.seconds > 0 else 0.0
+                        progress(f"[bench] prompt {i + 1}/{len(prompts)}  {name:<18} {len(r.tokens):4d} tokens "
+                                 f"{tps:8.1f} tok/s" + (f"  (repeat {rep + 1}/{repeats})" if repeats > 1 else ""))
+                for name, rs in runs.items():
+                    results[name].append(pooled(rs))
             quality = measure_quality(running, workers, [codec.encode(t) for t in HELD_IN_TEXTS], manifest,
                                       bundle, threads, env, Path(log_dir), progress)
         finally:
-            for w in workers.values():
-                w.close()
+            for ws in replicas.values():
+                for w in ws:
+                    w.close()
 
     report = build_report(
         specs, skipped, results, prompts, codec,
         config={"bundle": str(bundle.resolve()), "model": manifest.source.path, "num_prompts": len(prompts),
                 "precision": "/".join(sorted({g.precision for g in manifest.graphs if g.role == "base"})),
-                "max_new_tokens": max_new_tokens, "threads": threads, "tree": tree,
+                "max_new_tokens": max_new_tokens, "threads": threads, "tree": tree, "repeats": repeats,
                 "prompts_file": prompts_source, "prompt_set": prompt_set, "baseline": BASELINE,
                 "baseline_added": BASELINE not in variants, "emulated_cpu": emulate_cpu,
                 "constrained_prompts": sum(p.structured is not None for p in prompts)},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,19 @@ class RunResult:
     # and the drafter's running costs (draft call and step, ms) after this generation.
     profile: dict | None = None
     tool_calls: list[dict] | None = None  # the calls the runner parsed from its answer (OpenAI's form), if any
+    # bench --repeats: every repeat's end-to-end seconds, and whether every repeat gave the same tokens (see pooled)
+    repeat_seconds: list[float] | None = None
+    repeats_agree: bool = True
+
+
+def pooled(runs: list[RunResult]) -> RunResult:
+    """One prompt's repeats as one result: the repeat with the median end-to-end time (of an even count, the faster
+    middle one), with every repeat's time, and whether every repeat produced the same tokens."""
+    if len(runs) == 1:
+        return runs[0]
+    middle = sorted(runs, key=lambda r: r.seconds)[(len(runs) - 1) // 2]
+    return replace(middle, repeat_seconds=[r.seconds for r in runs],
+                   repeats_agree=all(r.tokens == runs[0].tokens for r in runs))
 
 
 @dataclass(frozen=True)

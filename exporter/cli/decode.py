@@ -100,8 +100,12 @@ def load_engine(bundle: Path, **options):
 @click.option("--emulate-cpu", default=None, metavar="QEMU_CPU",
               help="Run our variants under QEMU emulating this CPU model (e.g. EPYC-Rome: AVX2 only) to see the "
                    "step plan and identity there; tok/s are then the emulator's. Needs qemu-user.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Run each prompt this many times per variant, each time in a worker of its own that saw the same "
+                   "requests before it, interleaved; each prompt counts its median run (steadier category ratios).")
 def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: str | None, num_prompts: int,
-          max_new_tokens: int, threads: int, tree: str | None, json_out: Path, emulate_cpu: str | None) -> None:
+          max_new_tokens: int, threads: int, tree: str | None, json_out: Path, emulate_cpu: str | None,
+          repeats: int) -> None:
     """Side-by-side benchmark; every variant runs in its own process, interleaved per prompt.
 
     Variants: ar (our plain autoregressive ORT decoding, always run as the baseline of the speed-up
@@ -114,7 +118,8 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
     Every variant's quality class (top-1 agreement and perplexity against fp32, teacher-forced on held-in
     text) is measured after the timing. A variant whose package or draft is missing is skipped with a note.
     Prompts are rendered with the chat template; all variants decode the same token ids greedily, and each
-    prompt category is also reported on its own.
+    prompt category is also reported on its own, and where auto runs beside single draft sources, auto against
+    the fastest of them by category. --repeats N runs each prompt N times per variant (N workers of each).
 
     Writes JSON (--json), a Markdown table (same stem, .md, also printed), a tokens/s plot
     (<stem>.png) and acceptance histograms (<stem>_acceptance.png).
@@ -130,7 +135,7 @@ def bench(bundle: Path, variants: str, prompts_file: Path | None, prompt_set: st
 
     t0 = time.time()
     run_bench(bundle, [v.strip() for v in variants.split(",") if v.strip()], prompts_file, num_prompts,
-              max_new_tokens, threads, tree, json_out, emulate_cpu=emulate_cpu, prompt_set=prompt_set)
+              max_new_tokens, threads, tree, json_out, emulate_cpu=emulate_cpu, prompt_set=prompt_set, repeats=repeats)
     click.echo(f"bench finished in {time.time() - t0:.0f}s; wrote {json_out}")
 
 

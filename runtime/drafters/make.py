@@ -82,7 +82,7 @@ def auto(req: DraftRequest) -> Drafter:
     from .auto import AutoDrafter, FreeSources
     from .suffix import SuffixDrafter
 
-    suffix_drafter = SuffixDrafter(suffix_cache(req), chains=req.chains, local=False)  # lookup covers the context
+    suffix_drafter = SuffixDrafter(suffix_cache(req), chains=req.chains)  # the context's trie too: see FreeSources
     free = FreeSources(bundle_lookup(req) or PromptLookupDrafter(), suffix_drafter)
     has = {d.kind for d in req.manifest.drafts}
     model = next((k for k in AUTO_MODELS if k in has), None)

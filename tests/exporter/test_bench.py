@@ -176,6 +176,74 @@ def test_exact_tree_plan_variants_are_held_to_their_own_plain_decoding():
     assert "bug" in chimera["note"]
 
 
+def test_bench_repeats_run_each_prompt_in_workers_of_their_own(tmp_path, tiny_bundle, prompts_file, monkeypatch):
+    """--repeats 2: each variant runs in two workers of its own, each given every prompt in the same order, the
+    variants taking turns; a prompt counts its median run (of two, the faster) and keeps every repeat's time."""
+    calls: list[str] = []
+    real = Worker.generate
+
+    def spy(self, ids, max_new_tokens, structured=None):
+        calls.append(self.name)
+        return real(self, ids, max_new_tokens, structured)
+
+    monkeypatch.setattr(Worker, "generate", spy)
+    out = tmp_path / "out" / "bench.json"
+    result = CliRunner().invoke(main, ["bench", str(tiny_bundle), "--variants", "ar,prompt-lookup", "--prompts",
+                                       str(prompts_file), "--num-prompts", "2", "--max-new-tokens", "8",
+                                       "--repeats", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert calls[:4] == ["ar", "ar (repeat 2)", "prompt-lookup", "prompt-lookup (repeat 2)"]  # warm-ups, untimed
+    turn = ["ar", "prompt-lookup", "prompt-lookup (repeat 2)", "ar (repeat 2)"]  # repeat 2 starts with the other
+    assert calls[4:] == turn * 2  # 2 prompts; every worker sees every prompt, in the same order
+    report = json.loads(out.read_text())
+    assert report["config"]["repeats"] == 2
+    for v in report["variants"]:
+        assert v["identical_to_ar"] is True and v["note"] is None
+        for p in v["prompts"]:
+            assert len(p["repeat_seconds"]) == 2 and p["seconds"] == min(p["repeat_seconds"])
+    assert "Each prompt ran 2 times per variant" in out.with_suffix(".md").read_text()
+    assert "(repeat 2/2)" in result.stderr
+
+
+def test_repeats_pool_to_the_median_run_and_auto_is_set_against_the_fastest_single_source():
+    from specdeploy.exporter.bench.best_source import ALL_PROMPTS
+    from specdeploy.exporter.bench.report import build_report, markdown_table
+    from specdeploy.exporter.bench.run import resolve_variants
+    from specdeploy.exporter.bench.spec import RunResult, pooled
+
+    runs = [RunResult([1, 2], s, 1, s / 2, [1]) for s in (3.0, 1.0, 2.0)]
+    assert (pooled(runs).seconds, pooled(runs).repeat_seconds, pooled(runs).repeats_agree) == (2.0, [3.0, 1.0, 2.0],
+                                                                                               True)
+    assert pooled(runs[:2]).seconds == 1.0 and pooled(runs[:1]) is runs[0]  # of two, the faster; one stands alone
+    unsteady = pooled([runs[0], RunResult([1, 3], 0.6, 1, 0.3, [1])])
+    assert unsteady.repeats_agree is False and unsteady.tokens == [1, 3] and unsteady.seconds == 0.6
+
+    specs = resolve_variants(["auto", "ngram", "suffix", "hybrid"])  # hybrid combines two sources: not a single one
+    one = lambda s: RunResult([1, 2], s, 1, s / 2, [1, 1])
+    runs_by = {"ar": [one(1.0), one(1.0)], "auto": [one(0.55), one(0.6)], "ngram": [one(0.5), one(0.8)],
+               "suffix": [pooled([one(0.6), RunResult([1, 3], 0.9, 1, 0.45, [1])]), one(0.6)],
+               "hybrid": [one(0.3), one(0.3)]}
+    prompts = [type("P", (), {"text": "x", "ids": [1], "category": c})() for c in ("code", "math")]
+    codec = type("C", (), {"decode": lambda self, ids: ""})()
+    report = build_report(specs, {}, runs_by, prompts, codec, config={})
+    suffix = next(v for v in report["variants"] if v["name"] == "suffix")
+    assert suffix["identical_prompts"] == 1 and "repeats gave different tokens on 1/2 prompts" in suffix["note"]
+    against = report["auto_vs_best_source"]
+    assert list(against) == [ALL_PROMPTS, "code", "math"]
+    assert against["code"]["best"] == "ngram" and against["code"]["ratio"] == pytest.approx(0.5 / 0.55)
+    assert against["math"]["best"] == "suffix" and against["math"]["ratio"] == pytest.approx(1.0)
+    assert against["math"]["decode_best"] == "suffix" and against["math"]["decode_ratio"] == pytest.approx(1.0)
+    mean = lambda *s: sum(2 / x for x in s) / len(s)
+    assert against[ALL_PROMPTS]["best"] == "suffix"  # over both prompts, suffix beats ngram
+    assert against[ALL_PROMPTS]["ratio"] == pytest.approx(mean(0.55, 0.6) / mean(0.6, 0.6))
+    table = markdown_table({**report, "config": {"model": "m", "num_prompts": 2, "max_new_tokens": 2, "threads": 2,
+                                                 "tree": None, "machine": {"cpu_model": "cpu"}}})
+    assert "| code | 0.909 (ngram) | 0.909 (ngram) |" in table
+    report = build_report(resolve_variants(["ngram"]), {}, {k: runs_by[k] for k in ("ar", "ngram")}, prompts, codec,
+                          config={})
+    assert "auto_vs_best_source" not in report  # no auto: nothing to set against
+
+
 def test_unknown_variant_is_one_line(tmp_path, tiny_bundle, prompts_file):
     result, _ = _bench(tmp_path, tiny_bundle, prompts_file, "ar,warp-drive")
     assert result.exit_code == 1
