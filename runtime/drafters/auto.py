@@ -87,8 +87,8 @@ class FreeSources(_SuffixCacheView, Drafter):
         return self.lookup.step_cost(rows)
 
     def recall(self) -> Drafter | None:
-        """The suffix drafter where the shared cache is on (text met in earlier requests); a batch's plain steps do
-        not scan each sequence's own context, which lookup covers once the step drafts."""
+        """The suffix drafter where the shared cache is on (text met in earlier requests, and in this one's context);
+        with the cache off, none: a batch's plain steps then leave the context to lookup, on the steps that draft."""
         return self.suffix if self.suffix.cache.max_tokens else None
 
     def propose(self, ctx: DraftContext) -> DraftTree:
