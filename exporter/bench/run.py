@@ -406,7 +406,6 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
     running = [s for s in specs if s.name not in skipped]
     results: dict[str, list[RunResult]] = {s.name: [] for s in running}
     with tempfile.TemporaryDirectory(prefix="specdeploy-bench-") as log_dir:
-        workers: dict[str, Worker] = {}  # each variant's first worker (it also answers earlier turns and scores)
         replicas: dict[str, list[Worker]] = {s.name: [] for s in running}  # each variant's workers, one a repeat
         try:
             env = worker_env(threads)
@@ -417,8 +416,8 @@ def run_bench(bundle: Path, variants: list[str], prompts_file: Path | None, num_
                 for s in running:
                     w = Worker(s.name, worker_argv(s, bundle, threads, tree, prefix), env, Path(log_dir), r)
                     replicas[s.name].append(w)
-                    workers.setdefault(s.name, w)
                     w.receive()  # "ready"
+            workers = {name: ws[0] for name, ws in replicas.items()}  # the first also answers earlier turns and scores
             for name, ws in replicas.items():
                 for w in ws:
                     w.generate(prompts[0].ids, min(WARMUP_TOKENS, max_new_tokens), prompts[0].structured)  # not timed
