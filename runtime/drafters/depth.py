@@ -84,11 +84,16 @@ class CallTimer:
     :meth:`start` when a step's drafting begins, :meth:`timed` for each draft call made, :meth:`stop`
     when the verifier's verdict is in; :attr:`call_cost` is a call relative to the rest of a step.
     A step that never stops (its proposal was not the one verified) is not timed.
+
+    A call over more than :data:`TYPICAL_ROWS` rows (a draft with its own cache catching up on the states
+    it missed) is not a typical call: it is timed apart, as its time beyond a typical call per row taken
+    in, so that :meth:`catch_up_cost` can price the next catch-up before it is made.
     """
 
     def __init__(self) -> None:
         self.call_s: float | None = None
         self.step_s: float | None = None
+        self.row_s: float | None = None  # a catch-up's time beyond a typical call, per row it took in
         self._t0: float | None = None
         self.calls_s = 0.0  # calls made since start
 
@@ -99,6 +104,9 @@ class CallTimer:
         self.calls_s += seconds
         if rows <= TYPICAL_ROWS:  # the cost of a call on an ordinary step
             self.call_s = seconds if self.call_s is None else (1 - _EMA) * self.call_s + _EMA * seconds
+        else:  # a catch-up: what it took beyond a typical call (all of it before one is timed), per row
+            row = max(seconds - (self.call_s or 0.0), 0.0) / rows
+            self.row_s = row if self.row_s is None else (1 - _EMA) * self.row_s + _EMA * row
 
     def stop(self) -> None:
         if self._t0 is None:
@@ -111,6 +119,13 @@ class CallTimer:
     def call_cost(self) -> float:
         return self.call_s / self.step_s if self.call_s and self.step_s else 0.0
 
+    def catch_up_cost(self, rows: int) -> float:
+        """What a call over ``rows`` rows costs beyond a typical call, relative to the rest of a step: 0 for a
+        typical call, and until a catch-up and a step have been timed."""
+        if rows <= TYPICAL_ROWS or self.row_s is None or not self.step_s:
+            return 0.0
+        return rows * self.row_s / self.step_s
+
     def profile(self) -> dict:
         """``draft_call_ms`` and ``step_ms`` (a step without its draft calls), once measured."""
         out = {}
@@ -118,6 +133,8 @@ class CallTimer:
             out["draft_call_ms"] = round(1e3 * self.call_s, 3)
         if self.step_s is not None:
             out["step_ms"] = round(1e3 * self.step_s, 3)
+        if self.row_s is not None:
+            out["catch_up_ms_per_row"] = round(1e3 * self.row_s, 4)
         return out
 
 

@@ -36,9 +36,12 @@ tokens accepted meanwhile (the prompt's included, until the rule first wants the
 decode loop handed them over, and given to it, joined, with the next step it drafts, so a model with its
 own cache (Chimera) catches up in that one call. It takes in the latest :attr:`HybridDrafter.catch_up`
 of them at most: the slots before stay empty and unseen, so a try after a long prompt or a long plain
-run costs a bounded call, not one row per token (on MT-bench, a chain's acceptance was the same). On a
-step the model sits out, the hybrid prices it, times the step and keeps two references; the rest is the
-free source's work.
+run costs a bounded call, not one row per token (on MT-bench, a chain's acceptance was the same). That
+call is priced before it is made: its rows past a typical call's, at their measured time per row
+(:meth:`~.depth.CallTimer.catch_up_cost`), shared among the calls that a catch-up has served on average,
+since a model that keeps drafting catches up once. So a model that is tried, drafts a step or two and sits
+out again is tried less often, and one that drafts on and on pays its catch-up once. On a step the model
+sits out, the hybrid prices it, times the step and keeps two references; the rest is the free source's work.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from .base import DraftContext, Drafter
 from .depth import TYPICAL_ROWS, CallTimer
 from .prompt_lookup import ChainAcceptance, PromptLookupDrafter
 
+CATCH_UP_CALLS = 4  # calls a catch-up is taken to serve before the model has been called (a prior of one catch-up)
 RETRY_EVERY = 64  # plain steps between two tries of a model draft that stopped paying (at first)
 MAX_RETRY_EVERY = 1024  # ... doubled after each retry that did not pay, up to this
 
@@ -120,6 +124,8 @@ class HybridDrafter(Drafter):
         self._retry_every = RETRY_EVERY
         self._retried = False  # the last step was a retry: the next one tells whether it paid
         self._retry_now = False
+        self.model_calls = 0  # the model's calls, and those of them that caught up on more than TYPICAL_ROWS states
+        self.catch_ups = 0
 
     def recall(self) -> Drafter | None:
         """Its free sources' recall; the step that drafts alone is not one of its iterations, so its clock does not
@@ -138,6 +144,7 @@ class HybridDrafter(Drafter):
         # handed them over: [A_i, H] and [A_i, taps*H] each. No tuples, so nothing the garbage collector tracks.
         self._pending_hidden: list[np.ndarray] = []
         self._pending_layers: list[np.ndarray] = []
+        self._pending_rows = 0  # their rows
         self._merged = False  # the last proposal holds the model's nodes under lookup's
         self._model_path: list[int] = []  # then, the tokens of the model's own main path
         if not self.keep_estimates:
@@ -160,19 +167,35 @@ class HybridDrafter(Drafter):
         self.model.use_cost_curve(cost_curve)  # the model sizes its own chains on the same curve
 
     # --- what each source has earned ------------------------------------------------------------------
-    def _model_value(self) -> float:
-        """Expected tokens per unit of cost of a step the model drafts (infinite on a retry); reads, changes nothing."""
+    def _call_rows(self, ctx: DraftContext) -> int:
+        """The base states a model call on this step would take in (:meth:`_run_model`)."""
+        return min(self._pending_rows + len(ctx.hidden), self.catch_up)
+
+    def _calls_per_catch_up(self) -> float:
+        """How many calls a catch-up has served on average (the call that caught up included), a prior of one
+        catch-up serving :data:`CATCH_UP_CALLS` calls counted in."""
+        return (self.model_calls + CATCH_UP_CALLS) / (self.catch_ups + 1)
+
+    def _model_value(self, rows: int) -> float:
+        """Expected tokens per unit of cost of a step the model drafts, its call taking in ``rows`` base states
+        (infinite on a retry); reads, changes nothing.
+
+        A call over more than :data:`TYPICAL_ROWS` states (after the prompt, or after the model sat out for a
+        while) costs what it takes beyond a typical call (:meth:`CallTimer.catch_up_cost`, measured). That buys
+        the calls after it too, so it is shared among the calls a catch-up has served on average."""
         if self.always_model or self._retry_now:
             return float("inf")
         depth = self._model_depth
-        cost = self.clock.ratio()
+        cost = self.clock.ratio()  # catching-up steps are not in it
         if cost is None:  # not timed yet: its rows on the cost curve, and its call against a step
             cost = self.lookup.step_cost(depth + 1) + self.timer.call_cost
+        cost += self.timer.catch_up_cost(rows) / self._calls_per_catch_up()
         return float(self.model_acceptance.expected_up_to(depth)[depth]) / cost
 
     def _keep(self, ctx: DraftContext) -> None:
         """The model sits this step out: keep its accepted nodes' states for the model's next call."""
         self._pending_hidden.append(ctx.hidden)
+        self._pending_rows += len(ctx.hidden)
         if ctx.layers is not None:
             self._pending_layers.append(ctx.layers)
 
@@ -185,16 +208,20 @@ class HybridDrafter(Drafter):
             ctx = DraftContext(ctx.tokens, hidden, ctx.root_logits, ctx.max_nodes, layers)
             self._pending_hidden.clear()
             self._pending_layers.clear()
+            self._pending_rows = 0
         t0 = time.perf_counter()
         drafted = self.model.propose(ctx)
-        self.timer.timed(time.perf_counter() - t0, rows=len(ctx.hidden))
+        rows = len(ctx.hidden)
+        self.timer.timed(time.perf_counter() - t0, rows=rows)
+        self.model_calls += 1
+        self.catch_ups += rows > TYPICAL_ROWS
         self._model_depth = max(1, drafted.main_path().num_nodes - 1)
         return drafted
 
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
         self.clock.tick()
-        catching_up = len(self._pending_hidden) > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
+        catching_up = self._call_rows(ctx) > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
         after_retry, self._retried = self._retried, False
         tree = self._propose(ctx)
         plain = tree.num_nodes == 1
@@ -217,7 +244,7 @@ class HybridDrafter(Drafter):
         # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
         # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
         use_model = (self.chains or not matched or found.num_nodes < ctx.max_nodes) and (
-            self._model_value() > found.value) and self.model.wants_draft(ctx)
+            self._model_value(self._call_rows(ctx)) > found.value) and self.model.wants_draft(ctx)
         if not use_model:
             self._keep(ctx)
             self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
@@ -252,7 +279,8 @@ class HybridDrafter(Drafter):
         self.model.finished(tokens, prompt_len)
 
     def profile(self) -> dict:
-        out = {**self.timer.profile(), "steps_by_source": dict(self.sources)}
+        out = {**self.timer.profile(), "steps_by_source": dict(self.sources), "model_calls": self.model_calls,
+               "model_catch_ups": self.catch_ups}
         ratio = self.clock.ratio()
         if ratio is not None:
             out["model_step_cost"] = round(ratio, 3)  # a step it drafted, in plain steps (wall time)

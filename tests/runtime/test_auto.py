@@ -272,6 +272,54 @@ def test_a_catch_up_takes_in_only_the_latest_states(monkeypatch):
     assert model.calls == 1 and model.took == [(latest, latest)]
 
 
+def _catch_up_history(monkeypatch, drafted: int, sat_out: int) -> tuple[AutoDrafter, CountingModel, bool]:
+    """A model tried once after a 40-token prompt (it catches up on 40 states: 5 ms a state beyond its 1 ms call;
+    a step takes 10 ms), drafting ``drafted`` steps in a row, sitting ``sat_out`` plain steps out (one state each),
+    then paying again: whether the rule calls it on the next step."""
+    from specdeploy.runtime.drafters import hybrid
+
+    now = [0.0]
+    monkeypatch.setattr(hybrid.time, "perf_counter", lambda: now[0])
+
+    class Slow(CountingModel):
+        def propose(self, ctx):
+            now[0] += 0.001 + (0.005 * len(ctx.hidden) if len(ctx.hidden) > hybrid.TYPICAL_ROWS else 0.0)
+            return super().propose(ctx)
+
+    model = Slow()
+    auto = AutoDrafter(model, _free(FLAT), chains=True)
+    tokens, (hidden, layers) = [*range(100, 140), 500], _states(range(40))
+    pays, sits = [1000.0, 1.0], [1.0, 1000.0]
+    for step in range(drafted + sat_out + 1):
+        auto.model_acceptance.first = list(pays if step < drafted or step == drafted + sat_out else sits)
+        before = model.calls
+        tree = auto.propose(DraftContext(np.asarray(tokens, dtype=np.int64), hidden, None, 17, layers))
+        called = model.calls > before
+        now[0] += 0.010  # the verification step
+        auto.accepted(np.arange(tree.num_nodes), tree)  # whatever it drafted lands
+        hidden, layers = _states(range(len(tokens) - 1, len(tokens) - 1 + tree.num_nodes))
+        tokens += [*tree.tokens[1:].tolist(), 2000 + len(tokens)]  # a fresh root: nothing for lookup to match
+    return auto, model, called
+
+
+def test_a_catch_up_is_priced_before_it_is_made_and_shared_among_the_calls_it_serves(monkeypatch):
+    """A model call over many states costs its measured time per state beyond a typical call. A model that drafted
+    a step and sat out again is then not tried where a long catch-up is due, though it pays on an ordinary step and
+    is called where only a few states are new; one whose catch-ups each served many calls pays one once, and is
+    called. The first catch-up, before any is timed, is made."""
+    auto, model, called = _catch_up_history(monkeypatch, drafted=1, sat_out=5)
+    assert called and model.calls == 2 and auto.catch_ups == 1  # 5 new states: a typical call
+    row = 0.201 / 40  # the first catch-up came before any typical call was timed: all of its time
+    assert auto.timer.row_s == pytest.approx(row) and auto.timer.catch_up_cost(20) == pytest.approx(20 * row / 0.010)
+    assert auto.timer.catch_up_cost(8) == 0.0
+    auto, model, called = _catch_up_history(monkeypatch, drafted=1, sat_out=20)
+    assert not called and model.calls == 1  # 20 new states: about 10 steps' worth, shared by (1 + 4) / 2 calls
+    assert auto._model_value(2) > 1.0 > auto._model_value(20)
+    auto, model, called = _catch_up_history(monkeypatch, drafted=60, sat_out=20)
+    assert called and model.calls == 61 and auto.catch_ups == 2  # the same, shared by (61 + 4) / 2 calls
+    assert auto.profile()["model_catch_ups"] == 2 and auto.profile()["model_calls"] == 61
+
+
 def test_lookup_learns_only_from_its_own_nodes_of_a_merged_tree():
     """With trees, the model's nodes go under lookup's match; lookup is told the accepted path's nodes that were
     its own (a prefix: the model's nodes come after lookup's), all of them where the model did not run."""

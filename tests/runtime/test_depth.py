@@ -65,13 +65,15 @@ def test_call_timer_times_calls_against_the_rest_of_the_step(monkeypatch):
     clock = iter([0.0, 1.0, 10.0, 10.5])
     monkeypatch.setattr("specdeploy.runtime.drafters.depth.time.perf_counter", lambda: next(clock))
     timer = CallTimer()
-    assert timer.call_cost == 0.0
+    assert timer.call_cost == 0.0 and timer.catch_up_cost(100) == 0.0
     timer.stop()  # never started: nothing timed
     timer.start()  # t = 0
     timer.timed(0.25)
     timer.timed(0.5, rows=100)  # a long catch-up: part of the step's calls, not a typical call
     timer.stop()  # t = 1
     assert timer.call_s == 0.25 and timer.step_s == pytest.approx(0.25)
+    assert timer.row_s == pytest.approx((0.5 - 0.25) / 100)  # timed apart: beyond a typical call, per row
+    assert timer.catch_up_cost(100) == pytest.approx(1.0) and timer.catch_up_cost(8) == 0.0
     timer.start()  # t = 10
     timer.timed(0.1)
     timer.stop()  # t = 10.5

@@ -4,6 +4,7 @@ shared cache's bound and isolation, and greedy identity with plain decoding, on 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -191,6 +192,24 @@ def test_a_cut_draft_learns_from_the_tokens_its_step_emitted():
         rates = drafter.profile()["suffix_calibration"]
         drafter.observed(answer[30:31])  # judged already: nothing more is learned
         assert drafter.profile()["suffix_calibration"] == rates
+
+
+def test_a_match_whose_drafts_missed_is_tried_again_seldom():
+    """A 2-token match that the cache saw continued one way three times drafts deep at first; once its drafts miss,
+    its evidence fades back towards the prior on the steps it matches without drafting, so it is tried again, but
+    seldom (on a CPU's cost curve a retry is a step of several rows that earns nothing)."""
+    drafter = SuffixDrafter(SuffixCache(), cost_curve={1: 1.0, 2: 1.17, 4: 1.53, 8: 2.28, 16: 3.96}, local=False)
+    for _ in range(3):
+        drafter.cache.add(list(range(1, 17)))
+    ctx = _ctx([50, 1, 2])
+    tries = []
+    for step in range(1000):
+        _, tree = drafter.draft(ctx)
+        if tree is not None:
+            tries.append(step)
+            drafter.accepted(np.array([0]), tree)  # it misses: the root alone
+    assert tries[0] == 0 and len(tries) > 2  # tried, and tried again
+    assert all(b - a >= 50 for a, b in pairwise(tries)), tries  # once it has missed, seldom
 
 
 @settings(max_examples=150, deadline=None)
