@@ -221,9 +221,10 @@ class HybridDrafter(Drafter):
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
         self.clock.tick()
-        catching_up = self._call_rows(ctx) > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
+        rows = self._call_rows(ctx)  # what a model call would take in on this step
+        catching_up = rows > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
         after_retry, self._retried = self._retried, False
-        tree = self._propose(ctx)
+        tree = self._propose(ctx, rows)
         plain = tree.num_nodes == 1
         self._plain_run = self._plain_run + 1 if plain else 0
         if self._retry_now:
@@ -235,7 +236,7 @@ class HybridDrafter(Drafter):
             self.clock.kind = "model"
         return tree
 
-    def _propose(self, ctx: DraftContext) -> DraftTree:
+    def _propose(self, ctx: DraftContext, rows: int) -> DraftTree:
         self.timer.start()
         if not self.always_model and self._plain_run >= self._retry_every:  # nothing paid for a while: one more try
             self._plain_run, self._retry_now = 0, True
@@ -244,7 +245,7 @@ class HybridDrafter(Drafter):
         # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
         # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
         use_model = (self.chains or not matched or found.num_nodes < ctx.max_nodes) and (
-            self._model_value(self._call_rows(ctx)) > found.value) and self.model.wants_draft(ctx)
+            self._model_value(rows) > found.value) and self.model.wants_draft(ctx)
         if not use_model:
             self._keep(ctx)
             self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False
