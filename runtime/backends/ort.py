@@ -35,7 +35,7 @@ from ..contract import (
     present_names,
 )
 from ..errors import BackendUnavailableError, BundleError
-from ..kvcache import KVCache
+from ..kvcache import KVCache, zeroed
 from ..precision import ENGINE_PRECISIONS, FP32
 from .base import Backend, StepInputs, StepOutputs
 
@@ -206,7 +206,7 @@ class OrtBackend(Backend):
         m = self.manifest.model
 
         def alloc(s: tuple[int, ...]) -> np.ndarray:
-            return np.zeros(s, dtype=self._kv_dtype)
+            return zeroed(s, self._kv_dtype)
 
         return KVCache.allocate_for(m.num_layers, m.num_kv_heads, m.head_dim, batch, capacity, alloc)
 

@@ -104,9 +104,13 @@ def test_one_sequence_runs_alone_where_its_draft_alone_returns_more_than_the_bat
     assert lone_step([guess] * 4, cost, 1, rows_per_sequence([guess] * 4, cost), [0] * 4) is None
 
 
-def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone):
+def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone, monkeypatch):
     """One request at a time on a max_batch 8 engine runs on a cache of one row; three at once on rows in doublings
-    (never 8); the cache shrinks back when the batch empties. Every answer is still generate's."""
+    (never 8); the cache shrinks back when the batch empties. Every answer is still generate's, with every cache
+    buffer in ordinary pages of its own (as a large one is, :func:`~specdeploy.runtime.kvcache.zeroed`)."""
+    import mmap
+
+    monkeypatch.setattr("specdeploy.runtime.kvcache.SMALL_PAGES_FROM", 0)
     with load(tiny_bundle, draft="prompt-lookup", max_batch=8) as eng:
         if not isinstance(eng.scheduler, BatchScheduler):
             pytest.skip(f"no batching on this machine: {eng.batch_reason}")
@@ -118,6 +122,7 @@ def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone):
         made.clear()
         three = concurrently(eng, PROMPTS[1:4], max_new_tokens=300)
         assert 2 <= max(made) <= 4 and eng.scheduler.cache_rows <= 4
+        assert isinstance(eng.scheduler._full.keys[0].base.base.obj, mmap.mmap)
         assert eng.generate(PROMPTS[4], max_new_tokens=8) and eng.scheduler.cache_rows == 1
     for a, b in zip(alone[:4], [one, *three]):
         assert a.token_ids == b.token_ids

@@ -285,3 +285,20 @@ def test_a_tree_commit_moves_only_its_own_rows_keys():
     now = [buf.copy() for buf in cache.buffers()]
     cache.commit_row(0, 2, np.array([0, 1, 2]))
     assert all(np.array_equal(a, b) for a, b in zip(now, cache.buffers()))
+
+
+def test_a_large_cache_buffer_is_zeroed_in_ordinary_pages_of_its_own():
+    """numpy would ask for huge pages for a buffer of 4 MiB or more, whose first writes may wait for the kernel to
+    compact memory: such a buffer is an anonymous mapping instead, zeroed and writable as numpy's."""
+    import mmap
+
+    from specdeploy.runtime.kvcache import SMALL_PAGES_FROM, zeroed
+
+    big = zeroed((4, 3, 2048, 64), np.float32)
+    assert big.nbytes >= SMALL_PAGES_FROM and isinstance(big.base.base.obj, mmap.mmap)
+    assert big.shape == (4, 3, 2048, 64) and big.dtype == np.float32 and big.flags.c_contiguous
+    assert not big.any()
+    big[3, 2, 2047] = 1.0
+    assert big.sum() == 64.0
+    small = zeroed((1, 3, 64, 64), np.float32)
+    assert small.base is None and not small.any()
