@@ -59,6 +59,7 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
     step; beside others a step takes each tree's main path. A draft the bundle lacks or does not know fails here,
     in one sentence, before anything is served."""
     from .drafters import make_drafter
+    from .drafters.hybrid import HybridDrafter
     from .drafters.kinds import AUTO_MODELS
     from .drafters.make import DraftRequest, bundle_lookup, suffix_cache, trained
     from .drafters.prompt_lookup import PromptLookupDrafter
@@ -68,8 +69,22 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
         return None
     req = DraftRequest(draft, bundle_dir, manifest, threads=threads, chains=chains, backend=backend,
                        suffix_cache_tokens=suffix_cache_tokens)
+    first: list[Drafter] = []  # the first sequence's drafter with a trained draft: later ones share with it
+
+    def sharing(drafter: Drafter) -> Drafter:
+        """As generate's keeps them across requests, a batch's sequences share what their trained draft earned
+        and what its calls cost: a new one does not try a draft that has stopped paying, nor price a call unseen."""
+        if not isinstance(drafter, HybridDrafter):
+            return drafter
+        if first:
+            drafter.share_estimates(first[0])
+        else:
+            first.append(drafter)
+        return drafter
+
     if draft not in (PROMPT_LOOKUP, NGRAM, SUFFIX, AUTO):  # a trained draft, or a hybrid with one
-        return lambda: make_drafter(draft, bundle_dir, manifest, threads=threads, chains=chains, backend=backend)
+        return lambda: sharing(make_drafter(draft, bundle_dir, manifest, threads=threads, chains=chains,
+                                            backend=backend))
     table = getattr(bundle_lookup(req), "table", None) if draft in (NGRAM, AUTO) else None
     if draft == NGRAM and table is None:
         from .drafters.ngram import load_ngram_drafter
@@ -88,18 +103,11 @@ def drafter_factory(draft: str | None, bundle_dir: Path, manifest: BundleManifes
 
         return NgramDrafter(table, **shape)
 
-    first: list[Drafter] = []  # the first sequence's auto drafter: later ones share its graphs and what it earned
-
     def with_model(free) -> Drafter:
         from .drafters.auto import AutoDrafter
 
-        if not first:
-            first.append(AutoDrafter(trained(model, req), free, chains=chains))
-            return first[0]
-        drafter = AutoDrafter(first[0].model.spawn() or trained(model, req), free, chains=chains)
-        # As generate's auto keeps it across requests: a new one does not try a draft that has stopped paying.
-        drafter.model_acceptance = first[0].model_acceptance
-        return drafter
+        return sharing(AutoDrafter((first[0].model.spawn() if first else None) or trained(model, req), free,
+                                   chains=chains))
 
     def make() -> Drafter:
         from .drafters.auto import FreeSources

@@ -140,13 +140,14 @@ class Decoder:
         return reason
 
     def propose(self, state: DecodeState | Generation, budget: int, stats: DecodeStats | None = None,
-                drafter: Drafter | None = None) -> DraftTree:
-        """The draft of ``state``'s drafter (``drafter``; the decoder's own if None), at most ``budget`` nodes."""
+                drafter: Drafter | None = None, sequences: int = 1) -> DraftTree:
+        """The draft of ``state``'s drafter (``drafter``; the decoder's own if None), at most ``budget`` nodes, for a
+        step that ``sequences`` share."""
         drafter = drafter if drafter is not None else self.drafter
         if drafter is None or budget <= 1:
             return DraftTree.root(state.tokens[-1])
         ctx = DraftContext(np.asarray(state.tokens, dtype=np.int64), state.hidden, state.root_logits, budget,
-                           state.layers)
+                           state.layers, sequences)
         if not drafter.wants_draft(ctx):  # the gate: a hard step runs as plain decoding
             if stats is not None:
                 stats.gate_ar += 1
@@ -231,7 +232,7 @@ class Decoder:
                 if gen.layers is not None:
                     gen.layers = np.concatenate([lay for _, lay in gen.unseen] + [gen.layers])
                 gen.unseen.clear()
-            tree = self.propose(gen, budget, gen.stats, asker) if asker else DraftTree.root(gen.tokens[-1])
+            tree = self.propose(gen, budget, gen.stats, asker, b) if asker else DraftTree.root(gen.tokens[-1])
             gen.source = asker.source if asker and tree.num_nodes > 1 else ""
             gen.stats.gate_ar += asker is None and gen.drafter is not None  # a plain step of a drafting generation
             gen.tree, gen.whole, gen.cut = (tree if b == 1 else tree.main_path()), True, False

@@ -21,6 +21,7 @@ class DraftContext:
     root_logits: np.ndarray | None  # [V] base logits that produced the root (None for prompt lookup)
     max_nodes: int  # node budget including the root
     layers: np.ndarray | None = None  # [A, taps*H] the same nodes' tapped layer states (feature_layers graphs)
+    sequences: int = 1  # the sequences whose rows share this step (a batch's): a draft call delays each of them
 
 
 class Drafter(ABC):

@@ -87,7 +87,9 @@ class CallTimer:
 
     A call over more than :data:`TYPICAL_ROWS` rows (a draft with its own cache catching up on the states
     it missed) is not a typical call: it is timed apart, as its time beyond a typical call per row taken
-    in, so that :meth:`catch_up_cost` can price the next catch-up before it is made.
+    in, so that :meth:`catch_up_cost` can price the next catch-up before it is made; :attr:`calls` and
+    :attr:`catch_ups` count them. The sequences of a batch share one draft model's timer (its call costs are
+    the machine's): each then prices its first catch-up by what another's cost.
     """
 
     def __init__(self) -> None:
@@ -96,12 +98,16 @@ class CallTimer:
         self.row_s: float | None = None  # a catch-up's time beyond a typical call, per row it took in
         self._t0: float | None = None
         self.calls_s = 0.0  # calls made since start
+        self.calls = 0  # calls timed, and those of them over more than TYPICAL_ROWS rows (catch-ups)
+        self.catch_ups = 0
 
     def start(self) -> None:
         self._t0, self.calls_s = time.perf_counter(), 0.0
 
     def timed(self, seconds: float, rows: int = 1) -> None:
         self.calls_s += seconds
+        self.calls += 1
+        self.catch_ups += rows > TYPICAL_ROWS
         if rows <= TYPICAL_ROWS:  # the cost of a call on an ordinary step
             self.call_s = seconds if self.call_s is None else (1 - _EMA) * self.call_s + _EMA * seconds
         else:  # a catch-up: what it took beyond a typical call (all of it before one is timed), per row

@@ -42,10 +42,17 @@ call is priced before it is made: its rows past a typical call's, at their measu
 since a model that keeps drafting catches up once. So a model that is tried, drafts a step or two and sits
 out again is tried less often, and one that drafts on and on pays its catch-up once. On a step the model
 sits out, the hybrid prices it, times the step and keeps two references; the rest is the free source's work.
+
+In a batch's step (``DraftContext.sequences`` > 1) a call delays every sequence in it, so it is priced against
+this sequence's share of the step: ``sequences`` times its cost against the whole step. A batch's sequences share
+one timer of the model's calls (what a typical call and a catch-up cost), as they share what it earned, and a
+call that no sequence has timed yet is not made in a shared step (at 32 sequences on a CPU, a call costs more
+than the tokens it could add).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -124,8 +131,22 @@ class HybridDrafter(Drafter):
         self._retry_every = RETRY_EVERY
         self._retried = False  # the last step was a retry: the next one tells whether it paid
         self._retry_now = False
-        self.model_calls = 0  # the model's calls, and those of them that caught up on more than TYPICAL_ROWS states
-        self.catch_ups = 0
+
+    def share_estimates(self, other: HybridDrafter) -> None:
+        """What the model has earned and what its calls cost, as ``other`` has them: a batch's sequences share
+        them, as one sequence keeps them across requests (``keep_estimates``), so that each prices its first call
+        and catch-up by what the others measured."""
+        self.model_acceptance, self.timer = other.model_acceptance, other.timer
+
+    @property
+    def model_calls(self) -> int:
+        """The model's calls (its timer's, shared by a batch's sequences)."""
+        return self.timer.calls
+
+    @property
+    def catch_ups(self) -> int:
+        """Those of them that caught up on more than TYPICAL_ROWS states."""
+        return self.timer.catch_ups
 
     def recall(self) -> Drafter | None:
         """Its free sources' recall; the step that drafts alone is not one of its iterations, so its clock does not
@@ -176,20 +197,28 @@ class HybridDrafter(Drafter):
         catch-up serving :data:`CATCH_UP_CALLS` calls counted in."""
         return (self.model_calls + CATCH_UP_CALLS) / (self.catch_ups + 1)
 
-    def _model_value(self, rows: int) -> float:
+    def _model_value(self, rows: int, sequences: int = 1) -> float:
         """Expected tokens per unit of cost of a step the model drafts, its call taking in ``rows`` base states
         (infinite on a retry); reads, changes nothing.
 
         A call over more than :data:`TYPICAL_ROWS` states (after the prompt, or after the model sat out for a
         while) costs what it takes beyond a typical call (:meth:`CallTimer.catch_up_cost`, measured). That buys
-        the calls after it too, so it is shared among the calls a catch-up has served on average."""
+        the calls after it too, so it is shared among the calls a catch-up has served on average.
+
+        In a step that ``sequences`` > 1 share, the call delays all of them: against this sequence's share of the
+        step it costs ``sequences`` times what it costs against the whole step (the timer's step is then the
+        batch's). Its rows are the rows rule's to price (:func:`~..rows.rows_per_sequence`). A call not timed yet
+        is not made in a shared step: its cost is unknown, and every sequence would pay it."""
         if self.always_model or self._retry_now:
             return float("inf")
         depth = self._model_depth
-        cost = self.clock.ratio()  # catching-up steps are not in it
-        if cost is None:  # not timed yet: its rows on the cost curve, and its call against a step
-            cost = self.lookup.step_cost(depth + 1) + self.timer.call_cost
-        cost += self.timer.catch_up_cost(rows) / self._calls_per_catch_up()
+        shared = sequences > 1
+        cost = None if shared else self.clock.ratio()  # catching-up steps are not in it; nor are shared ones
+        if cost is None:  # its rows on the cost curve, and its call against a step
+            if shared and not self.timer.call_cost:
+                return 0.0
+            cost = self.lookup.step_cost(depth + 1) + self.timer.call_cost * sequences
+        cost += self.timer.catch_up_cost(rows) * sequences / self._calls_per_catch_up()
         return float(self.model_acceptance.expected_up_to(depth)[depth]) / cost
 
     def _keep(self, ctx: DraftContext) -> None:
@@ -205,7 +234,7 @@ class HybridDrafter(Drafter):
             last = -self.catch_up
             hidden = np.concatenate([*self._pending_hidden, ctx.hidden])[last:]  # [<= catch_up, H]
             layers = None if ctx.layers is None else np.concatenate([*self._pending_layers, ctx.layers])[last:]
-            ctx = DraftContext(ctx.tokens, hidden, ctx.root_logits, ctx.max_nodes, layers)
+            ctx = dataclasses.replace(ctx, hidden=hidden, layers=layers)
             self._pending_hidden.clear()
             self._pending_layers.clear()
             self._pending_rows = 0
@@ -213,14 +242,14 @@ class HybridDrafter(Drafter):
         drafted = self.model.propose(ctx)
         rows = len(ctx.hidden)
         self.timer.timed(time.perf_counter() - t0, rows=rows)
-        self.model_calls += 1
-        self.catch_ups += rows > TYPICAL_ROWS
         self._model_depth = max(1, drafted.main_path().num_nodes - 1)
         return drafted
 
     # --- drafting ---------------------------------------------------------------------------------------
     def propose(self, ctx: DraftContext) -> DraftTree:
         self.clock.tick()
+        if ctx.sequences > 1:  # a batch's iteration, not one of its own: its clock times only steps alone
+            self.clock.pause()
         rows = self._call_rows(ctx)  # what a model call would take in on this step
         catching_up = rows > TYPICAL_ROWS  # a model call over many rows is not an ordinary step
         after_retry, self._retried = self._retried, False
@@ -245,7 +274,7 @@ class HybridDrafter(Drafter):
         # The model runs only where a step it drafts is worth more than lookup's proposal (or a plain step):
         # with chains its chain replaces lookup's; with trees a lookup match with room left takes its nodes.
         use_model = (self.chains or not matched or found.num_nodes < ctx.max_nodes) and (
-            self._model_value(rows) > found.value) and self.model.wants_draft(ctx)
+            self._model_value(rows, ctx.sequences) > found.value) and self.model.wants_draft(ctx)
         if not use_model:
             self._keep(ctx)
             self._lookup_nodes, self._model_nodes, self._model_chose = found.num_nodes - 1, 0, False

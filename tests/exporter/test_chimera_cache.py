@@ -61,8 +61,8 @@ def test_slots_left_out_of_a_catch_up_are_never_attended(chimera_bundle):
 
 def test_a_batching_engines_drafters_share_the_draft_graph_and_keep_their_own_caches(chimera_bundle):
     """A batching engine makes a drafter per request: after the first, each is spawned from it, sharing its loaded
-    draft graph and what it earned (and the suffix drafts' record), with a draft cache of its own, and proposes what
-    a drafter made anew does."""
+    draft graph, what it earned and what its calls cost (and the suffix drafts' record), with a draft cache of its own,
+    and proposes what a drafter made anew does; an explicit trained draft's drafters share theirs."""
     from specdeploy.runtime.batch import drafter_factory
     from specdeploy.runtime.bundle import read_manifest
     from specdeploy.runtime.drafters.chimera import make_chimera_drafter
@@ -76,6 +76,11 @@ def test_a_batching_engines_drafters_share_the_draft_graph_and_keep_their_own_ca
     # try, on an optimistic prior, a draft that has stopped paying.
     one.model_acceptance.update(0, 3)
     assert two.model_acceptance is one.model_acceptance and make().model_acceptance.first == one.model_acceptance.first
+    # and what its calls cost (a catch-up included): each prices its first call by what another's took
+    assert two.timer is one.timer
+    paid = drafter_factory("chimera", chimera_bundle, manifest, chains=True)
+    a, b = paid(), paid()
+    assert b.timer is a.timer and b.model_acceptance is a.model_acceptance and a.timer is not one.timer
     # so is what the suffix drafts earned, with the cache they draft from
     assert one.lookup.suffix._calib is two.lookup.suffix._calib and one.lookup.suffix.cache is two.lookup.suffix.cache
     assert one.lookup.suffix._calib is not drafter_factory("auto", chimera_bundle, manifest)().lookup.suffix._calib

@@ -320,6 +320,24 @@ def test_a_catch_up_is_priced_before_it_is_made_and_shared_among_the_calls_it_se
     assert auto.profile()["model_catch_ups"] == 2 and auto.profile()["model_calls"] == 61
 
 
+def test_a_call_in_a_step_others_share_is_priced_against_this_sequences_share():
+    """A model call delays every sequence of a batch's step. One that pays alone (a tenth of a step, a first token
+    nearly always accepted) does not in a step of 32, nor is it made in a shared step before it has been timed."""
+    model = CountingModel()
+    auto = AutoDrafter(model, _free(FLAT), chains=True)
+    auto.model_acceptance.first = [1000.0, 1.0]
+
+    def ctx(sequences: int) -> DraftContext:
+        return DraftContext(np.asarray([100, 200], dtype=np.int64), np.zeros((1, 4), np.float32), None, 17,
+                            sequences=sequences)
+
+    assert auto.propose(ctx(2)).num_nodes == 1 and model.calls == 0  # untimed: unknown, and every sequence pays
+    auto.timer.call_s, auto.timer.step_s = 0.001, 0.010
+    assert auto._model_value(1) > auto._model_value(1, 4) > 1.0 > auto._model_value(1, 32)
+    assert auto.propose(ctx(32)).num_nodes == 1 and model.calls == 0
+    assert auto.propose(ctx(1)).num_nodes > 1 and model.calls == 1
+
+
 def test_lookup_learns_only_from_its_own_nodes_of_a_merged_tree():
     """With trees, the model's nodes go under lookup's match; lookup is told the accepted path's nodes that were
     its own (a prefix: the model's nodes come after lookup's), all of them where the model did not run."""
