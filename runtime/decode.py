@@ -226,7 +226,9 @@ class Decoder:
             # A step the gate runs plain asks only a drafter's recall of text met before (the suffix cache).
             asker = None if gen.drafter is None or budget <= 1 else gen.drafter if drafting else gen.drafter.recall()
             gen.asked = asker is not None and asker is gen.drafter
-            gen.proposer = asker or gen.drafter  # who hears the verdict
+            # Who hears the verdict: whoever proposed, and no one where no one was asked (a drafter told of a plain
+            # step it did not propose would count its last draft as rejected again).
+            gen.proposer = asker
             if gen.asked and gen.unseen:  # the states of the steps it sat out, then the last one's
                 gen.hidden = np.concatenate([h for h, _ in gen.unseen] + [gen.hidden])
                 if gen.layers is not None:

@@ -136,7 +136,7 @@ class Generation:
         self.cut = False  # a batch's rows rule cut its drafter's proposal this step (Drafter.observed)
         self.emitted: list[int] = []  # what its last step (or its prefill) emitted
         self.asked = True  # its drafter was asked for this step's draft
-        self.proposer: Drafter | None = drafter  # who proposed this step's draft: its drafter, or its recall
+        self.proposer: Drafter | None = drafter  # who proposed this step's draft: its drafter, its recall, or no one
         self.certain = 0  # this step's leading draft tokens that its grammar forces (certain to be accepted)
         self.unseen: list[tuple[np.ndarray, np.ndarray | None]] = []  # states of steps its drafter was not asked
         self.held = False  # it sat the last step out (another ran alone): its draft stands for the next

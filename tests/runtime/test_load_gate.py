@@ -114,18 +114,26 @@ def test_the_load_gate_compares_rates_per_sequence():
 
 def test_a_drafter_that_sat_steps_out_gets_every_state_it_missed(tiny_bundle, monkeypatch):
     # Where the load gate runs plain steps, the drafters are not asked; at their next call ctx.hidden holds the base
-    # states of every token accepted since their last call, so a model with a cache of its own can catch up.
+    # states of every token accepted since their last call, so a model with a cache of its own can catch up. Nor do
+    # they hear of those steps: a drafter hears at most one verdict a proposal (told of a plain step it did not
+    # propose, it would count its last draft as rejected again).
     from specdeploy.runtime.drafters.prompt_lookup import PromptLookupDrafter
     from specdeploy.runtime.rows import LoadGate
 
     calls: dict[int, list[tuple[int, int]]] = {}
-    original = PromptLookupDrafter.propose
+    heard: dict[int, int] = {}
+    original, verdict = PromptLookupDrafter.propose, PromptLookupDrafter.accepted
 
     def recorded(self, ctx):
         calls.setdefault(id(self), []).append((len(ctx.hidden), len(ctx.tokens)))
         return original(self, ctx)
 
+    def told(self, nodes, tree):
+        heard[id(self)] = heard.get(id(self), 0) + 1
+        return verdict(self, nodes, tree)
+
     monkeypatch.setattr(PromptLookupDrafter, "propose", recorded)
+    monkeypatch.setattr(PromptLookupDrafter, "accepted", told)
     flips = iter([True, False, False, True, False] * 1000)
     monkeypatch.setattr(LoadGate, "drafting", lambda self, batch: next(flips))
     with load(tiny_bundle, draft="prompt-lookup", max_batch=4) as eng:
@@ -136,6 +144,7 @@ def test_a_drafter_that_sat_steps_out_gets_every_state_it_missed(tiny_bundle, mo
     for seen in calls.values():
         given = np.cumsum([rows for rows, _ in seen])
         assert list(given) == [tokens - 1 for _, tokens in seen]  # every accepted token's state, once
+    assert heard and all(heard.get(d, 0) <= len(seen) for d, seen in calls.items())
 
 
 def test_a_step_the_gate_runs_plain_asks_only_each_drafters_recall(tiny_bundle, alone, monkeypatch):
