@@ -12,6 +12,7 @@ basic and advanced indexing is used, which both support.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,6 @@ def zeroed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     size = int(np.prod(shape)) * dtype.itemsize
     if size < SMALL_PAGES_FROM:
         return np.zeros(shape, dtype=dtype)
-    import mmap
-
     return np.frombuffer(mmap.mmap(-1, size), dtype=dtype).reshape(shape)
 
 

@@ -15,12 +15,10 @@ slots ``past + row``, so a row's visible slots in ascending order are exactly it
 and then itself (no input is added to the contract). Each row's probabilities x values product is a GEMM
 of its own (a batch entry per row: ``G`` query heads by ``past + T`` slots), so that product has one shape
 in every row of every step, plain or tree; each score is a dot product of its own. K/V are rotated as in any
-other graph and written in place, a ``ScatterND`` row copy per new row and head (``ScatterElements``, which
-resolves each element on its own, took about 12 times as long at 32 sequences), and the scores are one
-product of the queries with the cache's keys as they lie (``FusedMatMul``, keys transposed in its packing:
-no transpose of the scores after it). On the Xeon (family 6 model 167) these two brought a step of 23
-sequences of the q4_1 main bundle from about 105 to 91 ms (ONNX Runtime's profiler, which slows both), with
-the same plain greedy answers token for token (16 MT-bench prompts x 128 tokens).
+other graph and written in place, a ``ScatterND`` row copy per new row and head (``ScatterElements``
+resolves each element on its own: about 12 times as long at 32 sequences on the Xeon family 6 model 167), and
+the scores are one product of the queries with the cache's keys as they lie (``FusedMatMul``, the keys
+transposed in its packing, so no transpose of the scores follows it).
 
 Cost: each row copies its ``past + T`` value rows once per layer, and the attention is some 20 nodes a
 layer where the fused graph has one. On the q4_1 main bundle (AMD EPYC family 26, 2 threads) a plain step
