@@ -16,6 +16,7 @@ from decode_checks import concurrently, pairs_fit
 from specdeploy.runtime import load
 from specdeploy.runtime.batch import BatchScheduler
 from specdeploy.runtime.errors import DraftMismatchError, ExactnessWarning, SpecDeployError
+from specdeploy.runtime.kvcache import bucket_for
 from specdeploy.runtime.plan import ROWS_CHECK
 from specdeploy.runtime.rows import rows_per_sequence
 
@@ -106,8 +107,10 @@ def test_one_sequence_runs_alone_where_its_draft_alone_returns_more_than_the_bat
 
 def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone, monkeypatch):
     """One request at a time on a max_batch 8 engine runs on a cache of one row; three at once on rows in doublings
-    (never 8); the cache shrinks back when the batch empties. Every answer is still generate's, with every cache
-    buffer in ordinary pages of its own (as a large one is, :func:`~specdeploy.runtime.kvcache.zeroed`)."""
+    (never 8); the cache shrinks back when the batch empties. It grows to the smallest bucket of columns that holds
+    the step and a sixteenth spare (every step reads every column), unless it has more already. Every answer is still
+    generate's, with every cache buffer in ordinary pages of its own (as a large one is,
+    :func:`~specdeploy.runtime.kvcache.zeroed`)."""
     import mmap
 
     monkeypatch.setattr("specdeploy.runtime.kvcache.SMALL_PAGES_FROM", 0)
@@ -117,6 +120,15 @@ def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone, 
         made = []
         new_cache = eng.backend.new_cache
         eng.backend.new_cache = lambda batch, capacity: made.append(batch) or new_cache(batch, capacity)
+        sched, fits = eng.scheduler, []
+        fit = sched._fit
+
+        def fit_and_see(need: int, sequences: int = 0) -> None:
+            before, growing = sched._full.capacity, bool(sched.rows)
+            fit(need, sequences)
+            fits.append((need, before, sched._full.capacity, growing))
+
+        sched._fit = fit_and_see
         one = eng.generate(PROMPTS[0], max_new_tokens=300)
         assert made and set(made) == {1} and eng.scheduler.cache_rows == 1
         made.clear()
@@ -124,6 +136,9 @@ def test_the_shared_cache_holds_the_rows_its_sequences_need(tiny_bundle, alone, 
         assert 2 <= max(made) <= 4 and eng.scheduler.cache_rows <= 4
         assert isinstance(eng.scheduler._full.keys[0].base.base.obj, mmap.mmap)
         assert eng.generate(PROMPTS[4], max_new_tokens=8) and eng.scheduler.cache_rows == 1
+    grown = [(need, cap, growing) for need, before, cap, growing in fits if cap > before]
+    assert len(grown) >= 2 and all(cap == bucket_for(need + need // 16 if growing else need, sched.buckets)
+                                   for need, cap, growing in grown), grown
     for a, b in zip(alone[:4], [one, *three]):
         assert a.token_ids == b.token_ids
 
