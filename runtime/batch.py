@@ -377,9 +377,9 @@ class BatchScheduler:
         times a request."""
         wanted = min(self.max_batch, 1 << (max(sequences, 1) - 1).bit_length())
         if self.rows:  # never fewer rows or columns while sequences are in it
-            rows = max(self._full.batch, wanted)
-            grown = need + need // _SPARE_PART if need > self._full.capacity else 0
-            cap = max(self._full.capacity, bucket_for(min(grown, self.buckets[-1]), self.buckets))
+            rows, cap = max(self._full.batch, wanted), self._full.capacity
+            if need > cap:
+                cap = bucket_for(min(need + need // _SPARE_PART, self.buckets[-1]), self.buckets)
         else:
             rows = wanted if sequences else self._full.batch
             cap = bucket_for(min(need, self.buckets[-1]), self.buckets)
